@@ -1,0 +1,51 @@
+# Two commands for a new machine: `make run` (the main job on embedded defaults) and
+# `make test` (the whole suite). Both create .venv and install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: run test test-fast lint bench venv dev redis clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch is pinned and installed first so that the package's looser `torch>=2.4` is already
+# satisfied and pip never pulls a multi-GB CUDA build.
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet $(TORCH_SPEC)
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	touch $@
+
+venv: $(VENV)/.installed
+dev: $(VENV)/.installed-dev
+
+run: venv
+	$(BIN)/lmcache-async bench
+
+bench: venv
+	$(BIN)/lmcache-async bench --micro
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing redis-server"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+test: dev redis
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: dev
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: dev
+	$(BIN)/ruff check lmcache_async tests examples
+	$(BIN)/ruff format --check lmcache_async tests examples
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
