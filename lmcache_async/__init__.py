@@ -1,0 +1,55 @@
+"""lmcache_async: an asyncio-native KV-cache engine for LLM serving.
+
+Store the KV cache a serving engine computed for a prompt, find how much of a new prompt's
+prefix is cached, and load it back, through staged async pipelines over tiered storage.
+"""
+
+from __future__ import annotations
+
+from .backends.base import TierStats
+from .config import EngineConfig
+from .engine import CacheEngine, SyncCacheEngine
+from .errors import (
+    AllocationTimeoutError,
+    ConfigError,
+    EngineClosedError,
+    IntegrityError,
+    InvalidInputError,
+    LMCacheAsyncError,
+    ProtocolError,
+    TierError,
+    TierUnavailableError,
+)
+from .events import EventKind, KVEvent
+from .keys import ChunkKey, HashAlgorithm
+from .layouts import KVFormat, KVLayout, LayoutKind
+from .memory import PoolStats
+from .stats import EngineStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllocationTimeoutError",
+    "CacheEngine",
+    "ChunkKey",
+    "ConfigError",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineStats",
+    "EventKind",
+    "HashAlgorithm",
+    "IntegrityError",
+    "InvalidInputError",
+    "KVEvent",
+    "KVFormat",
+    "KVLayout",
+    "LMCacheAsyncError",
+    "LayoutKind",
+    "PoolStats",
+    "ProtocolError",
+    "SyncCacheEngine",
+    "TierError",
+    "TierStats",
+    "TierUnavailableError",
+    "__version__",
+]

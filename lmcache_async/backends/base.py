@@ -1,0 +1,70 @@
+"""The interface every storage tier implements, and the statistics it reports."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..keys import ChunkKey
+from ..memory import MemoryObj
+
+__all__ = ["StorageBackend", "TierStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A snapshot of one tier: contents, traffic and health."""
+
+    name: str
+    chunks: int
+    bytes: int
+    hits: int
+    misses: int
+    puts: int
+    evictions: int
+    healthy: bool
+
+
+class StorageBackend(abc.ABC):
+    """A tier of the cache: a map from chunk keys to payloads.
+
+    Objects returned by :meth:`get` carry one reference for the caller, who must
+    ``unref()`` them. :meth:`put` takes references of its own; the caller keeps its own.
+    Dependency errors are mapped to :class:`~lmcache_async.errors.TierError` here, at the
+    boundary.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    async def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """Number of leading ``keys`` this tier holds."""
+
+    @abc.abstractmethod
+    async def get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """The payload of each key, or None where the tier does not hold it."""
+
+    @abc.abstractmethod
+    async def put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+        """Store payloads under keys (existing keys are kept); returns how many were added."""
+
+    @abc.abstractmethod
+    async def remove(self, keys: Sequence[ChunkKey]) -> int:
+        """Forget the given keys; returns how many were held."""
+
+    @abc.abstractmethod
+    async def clear(self) -> int:
+        """Forget everything; returns how many chunks were held."""
+
+    @abc.abstractmethod
+    def healthy(self) -> bool:
+        """Whether the tier can serve requests now."""
+
+    @abc.abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of the tier's counters."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release everything the tier holds."""

@@ -1,0 +1,154 @@
+"""Where copies run: inline, in a worker thread, or on a dedicated CUDA stream.
+
+On CUDA a copy is queued on its own stream (one for loads, one for stores), an event is
+recorded behind it, and the caller awaits that event through :class:`EventBridge`: one waiter
+thread per stream blocks in ``Event.synchronize()`` and resolves an asyncio future with
+``call_soon_threadsafe``, so the event loop never blocks on the GPU and no thread is held per
+copy. On the CPU the bridge is not used: small copies run inline on the loop (a thread hop
+costs more than they do) and large ones in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+import torch
+
+from .errors import EngineClosedError
+
+__all__ = ["Direction", "EventBridge", "Transfers"]
+
+log = structlog.get_logger(__name__)
+
+
+class Direction(str, enum.Enum):
+    STORE = "store"  # engine memory -> host payload (D2H)
+    LOAD = "load"  # host payload -> engine memory (H2D)
+
+
+_Job = tuple[Any, asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+
+
+class EventBridge:
+    """Turns completion of CUDA events into awaitables on the running event loop.
+
+    Events of one stream complete in the order they were recorded, so a single waiter
+    thread serves a stream: it synchronizes on the oldest event and wakes its awaiter.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=f"cuda-bridge-{name}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            event, loop, future = job
+            try:
+                event.synchronize()
+            except Exception as exc:  # a device error must reach the awaiting request
+                loop.call_soon_threadsafe(_fail, future, exc)
+            else:
+                loop.call_soon_threadsafe(_finish, future)
+
+    async def wait(self, event: Any, *, timeout: float) -> None:
+        """Wait until ``event`` (a ``torch.cuda.Event``) has completed.
+
+        Raises TimeoutError after ``timeout`` seconds and EngineClosedError after close().
+        """
+        if self._closed:
+            raise EngineClosedError("the CUDA event bridge is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._jobs.put((event, loop, future))
+        with anyio.fail_after(timeout):
+            await asyncio.shield(future)
+
+    def close(self) -> None:
+        """Stop the waiter thread once the events already queued have completed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join()
+
+
+def _finish(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _fail(future: asyncio.Future[None], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+class Transfers:
+    """Runs gather/scatter callables where they belong for the device of the KV caches.
+
+    ``inline_bytes``: on the CPU, copies smaller than this run on the event loop; larger
+    ones in a worker thread. On CUDA every copy goes to the direction's stream.
+    """
+
+    def __init__(self, *, inline_bytes: int) -> None:
+        self._inline_bytes = inline_bytes
+        self._streams: dict[tuple[torch.device, Direction], Any] = {}
+        self._bridges: dict[tuple[torch.device, Direction], EventBridge] = {}
+        self._closed = False
+
+    async def run(
+        self,
+        fn: Callable[[], None],
+        *,
+        device: torch.device,
+        direction: Direction,
+        nbytes: int,
+        timeout: float,
+    ) -> None:
+        """Run ``fn`` (which queues or performs the copy) and return when it has completed.
+
+        Raises TimeoutError when a GPU copy does not complete within ``timeout`` seconds.
+        """
+        if self._closed:
+            raise EngineClosedError("transfers are closed")
+        if device.type == "cuda":
+            await self._run_cuda(fn, device, direction, timeout)
+        elif nbytes < self._inline_bytes:
+            fn()
+        else:
+            await anyio.to_thread.run_sync(fn)
+
+    async def _run_cuda(
+        self, fn: Callable[[], None], device: torch.device, direction: Direction, timeout: float
+    ) -> None:
+        key = (device, direction)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = torch.cuda.Stream(device=device)
+            self._streams[key] = stream
+            self._bridges[key] = EventBridge(f"{direction.value}-{device}")
+        if direction is Direction.STORE:
+            # The serving engine wrote the KV on its compute stream: order our reads after it.
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn()
+            event = torch.cuda.Event()
+            event.record(stream)
+        await self._bridges[key].wait(event, timeout=timeout)
+
+    def close(self) -> None:
+        """Stop the bridge threads; further copies raise EngineClosedError."""
+        self._closed = True
+        for bridge in self._bridges.values():
+            bridge.close()
+        self._bridges.clear()
+        self._streams.clear()

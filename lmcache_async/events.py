@@ -1,0 +1,73 @@
+"""KV events: what a KV-aware router needs to know about the cache's contents.
+
+The engine records one event per stored or removed run of chunks in a bounded buffer;
+``CacheEngine.take_events()`` drains it. When the buffer is full the oldest events are
+dropped and counted, so a caller that never drains cannot grow memory without bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["EventBuffer", "EventKind", "KVEvent"]
+
+
+class EventKind(str, enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """Chunks that entered (``stored``) or left (``removed``) a tier.
+
+    ``block_hashes`` are the chunk key digests in prefix order; ``parent_block_hash`` is the
+    digest of the chunk before the first one (None at the start of a prompt or when unknown);
+    ``token_ids`` are the tokens the chunks cover (empty for ``removed``); ``block_size`` is
+    the chunk size in tokens; ``medium`` names the tier (``"cpu"``).
+    """
+
+    kind: EventKind
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: str
+
+
+class EventBuffer:
+    """A bounded FIFO of :class:`KVEvent`; when full, the oldest event is dropped."""
+
+    def __init__(self, capacity: int, *, enabled: bool = True) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self._events: collections.deque[KVEvent] = collections.deque(maxlen=capacity)
+        self._enabled = enabled
+        self.dropped = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def add(self, event: KVEvent) -> None:
+        if not self._enabled:
+            return
+        if len(self._events) == self._events.maxlen:
+            self.dropped += 1
+        self._events.append(event)
+
+    def extend(self, events: Iterable[KVEvent]) -> None:
+        for event in events:
+            self.add(event)
+
+    def take(self) -> list[KVEvent]:
+        """Return and forget every buffered event, oldest first."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def __len__(self) -> int:
+        return len(self._events)

@@ -1,0 +1,69 @@
+"""Pieces shared by the store and retrieve pipelines."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio.to_thread
+import numpy as np
+import torch
+
+from ..keys import ChunkSpan
+from ..memory import MemoryObj
+
+__all__ = ["Keyer", "Request", "batched", "compute_spans", "release"]
+
+# Produces a request's chunk spans and, when keys come from tokens, the tokens as int32.
+Keyer = Callable[[], tuple[list[ChunkSpan], np.ndarray | None]]
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """What the stages of either pipeline need to know about one request.
+
+    ``kv_caches`` and ``slots`` describe the serving engine's memory; ``slots`` is int64 on
+    the caches' device. Counters track the batches still in the pipeline so the stage that
+    finishes the last one can resolve the request.
+    """
+
+    req_id: str
+    keyer: Keyer
+    num_tokens: int
+    hash_inline: bool
+    kv_caches: Sequence[torch.Tensor]
+    slots: torch.Tensor
+    cancelled: bool = False
+    stopped: bool = False  # no further batch may be copied (memory ran out, a hit vanished)
+    batches_total: int = -1  # unknown until the first stage has cut the request
+    batches_done: int = 0
+    spans: list[ChunkSpan] = field(default_factory=list)
+    tokens: np.ndarray | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_caches[0].device
+
+    @property
+    def skip(self) -> bool:
+        """True when the remaining batches of this request must be dropped."""
+        return self.cancelled or self.stopped
+
+
+async def compute_spans(request: Request) -> None:
+    """Hash the request's tokens, in a worker thread when the prompt is long."""
+    if request.hash_inline:
+        request.spans, request.tokens = request.keyer()
+    else:
+        request.spans, request.tokens = await anyio.to_thread.run_sync(request.keyer)
+
+
+def batched(start: int, stop: int, size: int) -> list[range]:
+    """Index ranges of at most ``size`` covering ``[start, stop)``."""
+    return [range(i, min(i + size, stop)) for i in range(start, stop, size)]
+
+
+def release(objs: Sequence[MemoryObj]) -> None:
+    """Drop the caller's reference on each object."""
+    for obj in objs:
+        obj.unref()

@@ -1,0 +1,261 @@
+"""The store pipeline: hash → allocate → D2H copy → put.
+
+Each request is cut into batches of chunks; a batch moves through the stages on its own, so
+the copy of batch *i+1* overlaps the put of batch *i* and many requests share the stages.
+A request resolves to the number of tokens, from its first stored chunk on, whose chunks are
+cached when it finishes. When host memory cannot be had in time the request stores the
+prefix it has (a partial store) and drops the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..backends.manager import StorageManager
+from ..cuda import Direction, Transfers
+from ..errors import AllocationTimeoutError
+from ..layouts import KVLayout
+from ..memory import MemoryObj, MemoryPool
+from .common import Request, batched, compute_spans, release
+from .stage import Completion
+
+__all__ = ["StoreBatch", "StoreRequest", "build_store_stages"]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class StoreRequest(Request):
+    """A store in flight. ``limit``: no chunk ending after this token index is stored."""
+
+    limit: int = 0
+    completion: Completion[int] = field(default_factory=Completion)
+    stored: list[bool] = field(default_factory=list)
+    partial: bool = False
+
+    def stored_tokens(self) -> int:
+        """Tokens covered by the leading run of chunks that are cached."""
+        end = self.spans[0].start if self.spans else 0
+        for span, ok in zip(self.spans, self.stored, strict=False):
+            if not ok:
+                break
+            end = span.end
+        return end - (self.spans[0].start if self.spans else 0)
+
+    def finish_batch(self) -> None:
+        self.batches_done += 1
+        if self.batches_done == self.batches_total:
+            self.completion.set_result(self.stored_tokens())
+
+    def fail(self, error: BaseException) -> None:
+        self.stopped = True
+        self.completion.set_error(error)
+
+
+@dataclass(eq=False, slots=True)
+class StoreBatch:
+    request: StoreRequest
+    indices: list[int]  # positions in request.spans
+    objs: list[MemoryObj] = field(default_factory=list)
+
+
+class HashStage:
+    """Cuts a request into chunk keys, skips chunks already cached, emits batches."""
+
+    name = "store-hash"
+
+    def __init__(self, manager: StorageManager, *, batch_chunks: int) -> None:
+        self._manager = manager
+        self._batch_chunks = batch_chunks
+
+    async def run(
+        self,
+        receive: MemoryObjectReceiveStream[StoreRequest],
+        send: MemoryObjectSendStream[StoreBatch],
+    ) -> None:
+        async with receive, send:
+            async for request in receive:
+                if request.skip:
+                    request.completion.set_result(0)
+                    continue
+                try:
+                    await compute_spans(request)
+                except Exception as exc:  # invalid tokens found off the loop
+                    request.fail(exc)
+                    continue
+                spans = [span for span in request.spans if span.end <= request.limit]
+                request.spans = spans
+                request.stored = [self._manager.contains(span.key) for span in spans]
+                todo = [i for i, present in enumerate(request.stored) if not present]
+                groups = batched(0, len(todo), self._batch_chunks)
+                request.batches_total = len(groups)
+                if not groups:
+                    request.completion.set_result(request.stored_tokens())
+                    continue
+                for group in groups:
+                    await send.send(StoreBatch(request, [todo[i] for i in group]))
+
+
+class AllocateStage:
+    """Takes host memory for each chunk of a batch, waiting (bounded) for space."""
+
+    name = "store-allocate"
+
+    def __init__(self, pool: MemoryPool, layout: KVLayout, *, timeout: float) -> None:
+        self._pool = pool
+        self._layout = layout
+        self._timeout = timeout
+
+    async def run(
+        self,
+        receive: MemoryObjectReceiveStream[StoreBatch],
+        send: MemoryObjectSendStream[StoreBatch],
+    ) -> None:
+        async with receive, send:
+            async for batch in receive:
+                request = batch.request
+                if request.skip:
+                    request.finish_batch()
+                    continue
+                try:
+                    await self._allocate(batch)
+                except Exception as exc:
+                    release(batch.objs)
+                    request.fail(exc)
+                    request.finish_batch()
+                    continue
+                if not batch.objs:
+                    request.finish_batch()
+                    continue
+                await send.send(batch)
+
+    async def _allocate(self, batch: StoreBatch) -> None:
+        request = batch.request
+        dtype = self._layout.dtype
+        for index in batch.indices:
+            span = request.spans[index]
+            shape = self._layout.payload_shape(span.num_tokens)
+            obj = self._pool.allocate_nowait(shape, dtype)
+            if obj is None:
+                try:
+                    obj = await self._pool.allocate(shape, dtype, timeout=self._timeout)
+                except AllocationTimeoutError:
+                    request.stopped = True
+                    request.partial = True
+                    log.warning(
+                        "store_partial",
+                        req_id=request.req_id,
+                        stored_chunks=index,
+                        chunks=len(request.spans),
+                        reason="host_memory_timeout",
+                    )
+                    break
+            batch.objs.append(obj)
+        del batch.indices[len(batch.objs) :]
+
+
+class CopyStage:
+    """Gathers each chunk's KV out of the engine's memory into its host payload (D2H)."""
+
+    name = "store-copy"
+
+    def __init__(self, layout: KVLayout, transfers: Transfers, *, timeout: float) -> None:
+        self._layout = layout
+        self._transfers = transfers
+        self._timeout = timeout
+
+    async def run(
+        self,
+        receive: MemoryObjectReceiveStream[StoreBatch],
+        send: MemoryObjectSendStream[StoreBatch],
+    ) -> None:
+        async with receive, send:
+            async for batch in receive:
+                request = batch.request
+                if request.cancelled:
+                    release(batch.objs)
+                    request.finish_batch()
+                    continue
+                try:
+                    await self._copy(batch)
+                except Exception as exc:
+                    log.exception("store_copy_failed", req_id=request.req_id)
+                    release(batch.objs)
+                    request.fail(exc)
+                    request.finish_batch()
+                    continue
+                await send.send(batch)
+
+    async def _copy(self, batch: StoreBatch) -> None:
+        request = batch.request
+        layout = self._layout
+        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        nbytes = 0
+        for index, obj in zip(batch.indices, batch.objs, strict=True):
+            span = request.spans[index]
+            jobs.append((request.slots[span.start : span.end], obj.tensor))
+            nbytes += obj.nbytes
+        kv_caches = request.kv_caches
+
+        def gather() -> None:
+            for slots, out in jobs:
+                layout.gather(kv_caches, slots, out)
+
+        await self._transfers.run(
+            gather,
+            device=request.device,
+            direction=Direction.STORE,
+            nbytes=nbytes,
+            timeout=self._timeout,
+        )
+
+
+class PutStage:
+    """Hands the filled payloads to the storage manager and finishes the batch."""
+
+    name = "store-put"
+
+    def __init__(self, manager: StorageManager) -> None:
+        self._manager = manager
+
+    async def run(
+        self,
+        receive: MemoryObjectReceiveStream[StoreBatch],
+        send: MemoryObjectSendStream[Any],
+    ) -> None:
+        async with receive, send:
+            async for batch in receive:
+                request = batch.request
+                try:
+                    if not request.cancelled:
+                        spans = [request.spans[i] for i in batch.indices]
+                        held = self._manager.put(spans, batch.objs, request.tokens)
+                        for i in batch.indices[:held]:
+                            request.stored[i] = True
+                finally:
+                    release(batch.objs)
+                    request.finish_batch()
+
+
+def build_store_stages(
+    manager: StorageManager,
+    pool: MemoryPool,
+    layout: KVLayout,
+    transfers: Transfers,
+    *,
+    batch_chunks: int,
+    allocation_timeout: float,
+    copy_timeout: float,
+) -> list[Any]:
+    """The store stages in order, ready for :class:`~.stage.Pipeline`."""
+    return [
+        HashStage(manager, batch_chunks=batch_chunks),
+        AllocateStage(pool, layout, timeout=allocation_timeout),
+        CopyStage(layout, transfers, timeout=copy_timeout),
+        PutStage(manager),
+    ]

@@ -1,0 +1,64 @@
+"""Engine statistics: mutable counters inside, a frozen snapshot outside."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .backends.base import TierStats
+from .memory import PoolStats
+
+__all__ = ["Counters", "EngineStats"]
+
+
+@dataclass(slots=True)
+class Counters:
+    """Running totals the engine updates as requests finish."""
+
+    store_requests: int = 0
+    retrieve_requests: int = 0
+    lookup_requests: int = 0
+    stored_tokens: int = 0
+    retrieved_tokens: int = 0
+    lookup_tokens: int = 0
+    lookup_hit_tokens: int = 0
+    partial_stores: int = 0
+    failed_requests: int = 0
+    timed_out_requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of an engine: traffic, pool usage, tiers and switches.
+
+    Token counts: ``stored_tokens`` are tokens whose chunks a store found cached when it
+    finished; ``retrieved_tokens`` tokens written into the serving engine's memory;
+    ``lookup_hit_tokens`` / ``lookup_tokens`` the prefix hits over the tokens asked about.
+    """
+
+    pool: PoolStats
+    tiers: Mapping[str, TierStats]
+    store_requests: int
+    retrieve_requests: int
+    lookup_requests: int
+    stored_tokens: int
+    retrieved_tokens: int
+    lookup_tokens: int
+    lookup_hit_tokens: int
+    partial_stores: int
+    failed_requests: int
+    timed_out_requests: int
+    cached_chunks: int
+    evicted_chunks: int
+    pinned_chunks: int
+    active_lookup_ids: int
+    expired_pins: int
+    events_dropped: int
+    healthy: bool
+    frozen: bool
+    hot_cache: bool
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix hit tokens over tokens looked up (0.0 before any lookup)."""
+        return self.lookup_hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0

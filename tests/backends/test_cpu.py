@@ -1,0 +1,99 @@
+"""The CPU tier: LRU order, references, pins and eviction on memory pressure."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from lmcache_async.backends.cpu import CPUBackend
+from lmcache_async.keys import ChunkKey
+from lmcache_async.memory import MemoryPool
+
+PAGE = 64 * 1024
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(16, "little"))
+
+
+def filled(pool: MemoryPool, value: int) -> object:
+    obj = pool.allocate_nowait((PAGE,), torch.uint8)
+    assert obj is not None
+    obj.tensor.fill_(value)
+    return obj
+
+
+def make(pages: int = 4) -> tuple[MemoryPool, CPUBackend, list[list[ChunkKey]]]:
+    pool = MemoryPool(pages * PAGE, page_size=PAGE, pin_memory=False)
+    evicted: list[list[ChunkKey]] = []
+    cpu = CPUBackend(pool, on_evict=evicted.append)
+    return pool, cpu, evicted
+
+
+def put(cpu: CPUBackend, pool: MemoryPool, i: int) -> None:
+    obj = pool.allocate_nowait((PAGE,), torch.uint8)
+    assert obj is not None
+    obj.tensor.fill_(i)
+    assert cpu.put_nowait([key(i)], [obj]) == 1
+    obj.unref()  # the tier holds its own reference
+
+
+def test_prefix_and_get_return_referenced_payloads() -> None:
+    pool, cpu, _ = make()
+    for i in range(3):
+        put(cpu, pool, i)
+    assert cpu.contains_prefix_nowait([key(0), key(1), key(9), key(2)]) == 2
+    objs = cpu.get_prefix_nowait([key(0), key(1), key(2), key(3)])
+    assert [int(o.tensor[0]) for o in objs] == [0, 1, 2]
+    assert all(o.ref_count == 2 for o in objs)
+    for o in objs:
+        o.unref()
+    assert cpu.clear_nowait() == [key(0), key(1), key(2)]
+    assert pool.stats().used_bytes == 0
+
+
+def test_eviction_drops_least_recently_used_unreferenced_unpinned() -> None:
+    pool, cpu, evicted = make(pages=3)
+    for i in range(3):
+        put(cpu, pool, i)
+    cpu.contains_prefix_nowait([key(0)])  # 0 becomes most recent; 1 is now the oldest
+    pinned = cpu.pin_prefix_nowait([key(1)])
+    held = cpu.get_prefix_nowait([key(2)])
+    # 1 is pinned and 2 is referenced by a reader: only 0 can go.
+    assert pool.allocate_nowait((PAGE,), torch.uint8) is not None
+    assert evicted == [[key(0)]]
+    assert key(0) not in cpu and key(1) in cpu and key(2) in cpu
+    assert pool.allocate_nowait((PAGE,), torch.uint8) is None
+    for obj in pinned:
+        obj.unpin()
+        obj.unref()
+    for obj in held:
+        obj.unref()
+
+
+def test_existing_key_keeps_its_payload() -> None:
+    pool, cpu, _ = make()
+    put(cpu, pool, 5)
+    other = pool.allocate_nowait((PAGE,), torch.uint8)
+    assert other is not None
+    other.tensor.fill_(99)
+    assert cpu.put_nowait([key(5)], [other]) == 0
+    other.unref()
+    (obj,) = cpu.get_prefix_nowait([key(5)])
+    assert int(obj.tensor[0]) == 5
+    obj.unref()
+
+
+@pytest.mark.anyio
+async def test_pool_waiter_is_served_by_eviction() -> None:
+    pool, cpu, _ = make(pages=2)
+    put(cpu, pool, 0)
+    put(cpu, pool, 1)
+    with anyio.fail_after(5):
+        obj = await pool.allocate((2 * PAGE,), torch.uint8, timeout=1)
+    assert len(cpu) == 0
+    obj.unref()
+    assert cpu.stats().evictions == 2
+    await cpu.aclose()
+    assert pool.stats().used_bytes == 0
