@@ -1,0 +1,385 @@
+"""Engine configuration: one frozen, validated value object.
+
+:class:`EngineConfig` is built once, from defaults, a YAML file, ``LMCACHE_ASYNC_*``
+environment variables and keyword arguments (in that order of precedence, see
+:meth:`EngineConfig.load`), and checked as a whole. Every invalid value raises
+:class:`~lmcache_async.errors.ConfigError` whose ``field`` names the offending key, so a
+typo in a deployment fails at start with a message that says what to fix. Key names follow
+LMCache's where the meaning is the same (``chunk_size``, ``local_cpu``,
+``max_local_cpu_size``, ``save_unfull_chunk``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Final
+
+import yaml
+
+from lmcache_async.errors import ConfigError
+
+__all__ = [
+    "CONFIG_FILE_ENV",
+    "DEFAULT_ALLOCATION_TIMEOUT",
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_ENABLE_KV_EVENTS",
+    "DEFAULT_HASH_ALGORITHM",
+    "DEFAULT_INLINE_COPY_BYTES",
+    "DEFAULT_INLINE_HASH_TOKENS",
+    "DEFAULT_LOCAL_CPU",
+    "DEFAULT_LOG_FORMAT",
+    "DEFAULT_LOG_LEVEL",
+    "DEFAULT_MAX_KV_EVENTS",
+    "DEFAULT_MAX_LOCAL_CPU_SIZE",
+    "DEFAULT_PIN_TIMEOUT",
+    "DEFAULT_PIPELINE_BATCH_CHUNKS",
+    "DEFAULT_PIPELINE_QUEUE_SIZE",
+    "DEFAULT_RETRIEVE_TIMEOUT",
+    "DEFAULT_SAVE_UNFULL_CHUNK",
+    "DEFAULT_STORE_TIMEOUT",
+    "ENV_PREFIX",
+    "GB",
+    "HASH_ALGORITHMS",
+    "LOG_FORMATS",
+    "LOG_LEVELS",
+    "EngineConfig",
+]
+
+GB: Final = 1024**3
+"""Bytes in one "GB" of ``max_local_cpu_size`` (binary, as LMCache counts it)."""
+
+ENV_PREFIX: Final = "LMCACHE_ASYNC_"
+CONFIG_FILE_ENV: Final = "LMCACHE_ASYNC_CONFIG_FILE"
+"""Environment variable naming a YAML file read by :meth:`EngineConfig.load`."""
+
+HASH_ALGORITHMS: Final = ("blake3", "xxh3_128")
+LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS: Final = ("console", "json")
+
+DEFAULT_CHUNK_SIZE: Final = 256
+DEFAULT_LOCAL_CPU: Final = True
+DEFAULT_MAX_LOCAL_CPU_SIZE: Final = 5.0
+DEFAULT_SAVE_UNFULL_CHUNK: Final = True
+DEFAULT_HASH_ALGORITHM: Final = "blake3"
+DEFAULT_PIN_TIMEOUT: Final = 60.0
+DEFAULT_ALLOCATION_TIMEOUT: Final = 5.0
+DEFAULT_RETRIEVE_TIMEOUT: Final = 30.0
+DEFAULT_STORE_TIMEOUT: Final = 60.0
+DEFAULT_PIPELINE_QUEUE_SIZE: Final = 8
+DEFAULT_PIPELINE_BATCH_CHUNKS: Final = 4
+DEFAULT_INLINE_COPY_BYTES: Final = 4 * 1024 * 1024
+DEFAULT_INLINE_HASH_TOKENS: Final = 16384
+DEFAULT_ENABLE_KV_EVENTS: Final = True
+DEFAULT_MAX_KV_EVENTS: Final = 10000
+DEFAULT_LOG_LEVEL: Final = "INFO"
+DEFAULT_LOG_FORMAT: Final = "console"
+
+# Lower bound of each numeric field: (bound, inclusive).
+_LOWER_BOUNDS: Final[Mapping[str, tuple[float, bool]]] = MappingProxyType(
+    {
+        "chunk_size": (0, False),
+        "max_local_cpu_size": (0.0, False),
+        "pin_timeout": (0.0, False),
+        "allocation_timeout": (0.0, False),
+        "retrieve_timeout": (0.0, False),
+        "store_timeout": (0.0, False),
+        "pipeline_queue_size": (1, True),
+        "pipeline_batch_chunks": (1, True),
+        "inline_copy_bytes": (0, True),
+        "inline_hash_tokens": (0, True),
+        "max_kv_events": (1, True),
+    }
+)
+
+# Allowed values of each string field; ``log_level`` is matched case-insensitively.
+_CHOICES: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
+    {
+        "hash_algorithm": HASH_ALGORITHMS,
+        "log_level": LOG_LEVELS,
+        "log_format": LOG_FORMATS,
+    }
+)
+
+_TRUE_WORDS: Final = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS: Final = frozenset({"0", "false", "no", "off"})
+
+# Field annotations are strings under ``from __future__ import annotations``.
+_TYPES: Final[Mapping[str, type]] = MappingProxyType(
+    {"int": int, "float": float, "bool": bool, "str": str}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Settings of one cache engine; immutable and validated on construction.
+
+    Build it directly (``EngineConfig(chunk_size=512)``), from a mapping
+    (:meth:`from_dict`), from a YAML file (:meth:`from_file`) or from every source at
+    once (:meth:`load`). Change it with :meth:`replace`, which validates again.
+
+    Raises:
+        ConfigError: a value has the wrong type (a bool where a number is expected, a
+            string for a number, ...) or is out of range; ``.field`` names the field.
+    """
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Tokens per chunk; only the last chunk of a prompt may be shorter."""
+    local_cpu: bool = DEFAULT_LOCAL_CPU
+    """Whether the hot (CPU) cache is on at start."""
+    max_local_cpu_size: float = DEFAULT_MAX_LOCAL_CPU_SIZE
+    """Host memory for the arena, in GB (1 GB = 1024**3 bytes)."""
+    save_unfull_chunk: bool = DEFAULT_SAVE_UNFULL_CHUNK
+    """Whether the short last chunk of a prompt is stored."""
+    hash_algorithm: str = DEFAULT_HASH_ALGORITHM
+    """Chunk key hash: ``"blake3"`` or ``"xxh3_128"``."""
+    pin_timeout: float = DEFAULT_PIN_TIMEOUT
+    """Seconds before a lookup pin that was never released is released anyway."""
+    allocation_timeout: float = DEFAULT_ALLOCATION_TIMEOUT
+    """Seconds a store waits for host memory before storing the prefix it has."""
+    retrieve_timeout: float = DEFAULT_RETRIEVE_TIMEOUT
+    """Seconds a whole retrieve may take."""
+    store_timeout: float = DEFAULT_STORE_TIMEOUT
+    """Seconds a whole store may take."""
+    pipeline_queue_size: int = DEFAULT_PIPELINE_QUEUE_SIZE
+    """Capacity of each bounded stream between pipeline stages."""
+    pipeline_batch_chunks: int = DEFAULT_PIPELINE_BATCH_CHUNKS
+    """Chunks per pipeline item."""
+    inline_copy_bytes: int = DEFAULT_INLINE_COPY_BYTES
+    """Copies smaller than this run on the event loop, bigger ones in a worker thread."""
+    inline_hash_tokens: int = DEFAULT_INLINE_HASH_TOKENS
+    """Prompts shorter than this many tokens are hashed on the event loop."""
+    enable_kv_events: bool = DEFAULT_ENABLE_KV_EVENTS
+    """Whether chunk-stored / chunk-removed events are recorded."""
+    max_kv_events: int = DEFAULT_MAX_KV_EVENTS
+    """Undelivered events kept; beyond it the oldest are dropped and counted."""
+    log_level: str = DEFAULT_LOG_LEVEL
+    """``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR`` (any case; stored upper-case)."""
+    log_format: str = DEFAULT_LOG_FORMAT
+    """``"console"`` or ``"json"``."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = _check_value(field.name, _TYPES[str(field.type)], getattr(self, field.name))
+            # Frozen: normalised values (int -> float, level case) go through object.
+            object.__setattr__(self, field.name, value)
+
+    @property
+    def cpu_capacity_bytes(self) -> int:
+        """``max_local_cpu_size`` in bytes (rounded down)."""
+        return int(self.max_local_cpu_size * GB)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Names of every configuration field, in declaration order."""
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
+        """Build a config from a mapping of field names to values.
+
+        Raises:
+            ConfigError: a key is not a field (the message suggests the closest name), or
+                a value is invalid.
+        """
+        _check_keys(data, source="configuration key")
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> EngineConfig:
+        """Build a config from a YAML file holding a mapping of field names to values.
+
+        An empty file is an empty mapping (all defaults).
+
+        Raises:
+            ConfigError: ``field="config_file"`` when the file is missing, unreadable, not
+                valid YAML or not a mapping; otherwise as :meth:`from_dict`.
+        """
+        return cls.from_dict(_read_yaml(path))
+
+    @classmethod
+    def env_overrides(cls, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Parse ``LMCACHE_ASYNC_<FIELD>`` variables into a mapping of field values.
+
+        Values are parsed by the field's type: bools from ``1/0/true/false/yes/no/on/off``
+        (any case), ints, floats and strings. ``LMCACHE_ASYNC_CONFIG_FILE`` is skipped (it
+        names a file, see :meth:`load`). Ranges are checked later, when a config is built.
+
+        Args:
+            environ: the environment to read; ``os.environ`` when None.
+
+        Raises:
+            ConfigError: a value does not parse (``.field`` is the field name, e.g.
+                ``"chunk_size"``), or an ``LMCACHE_ASYNC_*`` variable names no field
+                (``.field`` is the variable name).
+        """
+        env = os.environ if environ is None else environ
+        types = {field.name: _TYPES[str(field.type)] for field in dataclasses.fields(cls)}
+        overrides: dict[str, Any] = {}
+        for var, raw in env.items():
+            if not var.startswith(ENV_PREFIX) or var == CONFIG_FILE_ENV:
+                continue
+            name = var[len(ENV_PREFIX) :].lower()
+            if name not in types:
+                known = [ENV_PREFIX + n.upper() for n in types] + [CONFIG_FILE_ENV]
+                raise ConfigError(var, "unknown environment variable" + _suggest(var, known))
+            overrides[name] = _parse_env(name, types[name], raw)
+        return overrides
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+        **overrides: Any,
+    ) -> EngineConfig:
+        """Build a config from every source, later ones winning.
+
+        Precedence: defaults < YAML file (``path``, or else the file named by
+        ``LMCACHE_ASYNC_CONFIG_FILE``) < ``LMCACHE_ASYNC_<FIELD>`` variables < keyword
+        ``overrides``. Only the merged result is range-checked, so a later source may fix
+        an earlier one.
+
+        Args:
+            path: YAML file to read; None to use ``LMCACHE_ASYNC_CONFIG_FILE`` if set.
+            environ: the environment to read; ``os.environ`` when None.
+            overrides: field values that win over every other source.
+
+        Raises:
+            ConfigError: as :meth:`from_file`, :meth:`env_overrides` and :meth:`from_dict`.
+        """
+        env = os.environ if environ is None else environ
+        if path is None:
+            path = env.get(CONFIG_FILE_ENV) or None
+        merged: dict[str, Any] = {}
+        if path is not None:
+            merged.update(_read_yaml(path))
+        merged.update(cls.env_overrides(env))
+        _check_keys(overrides, source="override")
+        merged.update(overrides)
+        return cls.from_dict(merged)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain Python values; round-trips through :meth:`from_dict`."""
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` applied, validated like a new config.
+
+        Raises:
+            ConfigError: a key is not a field, or a value is invalid.
+        """
+        _check_keys(changes, source="configuration key")
+        return dataclasses.replace(self, **changes)
+
+
+def _suggest(word: str, candidates: list[str]) -> str:
+    """A "did you mean" tail for an error message, or "" when nothing is close."""
+    close = difflib.get_close_matches(word, candidates, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _check_keys(data: Mapping[Any, Any], *, source: str) -> None:
+    """Raise ConfigError for the first key of ``data`` that is not a field name."""
+    names = EngineConfig.field_names()
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(repr(key), f"{source} must be a string")
+        if key not in names:
+            raise ConfigError(key, f"unknown {source}" + _suggest(key, list(names)))
+
+
+def _check_value(name: str, field_type: type, value: object) -> object:
+    """Return ``value`` checked and normalised for field ``name``; ConfigError otherwise."""
+    # bool is an int subclass: refuse it explicitly wherever a number is expected.
+    if field_type is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"expected a bool, got {_describe(value)}")
+        return value
+    if field_type is str:
+        if not isinstance(value, str):
+            raise ConfigError(name, f"expected a string, got {_describe(value)}")
+        choices = _CHOICES.get(name)
+        if choices is None:
+            return value
+        candidate = value.upper() if name == "log_level" else value
+        if candidate not in choices:
+            allowed = ", ".join(repr(c) for c in choices)
+            raise ConfigError(name, f"expected one of {allowed}, got {value!r}")
+        return candidate
+    number: int | float
+    if field_type is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(name, f"expected an int, got {_describe(value)}")
+        number = value
+    else:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(name, f"expected a number, got {_describe(value)}")
+        number = float(value)
+        if not math.isfinite(number):
+            raise ConfigError(name, f"must be finite, got {number!r}")
+    bound = _LOWER_BOUNDS.get(name)
+    if bound is not None:
+        low, inclusive = bound
+        ok = number >= low if inclusive else number > low
+        if not ok:
+            raise ConfigError(name, f"must be {'>=' if inclusive else '>'} {low}, got {number!r}")
+    return number
+
+
+def _describe(value: object) -> str:
+    return f"{type(value).__name__} ({value!r})"
+
+
+def _parse_env(name: str, field_type: type, raw: str) -> object:
+    """Parse one environment value by its field's type; ConfigError naming the field."""
+    text = raw.strip()
+    if field_type is bool:
+        word = text.lower()
+        if word in _TRUE_WORDS:
+            return True
+        if word in _FALSE_WORDS:
+            return False
+        raise ConfigError(name, f"expected a bool (1/0/true/false/yes/no/on/off), got {raw!r}")
+    if field_type is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(name, f"expected an int, got {raw!r}") from None
+    if field_type is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(name, f"expected a number, got {raw!r}") from None
+    return text
+
+
+def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML mapping of field values; ConfigError(field="config_file") if it fails.
+
+    Keys are checked here so an unknown key names the file it came from; values are
+    checked when the config is built.
+    """
+    where = os.fspath(path)
+    try:
+        with open(where, encoding="utf-8") as f:
+            document = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError("config_file", f"cannot read {where!r}: {exc.strerror}") from exc
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError("config_file", f"{where!r} is not valid YAML: {exc}") from exc
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise ConfigError(
+            "config_file",
+            f"{where!r} must hold a mapping of settings, not {type(document).__name__}",
+        )
+    _check_keys(document, source=f"configuration key in {where!r}")
+    return document
