@@ -1,0 +1,556 @@
+"""Host memory: one arena carved into pages, handed out as typed tensor views.
+
+A :class:`MemoryPool` owns a single ``torch.uint8`` tensor (the *arena*), allocated once and
+pinned when CUDA is present so host<->device copies can run asynchronously. The arena is cut
+into fixed-size pages; every allocation is a run of whole, contiguous pages, so each chunk
+payload is one tensor view (``arena[off:off + nbytes].view(dtype).view(shape)``) that can be
+copied in a single transfer.
+
+Allocation is asynchronous: :meth:`MemoryPool.allocate` waits, bounded by a timeout, until
+pages are returned by :meth:`MemoryObj.unref` or released by the *evictor* (the CPU tier's
+hook that evicts unpinned, unreferenced entries). Waiters are served strictly in FIFO order,
+so a large request is never starved by a stream of small ones.
+
+Threading: a pool and its objects belong to one event-loop thread. ``allocate*``,
+``ref``/``unref``, ``pin``/``unpin`` and ``close`` must be called from that thread (a worker
+thread may read and write an object's :attr:`MemoryObj.tensor` while the owner holds a
+reference). The evictor is called synchronously on that thread and must not allocate.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import operator
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+import anyio.lowlevel
+import structlog
+import torch
+
+from lmcache_async.errors import AllocationTimeoutError, EngineClosedError, InvalidInputError
+
+__all__ = ["DEFAULT_PAGE_SIZE", "Evictor", "MemoryObj", "MemoryPool", "PoolStats"]
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_PAGE_SIZE = 64 * 1024
+"""Default page size in bytes."""
+
+_PAGE_ALIGNMENT = 256
+"""Page sizes must be a multiple of this, so every page offset is aligned for any dtype."""
+
+_ARENA_ALIGNMENT = 4096
+"""The arena starts on an OS-page boundary, so page boundaries are absolute addresses."""
+
+Evictor = Callable[[int], int]
+"""Hook ``evictor(nbytes) -> released``: asked for ``nbytes`` more contiguous room, it evicts
+entries (their :meth:`MemoryObj.unref` returns pages to the pool) and returns how many bytes
+it released. The pool checks what was actually freed rather than trusting the return value."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """A snapshot of a :class:`MemoryPool`'s occupancy."""
+
+    capacity_bytes: int
+    used_bytes: int
+    """Bytes of pages held by live objects (each object rounded up to whole pages)."""
+    free_bytes: int
+    """``capacity_bytes - used_bytes``."""
+    num_objects: int
+    """Live :class:`MemoryObj` instances."""
+    pinned_objects: int
+    """Live objects with ``pin_count > 0``."""
+    waiters: int
+    """:meth:`MemoryPool.allocate` calls currently waiting for space."""
+    largest_free_bytes: int
+    """Largest contiguous free run; far below ``free_bytes`` means fragmentation."""
+
+
+class MemoryObj:
+    """A typed tensor view on contiguous pages of a pool's arena.
+
+    Carries a reference count and a pin count. Created only by :class:`MemoryPool`, with
+    ``ref_count == 1`` owned by the caller. When the reference count drops to zero the pages
+    return to the pool and the object is *freed*: its tensor must no longer be used. Pins do
+    not keep memory alive (references do); they tell the CPU tier not to evict the object.
+    """
+
+    __slots__ = (
+        "_dtype",
+        "_nbytes",
+        "_npages",
+        "_page",
+        "_pin",
+        "_pool",
+        "_ref",
+        "_shape",
+        "_tensor",
+    )
+
+    def __init__(
+        self,
+        pool: MemoryPool,
+        *,
+        page: int,
+        npages: int,
+        tensor: torch.Tensor,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        nbytes: int,
+    ) -> None:
+        self._pool = pool
+        self._page = page
+        self._npages = npages
+        self._tensor: torch.Tensor | None = tensor
+        self._shape = shape
+        self._dtype = dtype
+        self._nbytes = nbytes
+        self._ref = 1
+        self._pin = 0
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The payload view, of :attr:`shape` and :attr:`dtype`, in the pool's arena.
+
+        Raises:
+            EngineClosedError: the object was freed (its pages may belong to another object).
+        """
+        if self._tensor is None:
+            raise EngineClosedError("MemoryObj already freed")
+        return self._tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape the object was allocated with."""
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type the object was allocated with."""
+        return self._dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Exact payload size in bytes (not rounded to pages)."""
+        return self._nbytes
+
+    @property
+    def ref_count(self) -> int:
+        """Current number of references; 0 once freed."""
+        return self._ref
+
+    @property
+    def pin_count(self) -> int:
+        """Current number of pins."""
+        return self._pin
+
+    @property
+    def freed(self) -> bool:
+        """Whether the pages have been returned to the pool."""
+        return self._ref == 0
+
+    def ref(self) -> MemoryObj:
+        """Add a reference and return ``self``.
+
+        Raises:
+            EngineClosedError: the object was already freed.
+        """
+        if self._ref == 0:
+            raise EngineClosedError("cannot ref a freed MemoryObj")
+        self._ref += 1
+        return self
+
+    def unref(self) -> None:
+        """Drop a reference; at zero the pages return to the pool and waiters are woken.
+
+        Raises:
+            EngineClosedError: the object was already freed (reference count already 0).
+        """
+        if self._ref == 0:
+            raise EngineClosedError("unref of a freed MemoryObj")
+        self._ref -= 1
+        if self._ref == 0:
+            self._tensor = None
+            self._pool._release(self)
+        else:
+            # The owner that remains may be the CPU tier alone: the entry may now be evictable.
+            self._pool._wake_head()
+
+    def pin(self) -> None:
+        """Add a pin (the CPU tier never evicts a pinned object).
+
+        Raises:
+            EngineClosedError: the object was already freed.
+        """
+        if self._ref == 0:
+            raise EngineClosedError("cannot pin a freed MemoryObj")
+        self._pin += 1
+        if self._pin == 1:
+            self._pool._pinned += 1
+
+    def unpin(self) -> None:
+        """Remove a pin. Allowed after the object was freed, to balance an earlier pin.
+
+        Raises:
+            InvalidInputError: the pin count is already 0.
+        """
+        if self._pin == 0:
+            raise InvalidInputError("unpin of a MemoryObj that is not pinned")
+        self._pin -= 1
+        if self._pin == 0 and self._ref > 0:
+            self._pool._pinned -= 1
+            self._pool._wake_head()
+
+    def __repr__(self) -> str:
+        return (
+            f"MemoryObj(shape={self._shape}, dtype={self._dtype}, nbytes={self._nbytes}, "
+            f"page={self._page}, npages={self._npages}, ref_count={self._ref}, "
+            f"pin_count={self._pin})"
+        )
+
+
+class _Waiter:
+    """One :meth:`MemoryPool.allocate` call queued for space."""
+
+    __slots__ = ("event", "npages")
+
+    def __init__(self, npages: int) -> None:
+        self.npages = npages
+        self.event = anyio.Event()
+
+
+class MemoryPool:
+    """A host arena of fixed-size pages from which :class:`MemoryObj` payloads are carved.
+
+    Allocations are whole runs of contiguous pages, chosen first-fit over a free list sorted
+    by page index; freed runs coalesce with their neighbours. Zero-size shapes are rejected
+    (an empty payload is a caller bug, and it would need no pages to alias).
+
+    Not thread-safe: use a pool and its objects from one event-loop thread (see module doc).
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        pin_memory: bool | None = None,
+        evictor: Evictor | None = None,
+    ) -> None:
+        """Allocate the arena (``torch.empty``: pages are not touched until used).
+
+        Args:
+            capacity_bytes: arena size; rounded down to whole pages, at least one page.
+            page_size: bytes per page, a positive multiple of 256.
+            pin_memory: pin the arena; ``None`` pins it when CUDA is available.
+            evictor: the hook asked to free room when an allocation does not fit.
+
+        Raises:
+            InvalidInputError: a size is not positive, ``page_size`` is not a multiple of
+                256, or pinned memory was asked for on a system that cannot provide it.
+        """
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise InvalidInputError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int):
+            raise InvalidInputError(f"page_size must be an int, got {page_size!r}")
+        if capacity_bytes <= 0:
+            raise InvalidInputError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        if page_size <= 0 or page_size % _PAGE_ALIGNMENT != 0:
+            raise InvalidInputError(
+                f"page_size must be a positive multiple of {_PAGE_ALIGNMENT}, got {page_size}"
+            )
+        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        num_pages = max(1, capacity_bytes // page_size)
+        size = num_pages * page_size
+        try:
+            raw = torch.empty(size + _ARENA_ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+        except RuntimeError as exc:
+            raise InvalidInputError(f"cannot allocate the host arena: {exc}") from exc
+        # The host allocator only promises 64-byte alignment; start the arena on a 4 KiB
+        # boundary so every page, and so every payload, is at least 256-byte aligned.
+        skip = -raw.data_ptr() % _ARENA_ALIGNMENT
+        arena = raw[skip : skip + size]
+
+        self._arena = arena
+        self._page_size = page_size
+        self._num_pages = num_pages
+        self._pinned_arena = pin
+        self._evictor = evictor
+        self._evicting = False
+        self._closed = False
+        # Free runs of pages, sorted by start page; never adjacent (they are coalesced).
+        self._free_starts: list[int] = [0]
+        self._free_lens: list[int] = [num_pages]
+        self._free_pages = num_pages
+        self._num_objects = 0
+        self._pinned = 0
+        self._waiters: deque[_Waiter] = deque()
+        self._itemsizes: dict[torch.dtype, int] = {}
+        log.debug(
+            "memory_pool_created",
+            capacity_bytes=num_pages * page_size,
+            page_size=page_size,
+            pinned=pin,
+        )
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Arena size in bytes (a whole number of pages)."""
+        return self._num_pages * self._page_size
+
+    @property
+    def page_size(self) -> int:
+        """Bytes per page."""
+        return self._page_size
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena is in pinned (page-locked) host memory."""
+        return self._pinned_arena
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def set_evictor(self, evictor: Evictor | None) -> None:
+        """Install (or remove, with ``None``) the hook asked to free room when needed."""
+        self._evictor = evictor
+
+    def allocate_nowait(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
+        """Allocate a ``shape``/``dtype`` payload now, asking the evictor if it does not fit.
+
+        Returns ``None`` when there is still no room, or when :meth:`allocate` calls are
+        already waiting (they are served first). Never waits.
+
+        Raises:
+            InvalidInputError: bad shape or dtype, or a request larger than the capacity.
+            EngineClosedError: the pool is closed.
+        """
+        dims, nbytes, npages = self._check_request(shape, dtype)
+        if self._waiters:
+            return None
+        page = self._take(npages)
+        if page is None:
+            return None
+        return self._make_obj(page, npages, dims, dtype, nbytes)
+
+    async def allocate(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        timeout: float,
+    ) -> MemoryObj:
+        """Allocate a ``shape``/``dtype`` payload, waiting up to ``timeout`` seconds for room.
+
+        Waiting callers queue in FIFO order; only the head of the queue is retried (asking
+        the evictor again) each time pages are freed, a reference is dropped or a pin is
+        released. Cancelling a waiting call removes it from the queue and leaks nothing.
+
+        Raises:
+            InvalidInputError: bad shape, dtype or timeout, or a request larger than the
+                whole capacity (it could never be served).
+            AllocationTimeoutError: no room within ``timeout`` seconds.
+            EngineClosedError: the pool is closed, before or while waiting.
+        """
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise InvalidInputError(f"timeout must be a number, got {timeout!r}")
+        if math.isnan(timeout) or timeout < 0:
+            raise InvalidInputError(f"timeout must be >= 0, got {timeout}")
+        dims, nbytes, npages = self._check_request(shape, dtype)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        self._check_open()
+        if not self._waiters:
+            page = self._take(npages)
+            if page is not None:
+                return self._make_obj(page, npages, dims, dtype, nbytes)
+
+        waiter = _Waiter(npages)
+        self._waiters.append(waiter)
+        try:
+            with anyio.move_on_after(timeout):
+                while True:
+                    await waiter.event.wait()
+                    self._check_open()
+                    if self._waiters[0] is not waiter:
+                        waiter.event = anyio.Event()
+                        continue
+                    page = self._take(npages)
+                    if page is not None:
+                        return self._make_obj(page, npages, dims, dtype, nbytes)
+                    # Nothing can change between the failed attempt and the wait below (no
+                    # await in between), so replacing the event here loses no wake-up.
+                    waiter.event = anyio.Event()
+        finally:
+            was_head = bool(self._waiters) and self._waiters[0] is waiter
+            self._waiters.remove(waiter)
+            if was_head:
+                self._wake_head()
+        log.debug(
+            "allocation_timeout",
+            nbytes=nbytes,
+            timeout=timeout,
+            free_bytes=self._free_pages * self._page_size,
+            waiters=len(self._waiters),
+        )
+        raise AllocationTimeoutError(
+            f"no room for {nbytes} bytes ({npages} pages) within {timeout} s"
+        )
+
+    def stats(self) -> PoolStats:
+        """Return a snapshot of occupancy (O(number of free runs))."""
+        capacity = self.capacity_bytes
+        free = self._free_pages * self._page_size
+        return PoolStats(
+            capacity_bytes=capacity,
+            used_bytes=capacity - free,
+            free_bytes=free,
+            num_objects=self._num_objects,
+            pinned_objects=self._pinned,
+            waiters=len(self._waiters),
+            largest_free_bytes=self._largest_free_pages() * self._page_size,
+        )
+
+    def close(self) -> None:
+        """Refuse new allocations and wake every waiter (they raise EngineClosedError).
+
+        Objects still alive stay valid until their last :meth:`MemoryObj.unref`. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for waiter in self._waiters:
+            waiter.event.set()
+        log.debug("memory_pool_closed", live_objects=self._num_objects)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("memory pool is closed")
+
+    def _check_request(
+        self, shape: Sequence[int], dtype: torch.dtype
+    ) -> tuple[tuple[int, ...], int, int]:
+        """Validate a request; return its dims, exact byte size and page count."""
+        self._check_open()
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidInputError(f"dtype must be a torch.dtype, got {dtype!r}")
+        try:
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError as exc:
+            raise InvalidInputError(f"shape must be a sequence of ints, got {shape!r}") from exc
+        if any(d < 0 for d in dims):
+            raise InvalidInputError(f"shape has a negative dimension: {dims}")
+        nbytes = math.prod(dims) * self._itemsize(dtype)
+        if nbytes == 0:
+            raise InvalidInputError(f"zero-size allocations are not supported: shape {dims}")
+        npages = -(-nbytes // self._page_size)
+        if npages > self._num_pages:
+            raise InvalidInputError(
+                f"request of {nbytes} bytes exceeds the pool capacity of "
+                f"{self.capacity_bytes} bytes"
+            )
+        return dims, nbytes, npages
+
+    def _itemsize(self, dtype: torch.dtype) -> int:
+        size = self._itemsizes.get(dtype)
+        if size is None:
+            try:
+                self._arena[:0].view(dtype)
+            except RuntimeError as exc:
+                raise InvalidInputError(f"unsupported dtype {dtype}: {exc}") from exc
+            size = dtype.itemsize
+            if size <= 0:
+                raise InvalidInputError(f"unsupported dtype {dtype}")
+            self._itemsizes[dtype] = size
+        return size
+
+    def _make_obj(
+        self, page: int, npages: int, dims: tuple[int, ...], dtype: torch.dtype, nbytes: int
+    ) -> MemoryObj:
+        off = page * self._page_size
+        try:
+            view = self._arena[off : off + nbytes].view(dtype).view(dims)
+        except RuntimeError as exc:
+            self._give_back(page, npages)
+            raise InvalidInputError(f"cannot view {nbytes} bytes as {dtype}{dims}") from exc
+        self._num_objects += 1
+        return MemoryObj(
+            self, page=page, npages=npages, tensor=view, shape=dims, dtype=dtype, nbytes=nbytes
+        )
+
+    def _take(self, npages: int) -> int | None:
+        """Carve ``npages`` contiguous pages, asking the evictor while it frees something."""
+        page = self._carve(npages)
+        if page is not None or self._evictor is None or self._evicting:
+            return page
+        self._evicting = True
+        try:
+            while True:
+                shortfall = (npages - self._largest_free_pages()) * self._page_size
+                before = self._free_pages
+                self._evictor(shortfall)
+                page = self._carve(npages)
+                if page is not None or self._free_pages <= before:
+                    return page
+        finally:
+            self._evicting = False
+
+    def _carve(self, npages: int) -> int | None:
+        """First fit: take ``npages`` from the lowest free run that holds them."""
+        lens = self._free_lens
+        for i, run in enumerate(lens):
+            if run >= npages:
+                start = self._free_starts[i]
+                if run == npages:
+                    del self._free_starts[i]
+                    del lens[i]
+                else:
+                    self._free_starts[i] = start + npages
+                    lens[i] = run - npages
+                self._free_pages -= npages
+                return start
+        return None
+
+    def _give_back(self, page: int, npages: int) -> None:
+        """Return a run to the free list, merging it with adjacent free runs."""
+        starts, lens = self._free_starts, self._free_lens
+        i = bisect.bisect_left(starts, page)
+        merge_prev = i > 0 and starts[i - 1] + lens[i - 1] == page
+        merge_next = i < len(starts) and page + npages == starts[i]
+        if merge_prev and merge_next:
+            lens[i - 1] += npages + lens[i]
+            del starts[i]
+            del lens[i]
+        elif merge_prev:
+            lens[i - 1] += npages
+        elif merge_next:
+            starts[i] = page
+            lens[i] += npages
+        else:
+            starts.insert(i, page)
+            lens.insert(i, npages)
+        self._free_pages += npages
+
+    def _largest_free_pages(self) -> int:
+        return max(self._free_lens, default=0)
+
+    def _release(self, obj: MemoryObj) -> None:
+        """Called by :meth:`MemoryObj.unref` when the last reference is dropped."""
+        self._give_back(obj._page, obj._npages)
+        self._num_objects -= 1
+        if obj._pin > 0:
+            self._pinned -= 1
+        self._wake_head()
+
+    def _wake_head(self) -> None:
+        """Let the first waiter retry: room may have appeared, or become evictable."""
+        if self._waiters:
+            self._waiters[0].event.set()
