@@ -1,0 +1,741 @@
+"""Chunk keys: prefix-chained hashes of token chunks.
+
+Tokens are cut into chunks of ``chunk_size``; chunk ``i`` gets the key
+``h_i = H(h_{i-1} || tokens_i)`` where ``tokens_i`` are the chunk's tokens as little-endian
+int32 and ``h_0`` is a seed that binds the :class:`Namespace` (model, weights revision, KV
+layout, tenant). ``H`` is blake3 (default) or xxh3-128, both producing :data:`DIGEST_SIZE`
+bytes: a real hash, never Python's ``hash()``, so every process and host computes the same
+key for the same tokens.
+
+Segment keys (:class:`SegmentHasher`) serve blending: each separator-delimited segment is
+hashed on its own, ``H(h_0 || segment)``, so a document is found wherever it appears.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+import blake3
+import numpy as np
+import numpy.typing as npt
+import torch
+import xxhash
+
+from lmcache_async.errors import InvalidInputError
+
+__all__ = [
+    "DIGEST_SIZE",
+    "ChunkHasher",
+    "ChunkKey",
+    "ChunkSpan",
+    "HashAlgorithm",
+    "Namespace",
+    "SegmentHasher",
+    "Tokens",
+    "check_mask",
+    "token_array",
+]
+
+DIGEST_SIZE: Final = 16
+"""Size in bytes of every key digest, whatever the algorithm."""
+
+Tokens: TypeAlias = Sequence[int] | torch.Tensor | npt.NDArray[np.integer[Any]]
+"""Token ids: a list/tuple of int, a 1-D integer tensor or a 1-D integer ndarray."""
+
+_TOKEN_DTYPE: Final = np.dtype("<i4")
+_TOKEN_BYTES: Final = 4
+_TOKEN_LIMIT: Final = 2**31  # token ids must lie in [0, 2**31)
+_HASH_INT_BYTES: Final = 32
+_NAMESPACE_DOMAIN: Final = b"lmcache_async/namespace/v1\x00"
+_NONE_TAG: Final = b"\x00"
+_STR_TAG: Final = b"\x01"
+_INT_HASH_TAG: Final = b"\x01"
+_BYTES_HASH_TAG: Final = b"\x02"
+_KEY_TEXT: Final = re.compile(r"([0-9a-f]{32})(?:@L(0|[1-9][0-9]*))?")
+
+
+class HashAlgorithm(str, enum.Enum):
+    """The hash ``H`` used for seeds and chunk keys."""
+
+    BLAKE3 = "blake3"
+    XXH3_128 = "xxh3_128"
+
+
+def _blake3(data: bytes) -> bytes:
+    return blake3.blake3(data).digest(length=DIGEST_SIZE)
+
+
+def _xxh3_128(data: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+def _hash_function(algorithm: HashAlgorithm) -> Callable[[bytes], bytes]:
+    """One-shot ``H``: bytes in, :data:`DIGEST_SIZE` bytes out."""
+    if algorithm is HashAlgorithm.BLAKE3:
+        return _blake3
+    return _xxh3_128
+
+
+def _as_algorithm(algorithm: HashAlgorithm | str) -> HashAlgorithm:
+    try:
+        return HashAlgorithm(algorithm)
+    except ValueError:
+        choices = ", ".join(a.value for a in HashAlgorithm)
+        raise InvalidInputError(
+            f"unknown hash algorithm {algorithm!r}; expected one of {choices}"
+        ) from None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class ChunkKey:
+    """The key of one chunk: a :data:`DIGEST_SIZE`-byte digest, optionally for one layer.
+
+    Frozen and hashable. :meth:`to_str` is the one stable text form (32 lowercase hex
+    characters, plus ``@L<layer>`` for a layer key) used for file names and Redis keys.
+
+    Raises:
+        InvalidInputError: ``digest`` is not :data:`DIGEST_SIZE` bytes, or ``layer`` is not
+            ``None`` or a non-negative int.
+    """
+
+    digest: bytes
+    layer: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.digest, bytes) or len(self.digest) != DIGEST_SIZE:
+            raise InvalidInputError(
+                f"ChunkKey digest must be {DIGEST_SIZE} bytes, got {self.digest!r:.80}"
+            )
+        if self.layer is not None and (not _is_int(self.layer) or self.layer < 0):
+            raise InvalidInputError(
+                f"ChunkKey layer must be None or a non-negative int, got {self.layer!r}"
+            )
+
+    def to_str(self) -> str:
+        """The stable text form: ``"<32 hex chars>"`` or ``"<32 hex chars>@L<layer>"``."""
+        if self.layer is None:
+            return self.digest.hex()
+        return f"{self.digest.hex()}@L{self.layer}"
+
+    @classmethod
+    def from_str(cls, text: str) -> ChunkKey:
+        """Parse the form written by :meth:`to_str` (and only that form).
+
+        Raises:
+            InvalidInputError: ``text`` is not exactly such a string (upper-case hex, signs,
+                leading zeros in the layer or surrounding whitespace are refused, so that
+                every key has one text form).
+        """
+        if not isinstance(text, str):
+            raise InvalidInputError(f"ChunkKey text must be a str, got {type(text).__name__}")
+        match = _KEY_TEXT.fullmatch(text)
+        if match is None:
+            raise InvalidInputError(
+                f"not a chunk key: {text!r:.80} (expected 32 lowercase hex chars, "
+                "optionally followed by '@L<layer>')"
+            )
+        layer = match.group(2)
+        return cls(bytes.fromhex(match.group(1)), None if layer is None else int(layer))
+
+    def with_layer(self, layer: int) -> ChunkKey:
+        """This key's digest for one layer.
+
+        Raises:
+            InvalidInputError: ``layer`` is not a non-negative int.
+        """
+        return ChunkKey(self.digest, layer)
+
+    def __str__(self) -> str:
+        return self.to_str()
+
+    def __repr__(self) -> str:
+        return f"ChunkKey({self.to_str()!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpan:
+    """One chunk of a request: tokens ``[start, end)``, its key and its parent's key.
+
+    ``parent`` is the key of the previous chunk in the chain (``None`` for the first chunk,
+    and for segment keys, which have no chain).
+
+    Raises:
+        InvalidInputError: the range is empty or negative, or the keys are not ChunkKeys.
+    """
+
+    start: int
+    end: int
+    key: ChunkKey
+    parent: ChunkKey | None
+
+    def __post_init__(self) -> None:
+        if not (_is_int(self.start) and _is_int(self.end) and 0 <= self.start < self.end):
+            raise InvalidInputError(
+                f"ChunkSpan needs ints 0 <= start < end, got [{self.start!r}, {self.end!r})"
+            )
+        if not isinstance(self.key, ChunkKey):
+            raise InvalidInputError(f"ChunkSpan key must be a ChunkKey, got {self.key!r:.80}")
+        if self.parent is not None and not isinstance(self.parent, ChunkKey):
+            raise InvalidInputError(
+                f"ChunkSpan parent must be a ChunkKey or None, got {self.parent!r:.80}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        """``end - start``."""
+        return self.end - self.start
+
+
+# Spans are built in bulk from digests that are valid by construction. The dataclass
+# __init__ of a frozen class costs about as much as hashing the chunk, so the hot path
+# fills the slots directly instead.
+_new_object = object.__new__
+_set_key_digest: Final = ChunkKey.__dict__["digest"].__set__
+_set_key_layer: Final = ChunkKey.__dict__["layer"].__set__
+_set_span_start: Final = ChunkSpan.__dict__["start"].__set__
+_set_span_end: Final = ChunkSpan.__dict__["end"].__set__
+_set_span_key: Final = ChunkSpan.__dict__["key"].__set__
+_set_span_parent: Final = ChunkSpan.__dict__["parent"].__set__
+
+
+def _new_key(digest: bytes) -> ChunkKey:
+    key: ChunkKey = _new_object(ChunkKey)
+    _set_key_digest(key, digest)
+    _set_key_layer(key, None)
+    return key
+
+
+def _new_span(start: int, end: int, key: ChunkKey, parent: ChunkKey | None) -> ChunkSpan:
+    span: ChunkSpan = _new_object(ChunkSpan)
+    _set_span_start(span, start)
+    _set_span_end(span, end)
+    _set_span_key(span, key)
+    _set_span_parent(span, parent)
+    return span
+
+
+def _encode_field(name: str, value: str | None) -> bytes:
+    if value is None:
+        return _NONE_TAG
+    try:
+        data = value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"Namespace {name} is not valid unicode: {exc}") from None
+    return _STR_TAG + len(data).to_bytes(8, "little") + data
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """What a key is bound to: keys from different namespaces never collide.
+
+    ``layout_fingerprint`` describes the KV layout (dtype, layers, heads, head size, format,
+    TP world size and rank); ``revision`` fingerprints the weights; ``tenant_salt`` keeps
+    tenants' caches apart.
+
+    Raises:
+        InvalidInputError: ``model_name`` or ``layout_fingerprint`` is not a non-empty str,
+            ``revision`` or ``tenant_salt`` is neither None nor a str, or a field cannot be
+            encoded as UTF-8.
+    """
+
+    model_name: str
+    layout_fingerprint: str
+    revision: str | None = None
+    tenant_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("model_name", "layout_fingerprint"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise InvalidInputError(f"Namespace {name} must be a non-empty str, got {value!r}")
+        for name in ("revision", "tenant_salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidInputError(f"Namespace {name} must be None or a str, got {value!r}")
+        self._encode()
+
+    def _encode(self) -> bytes:
+        """Unambiguous encoding: a domain tag, then each field tagged and length-prefixed."""
+        return _NAMESPACE_DOMAIN + b"".join(
+            (
+                _encode_field("model_name", self.model_name),
+                _encode_field("layout_fingerprint", self.layout_fingerprint),
+                _encode_field("revision", self.revision),
+                _encode_field("tenant_salt", self.tenant_salt),
+            )
+        )
+
+    def seed(self, algorithm: HashAlgorithm = HashAlgorithm.BLAKE3) -> bytes:
+        """``h_0``: :data:`DIGEST_SIZE` bytes, the same in every process for equal fields.
+
+        Raises:
+            InvalidInputError: ``algorithm`` is not a :class:`HashAlgorithm` (or its value).
+        """
+        return _hash_function(_as_algorithm(algorithm))(self._encode())
+
+
+def _check_token_range(unsigned: npt.NDArray[Any], signed: npt.NDArray[Any]) -> None:
+    """Raise unless every token lies in ``[0, 2**31)``.
+
+    ``unsigned`` is the tokens viewed as unsigned ints, so one max() catches both negative
+    and too-large ids; ``signed`` is only used to word the error.
+    """
+    if unsigned.size and int(unsigned.max()) >= _TOKEN_LIMIT:
+        low = int(signed.min())
+        if low < 0:
+            raise InvalidInputError(f"token ids must be >= 0, found {low}")
+        raise InvalidInputError(f"token ids must be < 2**31, found {int(signed.max())}")
+
+
+def _ndarray_tokens(array: npt.NDArray[Any], what: str) -> npt.NDArray[np.int32]:
+    if array.ndim != 1:
+        raise InvalidInputError(f"tokens must be 1-D, got a {array.ndim}-D {what}")
+    kind = array.dtype.kind
+    if kind == "i" and array.dtype.itemsize >= _TOKEN_BYTES:
+        # Same width and byte order, unsigned: negative ids become >= 2**31.
+        _check_token_range(array.view(array.dtype.str.replace("i", "u")), array)
+    elif kind == "i":
+        if array.size and int(array.min()) < 0:
+            raise InvalidInputError(f"token ids must be >= 0, found {int(array.min())}")
+    elif kind == "u":
+        _check_token_range(array, array)
+    else:
+        raise InvalidInputError(f"tokens must have an integer dtype, got {what} of {array.dtype}")
+    return np.ascontiguousarray(array, dtype=_TOKEN_DTYPE)
+
+
+def _sequence_tokens(tokens: Sequence[int]) -> bytes:
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
+        raise InvalidInputError(
+            "tokens must be a sequence of int, a 1-D integer tensor or a 1-D integer ndarray,"
+            f" got {type(tokens).__name__}"
+        )
+    try:
+        data = struct.pack(f"<{len(tokens)}i", *tokens)
+    except struct.error as exc:
+        values: Sequence[object] = tokens
+        for value in values:
+            if not isinstance(value, (int, np.integer)):
+                raise InvalidInputError(
+                    f"tokens must be ints, found {type(value).__name__} {value!r:.40}"
+                ) from None
+        raise InvalidInputError(f"token ids must lie in [0, 2**31): {exc}") from None
+    _check_token_range(np.frombuffer(data, dtype="<u4"), np.frombuffer(data, dtype=_TOKEN_DTYPE))
+    return data
+
+
+def token_array(tokens: Tokens) -> npt.NDArray[np.int32]:
+    """Token ids as a 1-D little-endian int32 ndarray (``'<i4'``).
+
+    Accepts a list/tuple of int, a 1-D integer tensor of any integer dtype on any device
+    (copied to the CPU), or a 1-D integer ndarray. The result may share memory with the
+    input and may be read-only: treat it as read-only. In a list, ``True``/``False`` count
+    as the ints 1/0 (refusing them would cost a check per token).
+
+    Raises:
+        InvalidInputError: the input is not 1-D, not of an integer dtype (bool and float
+            tensors/arrays and non-int list items are refused), or holds an id outside
+            ``[0, 2**31)``.
+    """
+    if isinstance(tokens, torch.Tensor):
+        return _tensor_tokens(tokens)
+    if isinstance(tokens, np.ndarray):
+        return _ndarray_tokens(tokens, "ndarray")
+    return np.frombuffer(_sequence_tokens(tokens), dtype=_TOKEN_DTYPE)
+
+
+def _tensor_tokens(tensor: torch.Tensor) -> npt.NDArray[np.int32]:
+    dtype = tensor.dtype
+    if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
+        raise InvalidInputError(f"tokens must have an integer dtype, got tensor of {dtype}")
+    if tensor.dim() != 1:
+        raise InvalidInputError(f"tokens must be 1-D, got a {tensor.dim()}-D tensor")
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    try:
+        array = tensor.numpy()
+    except (TypeError, RuntimeError) as exc:
+        raise InvalidInputError(f"tokens of dtype {dtype} are not supported: {exc}") from None
+    return _ndarray_tokens(array, "tensor")
+
+
+def _token_bytes(tokens: Tokens) -> tuple[memoryview, int]:
+    """The tokens' little-endian int32 bytes, and the number of tokens."""
+    if isinstance(tokens, (torch.Tensor, np.ndarray)):
+        array = token_array(tokens)
+        return array.data.cast("B"), len(array)
+    data = _sequence_tokens(tokens)
+    return memoryview(data), len(data) // _TOKEN_BYTES
+
+
+def check_mask(mask: torch.Tensor | None, num_tokens: int, chunk_size: int) -> int:
+    """Validate a store/retrieve mask and return where its True part starts.
+
+    The mask is a 1-D bool tensor of length ``num_tokens`` shaped ``F...FT...T``: the
+    leading Falses mark tokens the caller already has, and their count must be a multiple of
+    ``chunk_size`` (an all-False mask is allowed and returns ``num_tokens``). ``None`` means
+    all True and returns 0.
+
+    Raises:
+        InvalidInputError: the mask is not a tensor, not bool, not 1-D, of the wrong length,
+            not of the form ``F...FT...T``, or its leading Falses are not a multiple of
+            ``chunk_size``; or ``num_tokens``/``chunk_size`` are invalid.
+    """
+    if not _is_int(chunk_size) or chunk_size <= 0:
+        raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if not _is_int(num_tokens) or num_tokens < 0:
+        raise InvalidInputError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    if mask is None:
+        return 0
+    if not isinstance(mask, torch.Tensor):
+        raise InvalidInputError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise InvalidInputError(f"mask must have dtype torch.bool, got {mask.dtype}")
+    if mask.dim() != 1:
+        raise InvalidInputError(f"mask must be 1-D, got shape {tuple(mask.shape)}")
+    if mask.numel() != num_tokens:
+        raise InvalidInputError(
+            f"mask length {mask.numel()} does not match the number of tokens {num_tokens}"
+        )
+    if num_tokens == 0:
+        return 0
+    flags = mask.cpu().numpy()
+    first = int(flags.argmax())
+    if not flags[first]:
+        return num_tokens
+    if not flags[first:].all():
+        hole = first + int(flags[first:].argmin())
+        raise InvalidInputError(
+            "mask must be all False then all True (F...FT...T): "
+            f"position {hole} is False after the first True at {first}"
+        )
+    if first % chunk_size:
+        raise InvalidInputError(
+            f"mask has {first} leading False tokens, which is not a multiple of "
+            f"chunk_size {chunk_size}"
+        )
+    return first
+
+
+def _chain_blake3(prev: bytes, data: memoryview, step: int, stop: int) -> list[bytes]:
+    """``h_i = blake3(h_{i-1} || data[i*step:(i+1)*step])`` for the chunks below ``stop``."""
+    hasher = blake3.blake3()
+    reset, update, digest = hasher.reset, hasher.update, hasher.digest
+    out: list[bytes] = []
+    append = out.append
+    for offset in range(0, stop, step):
+        reset()
+        update(prev)
+        update(data[offset : offset + step])
+        prev = digest(DIGEST_SIZE)
+        append(prev)
+    return out
+
+
+def _chain_xxh3(prev: bytes, data: memoryview, step: int, stop: int) -> list[bytes]:
+    """``h_i = xxh3_128(h_{i-1} || data[i*step:(i+1)*step])`` for the chunks below ``stop``."""
+    xxh3 = xxhash.xxh3_128_digest
+    out: list[bytes] = []
+    append = out.append
+    for offset in range(0, stop, step):
+        prev = xxh3(prev + data[offset : offset + step])
+        append(prev)
+    return out
+
+
+def _build_spans(
+    digests: list[bytes], first: int, num_tokens: int, chunk_size: int
+) -> list[ChunkSpan]:
+    """Spans for chunks ``first..len(digests)-1``; chunk ``k`` covers ``[k*cs, (k+1)*cs)``."""
+    new, set_digest, set_layer = _new_object, _set_key_digest, _set_key_layer
+    set_start, set_end, set_key, set_parent = (
+        _set_span_start,
+        _set_span_end,
+        _set_span_key,
+        _set_span_parent,
+    )
+    parent = _new_key(digests[first - 1]) if first else None
+    spans: list[ChunkSpan] = []
+    append = spans.append
+    start = first * chunk_size
+    for digest in digests[first:]:
+        # _new_key and _new_span inlined: this loop runs once per chunk.
+        key: ChunkKey = new(ChunkKey)
+        set_digest(key, digest)
+        set_layer(key, None)
+        end = min(start + chunk_size, num_tokens)
+        span: ChunkSpan = new(ChunkSpan)
+        set_start(span, start)
+        set_end(span, end)
+        set_key(span, key)
+        set_parent(span, parent)
+        append(span)
+        parent = key
+        start = end
+    return spans
+
+
+def _encode_block_hash(index: int, value: int | bytes) -> bytes:
+    if isinstance(value, (bytes, bytearray)):
+        return _BYTES_HASH_TAG + len(value).to_bytes(8, "little") + bytes(value)
+    if not _is_int(value):
+        raise InvalidInputError(
+            f"hashes[{index}] must be an int or bytes, got {type(value).__name__}"
+        )
+    try:
+        return _INT_HASH_TAG + value.to_bytes(_HASH_INT_BYTES, "little", signed=True)
+    except OverflowError:
+        raise InvalidInputError(
+            f"hashes[{index}] does not fit in {_HASH_INT_BYTES} signed bytes: {value}"
+        ) from None
+
+
+class ChunkHasher:
+    """Cuts tokens into chunks of ``chunk_size`` and chains their hashes.
+
+    ``h_0 = namespace.seed(algorithm)``, ``h_i = H(h_{i-1} || tokens_i)`` with ``tokens_i``
+    as little-endian int32, so the key of a chunk depends on every token before it and keys
+    of a prefix are the first keys of any longer sequence. Stateless after construction:
+    safe to share between threads.
+
+    Raises:
+        InvalidInputError: ``chunk_size`` is not a positive int, ``namespace`` is not a
+            :class:`Namespace`, or ``algorithm`` is unknown.
+    """
+
+    __slots__ = ("_algorithm", "_chain", "_chunk_size", "_hash", "_namespace", "_seed")
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        *,
+        chunk_size: int,
+        algorithm: HashAlgorithm = HashAlgorithm.BLAKE3,
+    ) -> None:
+        if not isinstance(namespace, Namespace):
+            raise InvalidInputError(f"namespace must be a Namespace, got {namespace!r:.80}")
+        if not _is_int(chunk_size) or chunk_size <= 0:
+            raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self._algorithm = _as_algorithm(algorithm)
+        self._namespace = namespace
+        self._chunk_size = chunk_size
+        self._seed = namespace.seed(self._algorithm)
+        self._hash = _hash_function(self._algorithm)
+        self._chain = _chain_blake3 if self._algorithm is HashAlgorithm.BLAKE3 else _chain_xxh3
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk (only the last chunk of a sequence may be shorter)."""
+        return self._chunk_size
+
+    @property
+    def algorithm(self) -> HashAlgorithm:
+        """The hash ``H``."""
+        return self._algorithm
+
+    @property
+    def namespace(self) -> Namespace:
+        """The namespace bound into every key through the seed."""
+        return self._namespace
+
+    def __repr__(self) -> str:
+        return (
+            f"ChunkHasher({self._namespace!r}, chunk_size={self._chunk_size}, "
+            f"algorithm={self._algorithm.value!r})"
+        )
+
+    def digests(self, tokens: Tokens) -> list[bytes]:
+        """The chained digests of every chunk of ``tokens`` (the last one may be short).
+
+        Raises:
+            InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
+        """
+        data, _ = _token_bytes(tokens)
+        return self._chain(self._seed, data, self._chunk_size * _TOKEN_BYTES, len(data))
+
+    def spans(
+        self,
+        tokens: Tokens,
+        *,
+        mask: torch.Tensor | None = None,
+        save_unfull_chunk: bool = True,
+    ) -> list[ChunkSpan]:
+        """One span per chunk at or after the mask's start.
+
+        Chunks before the mask start are hashed (the chain needs them) but not returned;
+        the trailing short chunk is dropped when ``save_unfull_chunk`` is False.
+
+        Raises:
+            InvalidInputError: ``tokens`` or ``mask`` are invalid (see :func:`token_array`,
+                :func:`check_mask`).
+        """
+        data, num_tokens = _token_bytes(tokens)
+        chunk_size = self._chunk_size
+        start = check_mask(mask, num_tokens, chunk_size)
+        num_chunks = -(-num_tokens // chunk_size) if save_unfull_chunk else num_tokens // chunk_size
+        first = start // chunk_size
+        if start >= num_tokens or first >= num_chunks:
+            return []
+        step = chunk_size * _TOKEN_BYTES
+        digests = self._chain(self._seed, data, step, num_chunks * step)
+        return _build_spans(digests, first, num_tokens, chunk_size)
+
+    def spans_from_hashes(
+        self,
+        hashes: Sequence[int | bytes],
+        offsets: Sequence[int],
+        *,
+        mask: torch.Tensor | None = None,
+        save_unfull_chunk: bool = True,
+    ) -> list[ChunkSpan]:
+        """Spans keyed from the serving engine's own block hashes instead of tokens.
+
+        ``hashes[i]`` covers tokens ``[offsets[i-1], offsets[i])`` (``offsets`` are end
+        offsets, strictly increasing and positive; ``offsets[-1]`` is the token count). Every
+        block must hold exactly ``chunk_size`` tokens except the last (at most
+        ``chunk_size``). Keys chain as ``h_i = H(h_{i-1} || enc(hashes[i]))`` where an int
+        is encoded as a tag byte and 32 bytes little-endian signed, and bytes as a tag byte,
+        an 8-byte length and the bytes. The mask, if any, has length ``offsets[-1]``.
+
+        Raises:
+            InvalidInputError: mismatched lengths, bad offsets, a block of the wrong size,
+                a hash that is neither int nor bytes or does not fit, or a bad mask.
+        """
+        for name, value in (("hashes", hashes), ("offsets", offsets)):
+            if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
+                raise InvalidInputError(f"{name} must be a sequence, got {type(value).__name__}")
+        if len(hashes) != len(offsets):
+            raise InvalidInputError(
+                f"got {len(hashes)} hashes but {len(offsets)} offsets; they must match"
+            )
+        chunk_size = self._chunk_size
+        count = len(offsets)
+        previous = 0
+        for index, end in enumerate(offsets):
+            if not _is_int(end):
+                raise InvalidInputError(
+                    f"offsets[{index}] must be an int, got {type(end).__name__}"
+                )
+            size = end - previous
+            if size <= 0:
+                raise InvalidInputError(
+                    f"offsets must be positive and strictly increasing: offsets[{index}] = "
+                    f"{end} after {previous}"
+                )
+            if size > chunk_size or (size != chunk_size and index != count - 1):
+                raise InvalidInputError(
+                    f"hashes[{index}] covers {size} tokens; every block must hold exactly "
+                    f"chunk_size={chunk_size} tokens, except the last (at most chunk_size)"
+                )
+            previous = end
+        encoded = [_encode_block_hash(i, h) for i, h in enumerate(hashes)]
+        num_tokens = previous
+        start = check_mask(mask, num_tokens, chunk_size)
+        num_chunks = count
+        if not save_unfull_chunk and num_tokens % chunk_size:
+            num_chunks -= 1
+        first = start // chunk_size
+        if start >= num_tokens or first >= num_chunks:
+            return []
+        hash_function = self._hash
+        prev = self._seed
+        digests: list[bytes] = []
+        for item in encoded[:num_chunks]:
+            prev = hash_function(prev + item)
+            digests.append(prev)
+        return _build_spans(digests, first, num_tokens, chunk_size)
+
+
+class SegmentHasher:
+    """Segment keys for blending: one unchained key per separator-delimited segment.
+
+    Tokens are split at each (non-overlapping, leftmost-first) occurrence of ``separator``;
+    each segment, separator tokens excluded, is keyed ``H(seed || segment)`` with no chain,
+    so a document's KV is found wherever it appears in a prompt.
+
+    Raises:
+        InvalidInputError: ``separator`` is empty or not valid tokens, ``namespace`` is not
+            a :class:`Namespace`, or ``algorithm`` is unknown.
+    """
+
+    __slots__ = ("_algorithm", "_hash", "_namespace", "_seed", "_separator")
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        *,
+        separator: Sequence[int],
+        algorithm: HashAlgorithm = HashAlgorithm.BLAKE3,
+    ) -> None:
+        if not isinstance(namespace, Namespace):
+            raise InvalidInputError(f"namespace must be a Namespace, got {namespace!r:.80}")
+        separator_array = token_array(separator).copy()
+        if not separator_array.size:
+            raise InvalidInputError("separator must hold at least one token")
+        self._separator = separator_array
+        self._algorithm = _as_algorithm(algorithm)
+        self._namespace = namespace
+        self._seed = namespace.seed(self._algorithm)
+        self._hash = _hash_function(self._algorithm)
+
+    @property
+    def separator(self) -> tuple[int, ...]:
+        """The separator token sequence."""
+        return tuple(int(t) for t in self._separator)
+
+    @property
+    def algorithm(self) -> HashAlgorithm:
+        """The hash ``H``."""
+        return self._algorithm
+
+    @property
+    def namespace(self) -> Namespace:
+        """The namespace bound into every key through the seed."""
+        return self._namespace
+
+    def _separator_starts(self, tokens: npt.NDArray[np.int32]) -> list[int]:
+        """Start indices of every occurrence of the separator (overlaps included)."""
+        sep = self._separator
+        width = len(sep)
+        if len(tokens) < width:
+            return []
+        candidates = np.flatnonzero(tokens[: len(tokens) - width + 1] == sep[0])
+        for offset in range(1, width):
+            if not candidates.size:
+                break
+            candidates = candidates[tokens[candidates + offset] == sep[offset]]
+        return [int(c) for c in candidates]
+
+    def spans(self, tokens: Tokens) -> list[ChunkSpan]:
+        """One span per non-empty segment, in order; ``parent`` is always None.
+
+        Raises:
+            InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
+        """
+        array = token_array(tokens)
+        width = len(self._separator)
+        bounds: list[tuple[int, int]] = []
+        position = 0
+        for hit in self._separator_starts(array):
+            if hit < position:
+                continue  # overlaps the separator just consumed
+            if hit > position:
+                bounds.append((position, hit))
+            position = hit + width
+        if position < len(array):
+            bounds.append((position, len(array)))
+        hash_function = self._hash
+        seed = self._seed
+        return [
+            _new_span(start, end, _new_key(hash_function(seed + array[start:end].tobytes())), None)
+            for start, end in bounds
+        ]
