@@ -133,7 +133,7 @@ class Transfers:
         key = (device, direction)
         stream = self._streams.get(key)
         if stream is None:
-            stream = torch.cuda.Stream(device=device)
+            stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             self._streams[key] = stream
             self._bridges[key] = EventBridge(f"{direction.value}-{device}")
         if direction is Direction.STORE:
@@ -141,7 +141,7 @@ class Transfers:
             stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             fn()
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         await self._bridges[key].wait(event, timeout=timeout)
 

@@ -23,6 +23,7 @@ import numpy as np
 import structlog
 import torch
 from anyio import CancelScope
+from anyio.abc import TaskStatus
 
 from .backends.cpu import CPUBackend
 from .backends.manager import StorageManager
@@ -35,7 +36,7 @@ from .layouts import KVLayout
 from .memory import MemoryPool
 from .pipelines.common import Keyer, Request
 from .pipelines.retrieve import RetrieveRequest, build_retrieve_stages
-from .pipelines.stage import Pipeline
+from .pipelines.stage import Completion, Pipeline
 from .pipelines.store import StoreRequest, build_store_stages
 from .stats import Counters, EngineStats
 
@@ -45,6 +46,7 @@ log = structlog.get_logger(__name__)
 
 Tokens = Sequence[int] | torch.Tensor | np.ndarray
 T = TypeVar("T")
+R = TypeVar("R", bound=Request)
 
 # How long a retrieve that timed out waits for a copy already under way, so that the mask it
 # returns covers every slot that was written.
@@ -122,6 +124,7 @@ class CacheEngine:
         self._request_ids = itertools.count()
         self._pins_changed = anyio.Event()
         self._reaper_scope: CancelScope | None = None
+        self._reaper_stopped = anyio.Event()
         self._started = False
         self._closed = False
 
@@ -157,8 +160,7 @@ class CacheEngine:
         await stack.enter_async_context(self._store_pipe)
         await stack.enter_async_context(self._retrieve_pipe)
         task_group = await stack.enter_async_context(anyio.create_task_group())
-        self._reaper_scope = task_group.cancel_scope
-        task_group.start_soon(self._reap_pins, name="pin-reaper")
+        await task_group.start(self._reap_pins, name="pin-reaper")
         self._started = True
         log.info(
             "engine_started",
@@ -181,6 +183,8 @@ class CacheEngine:
                 await self._retrieve_pipe.wait_stopped()
         if self._reaper_scope is not None:
             self._reaper_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await self._reaper_stopped.wait()
         self._transfers.close()
         await self._manager.aclose()
         self._pool.close()
@@ -198,16 +202,23 @@ class CacheEngine:
                 "the cache engine is not started: use `async with CacheEngine.open(...)`"
             )
 
-    async def _reap_pins(self) -> None:
+    async def _reap_pins(
+        self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         """Release lookup pins that outlive ``pin_timeout`` (a caller that forgot them)."""
-        while True:
-            deadline = self._manager.next_pin_deadline()
-            if deadline is None:
-                await self._pins_changed.wait()
-                self._pins_changed = anyio.Event()
-                continue
-            await anyio.sleep(max(0.0, deadline - time.monotonic()))
-            self._manager.expire_pins()
+        try:
+            with anyio.CancelScope() as self._reaper_scope:
+                task_status.started()
+                while True:
+                    deadline = self._manager.next_pin_deadline()
+                    if deadline is None:
+                        await self._pins_changed.wait()
+                        self._pins_changed = anyio.Event()
+                        continue
+                    await anyio.sleep(max(0.0, deadline - time.monotonic()))
+                    self._manager.expire_pins()
+        finally:
+            self._reaper_stopped.set()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -258,7 +269,7 @@ class CacheEngine:
     def _prepare(
         self,
         *,
-        request_type: type[StoreRequest] | type[RetrieveRequest],
+        request_type: type[R],
         tokens: Tokens | None,
         kv_caches: Sequence[torch.Tensor],
         slot_mapping: torch.Tensor,
@@ -266,16 +277,17 @@ class CacheEngine:
         req_id: str | None,
         hashes: Sequence[int | bytes] | None,
         offsets: Sequence[int] | None,
-    ) -> tuple[Any, int]:
+    ) -> tuple[R, int]:
         keyer, num_tokens, inline = self._keys(tokens, hashes, offsets, mask)
         start = check_mask(mask, num_tokens, self.config.chunk_size)
-        if not isinstance(kv_caches, Sequence) or isinstance(kv_caches, torch.Tensor):
+        given: object = kv_caches  # checked at run time: callers are not type-checked
+        if isinstance(given, torch.Tensor) or not isinstance(given, Sequence):
             raise InvalidInputError("kv_caches must be a list of per-layer tensors")
         if not isinstance(slot_mapping, torch.Tensor):
             raise InvalidInputError("slot_mapping must be a 1-D integer tensor")
         num_blocks = self.layout.check_kv_caches(kv_caches)
         slots = self.layout.check_slot_mapping(slot_mapping, num_tokens, num_blocks)
-        request: Request = request_type(
+        request = request_type(
             req_id=req_id if req_id is not None else f"req-{next(self._request_ids)}",
             keyer=keyer,
             num_tokens=num_tokens,
@@ -330,7 +342,9 @@ class CacheEngine:
         if not self._manager.accepts_writes or not self.is_healthy():
             return 0
         request.limit = _store_limit(request.slots, start, request.num_tokens)
-        stored = await self._execute(self._store_pipe, request, self.config.store_timeout)
+        stored = await self._execute(
+            self._store_pipe, request, request.completion, self.config.store_timeout
+        )
         if stored is None:
             stored = request.stored_tokens() if request.spans else 0
         self._counters.stored_tokens += stored
@@ -377,7 +391,9 @@ class CacheEngine:
         try:
             if not self.is_healthy():
                 return request.mask
-            result = await self._execute(self._retrieve_pipe, request, self.config.retrieve_timeout)
+            result = await self._execute(
+                self._retrieve_pipe, request, request.completion, self.config.retrieve_timeout
+            )
             mask_out = result if result is not None else request.mask
             self._counters.retrieved_tokens += request.loaded_tokens
             return mask_out
@@ -385,7 +401,9 @@ class CacheEngine:
             if lookup_id is not None:
                 self._manager.unpin(lookup_id)
 
-    async def _execute(self, pipeline: Pipeline, request: Any, timeout: float) -> Any:
+    async def _execute(
+        self, pipeline: Pipeline, request: Request, completion: Completion[T], timeout: float
+    ) -> T | None:
         """Run ``request`` through ``pipeline``; None when it timed out.
 
         On cancellation or timeout the request is marked so the stages drop what remains
@@ -394,13 +412,13 @@ class CacheEngine:
         try:
             with anyio.fail_after(timeout):
                 await pipeline.submit(request)
-                return await request.completion.wait()
+                return await completion.wait()
         except TimeoutError:
-            request.cancelled = True
+            request.cancel()
             self._counters.timed_out_requests += 1
             log.warning("request_timed_out", req_id=request.req_id, pipeline=pipeline.name)
             with anyio.move_on_after(_ABANDON_GRACE_SECONDS, shield=True):
-                await request.completion.wait()
+                await completion.wait()
             return None
         except EngineClosedError:
             raise
@@ -411,7 +429,7 @@ class CacheEngine:
             log.exception("request_failed", req_id=request.req_id, pipeline=pipeline.name)
             return None
         except BaseException:
-            request.cancelled = True
+            request.cancel()
             raise
 
     async def lookup(

@@ -132,6 +132,7 @@ class CPUBackend(StorageBackend):
     def evict(self, nbytes: int) -> int:
         """Drop unpinned, otherwise unreferenced entries, oldest first, until ``nbytes`` are
         released or none is left; returns the bytes released."""
+        page = self._pool.page_size
         released = 0
         victims: list[ChunkKey] = []
         for key, obj in self._entries.items():
@@ -139,7 +140,7 @@ class CPUBackend(StorageBackend):
                 break
             if obj.pin_count == 0 and obj.ref_count == 1:
                 victims.append(key)
-                released += obj.nbytes
+                released += -(-obj.nbytes // page) * page  # whole pages go back
         for key in victims:
             self._drop(self._entries.pop(key))
         if victims:

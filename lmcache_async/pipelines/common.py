@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import anyio
 import anyio.to_thread
 import numpy as np
 import torch
@@ -39,6 +40,14 @@ class Request:
     batches_done: int = 0
     spans: list[ChunkSpan] = field(default_factory=list)
     tokens: np.ndarray | None = None
+    # Set while a stage waits on behalf of this request, so cancel() can end the wait.
+    waiting: anyio.CancelScope | None = None
+
+    def cancel(self) -> None:
+        """Abandon the request: stages drop what remains of it and return its memory."""
+        self.cancelled = True
+        if self.waiting is not None:
+            self.waiting.cancel()
 
     @property
     def device(self) -> torch.device:

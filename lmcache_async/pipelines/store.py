@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import structlog
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -143,8 +144,15 @@ class AllocateStage:
             obj = self._pool.allocate_nowait(shape, dtype)
             if obj is None:
                 try:
-                    obj = await self._pool.allocate(shape, dtype, timeout=self._timeout)
+                    with anyio.CancelScope() as request.waiting:
+                        if request.cancelled:
+                            request.waiting.cancel()
+                        obj = await self._pool.allocate(shape, dtype, timeout=self._timeout)
+                    request.waiting = None
+                    if obj is None:  # the request was cancelled while waiting
+                        break
                 except AllocationTimeoutError:
+                    request.waiting = None
                     request.stopped = True
                     request.partial = True
                     log.warning(
