@@ -1,0 +1,661 @@
+"""KV-cache memory layouts: how a serving engine's paged KV memory is shaped, and how chunks
+move between it and a contiguous chunk payload.
+
+A serving engine keeps, per attention layer, one tensor of fixed-size blocks. A token's
+place in it is its *slot*, ``block_id * block_size + offset_in_block``; a negative slot
+means "no place, skip this token". :class:`KVLayout` knows the engine's shape and memory
+order and moves the tokens named by a slot mapping to and from a chunk payload:
+
+* ``KV_2LTD`` payload ``[2, num_layers, tokens, num_kv_heads * head_size]`` (K = 0, V = 1);
+* ``KV_MLA`` payload ``[1, num_layers, tokens, latent_dim]``.
+
+Every transfer is a handful of vectorised ``index_select`` / ``index_copy_`` calls on a 2-D
+*row view* of each layer (a ``.view`` of the layer's own memory, no copy). The row indices
+of K and V for all tokens are computed once per call from the slots, then reused for every
+layer.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lmcache_async.errors import InvalidInputError
+
+__all__ = [
+    "DEFAULT_VLLM_CPU_BLOCK_SIZE",
+    "SUPPORTED_DTYPES",
+    "KVFormat",
+    "KVLayout",
+    "LayoutKind",
+]
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+"""Element types a KV cache may have."""
+
+DEFAULT_VLLM_CPU_BLOCK_SIZE = 128
+"""Block size vLLM's CPU attention backend uses unless told otherwise."""
+
+
+class KVFormat(str, enum.Enum):
+    """Shape of a chunk payload, the bytes that leave and re-enter the engine."""
+
+    KV_2LTD = "KV_2LTD"
+    """``[2, num_layers, tokens, num_kv_heads * head_size]``; index 0 is K, 1 is V."""
+    KV_T2D = "KV_T2D"
+    """Reserved for layerwise payloads, per layer ``[tokens, 2, heads * head_size]``."""
+    KV_MLA = "KV_MLA"
+    """``[1, num_layers, tokens, latent_dim]``."""
+
+
+class LayoutKind(str, enum.Enum):
+    """Which engine-side memory layout a :class:`KVLayout` describes."""
+
+    VLLM_FLASH_ATTN = "vllm_flash_attn"
+    """Per layer ``[2, num_blocks, block_size, H, D]``; NHD is contiguous, HND has the same
+    logical shape with memory ordered ``[2, num_blocks, H, block_size, D]``."""
+    FLASHINFER = "flashinfer"
+    """Per layer ``[num_blocks, 2, block_size, H, D]``, contiguous."""
+    MLA = "mla"
+    """Per layer ``[num_blocks, block_size, latent_dim]``, contiguous."""
+    VLLM_CPU = "vllm_cpu"
+    """vLLM's CPU attention backend: per layer ``[num_blocks, H, block_size, 2 * D]``,
+    contiguous, which in memory is ``[num_blocks, H, 2, block_size, D]`` (all K rows of a
+    block and head, then all V rows)."""
+
+
+def _is_strict_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The shape, element type and memory order of an engine's paged KV memory.
+
+    ``num_kv_heads`` and ``head_size`` are what this tensor-parallel rank holds
+    (``num_kv_heads`` is 1 and ``head_size`` is the latent size for MLA). Instances are
+    immutable and hashable. Use the named constructors (:meth:`vllm_flash_attn`,
+    :meth:`flashinfer`, :meth:`mla`, :meth:`vllm_cpu`) rather than the raw fields.
+
+    Raises:
+        InvalidInputError: a field is out of range or the combination is impossible; the
+            message starts with the field's name.
+    """
+
+    kind: LayoutKind
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    hnd: bool = False
+    tp_world_size: int = 1
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        kind: object = self.kind
+        if not isinstance(kind, LayoutKind):
+            try:
+                object.__setattr__(self, "kind", LayoutKind(kind))
+            except ValueError:
+                choices = ", ".join(k.value for k in LayoutKind)
+                raise InvalidInputError(f"kind: expected one of {choices}, got {kind!r}") from None
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_size", "tp_world_size"):
+            value = getattr(self, name)
+            if not _is_strict_int(value) or value <= 0:
+                raise InvalidInputError(f"{name}: expected a positive int, got {value!r}")
+        if not _is_strict_int(self.tp_rank) or not 0 <= self.tp_rank < self.tp_world_size:
+            raise InvalidInputError(
+                f"tp_rank: expected an int in [0, {self.tp_world_size}), got {self.tp_rank!r}"
+            )
+        if self.dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(_dtype_name(d) for d in SUPPORTED_DTYPES)
+            raise InvalidInputError(f"dtype: expected one of {names}, got {self.dtype!r}")
+        hnd: object = self.hnd
+        if not isinstance(hnd, bool):
+            raise InvalidInputError(f"hnd: expected a bool, got {hnd!r}")
+        if self.hnd and self.kind is not LayoutKind.VLLM_FLASH_ATTN:
+            raise InvalidInputError(
+                f"hnd: only meaningful for {LayoutKind.VLLM_FLASH_ATTN.value}, "
+                f"not {self.kind.value}"
+            )
+        if self.kind is LayoutKind.MLA and self.num_kv_heads != 1:
+            raise InvalidInputError(
+                f"num_kv_heads: must be 1 for the mla layout, got {self.num_kv_heads}"
+            )
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def vllm_flash_attn(
+        cls,
+        *,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        hnd: bool = False,
+        tp_world_size: int = 1,
+        tp_rank: int = 0,
+    ) -> KVLayout:
+        """vLLM flash-attention layout, per layer ``[2, num_blocks, block_size, H, D]``.
+
+        With ``hnd`` the memory is ordered ``[2, num_blocks, H, block_size, D]``.
+        """
+        return cls(
+            LayoutKind.VLLM_FLASH_ATTN,
+            num_layers,
+            block_size,
+            num_kv_heads,
+            head_size,
+            dtype,
+            hnd,
+            tp_world_size,
+            tp_rank,
+        )
+
+    @classmethod
+    def flashinfer(
+        cls,
+        *,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        tp_world_size: int = 1,
+        tp_rank: int = 0,
+    ) -> KVLayout:
+        """FlashInfer-style layout, per layer ``[num_blocks, 2, block_size, H, D]``."""
+        return cls(
+            LayoutKind.FLASHINFER,
+            num_layers,
+            block_size,
+            num_kv_heads,
+            head_size,
+            dtype,
+            False,
+            tp_world_size,
+            tp_rank,
+        )
+
+    @classmethod
+    def mla(
+        cls,
+        *,
+        num_layers: int,
+        block_size: int,
+        latent_dim: int,
+        dtype: torch.dtype,
+        tp_world_size: int = 1,
+        tp_rank: int = 0,
+    ) -> KVLayout:
+        """Multi-head latent attention layout, per layer ``[num_blocks, block_size, latent]``."""
+        return cls(
+            LayoutKind.MLA,
+            num_layers,
+            block_size,
+            1,
+            latent_dim,
+            dtype,
+            False,
+            tp_world_size,
+            tp_rank,
+        )
+
+    @classmethod
+    def vllm_cpu(
+        cls,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        block_size: int = DEFAULT_VLLM_CPU_BLOCK_SIZE,
+        tp_world_size: int = 1,
+        tp_rank: int = 0,
+    ) -> KVLayout:
+        """vLLM CPU attention layout, per layer ``[num_blocks, H, block_size, 2 * D]``."""
+        return cls(
+            LayoutKind.VLLM_CPU,
+            num_layers,
+            block_size,
+            num_kv_heads,
+            head_size,
+            dtype,
+            False,
+            tp_world_size,
+            tp_rank,
+        )
+
+    # ------------------------------------------------------------------ payload geometry
+
+    @property
+    def fmt(self) -> KVFormat:
+        """The chunk payload format: ``KV_MLA`` for MLA, else ``KV_2LTD``."""
+        return KVFormat.KV_MLA if self.kind is LayoutKind.MLA else KVFormat.KV_2LTD
+
+    @property
+    def width(self) -> int:
+        """Elements per token per layer per K/V part: ``H * D`` (``latent_dim`` for MLA)."""
+        return self.num_kv_heads * self.head_size
+
+    @property
+    def _parts(self) -> int:
+        return 1 if self.kind is LayoutKind.MLA else 2
+
+    @property
+    def token_bytes(self) -> int:
+        """Payload bytes per token, all layers, K and V together."""
+        return self._parts * self.num_layers * self.width * self.dtype.itemsize
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable text naming everything that defines the payload bytes.
+
+        Block size, NHD/HND and the engine-side kind are left out on purpose: they change
+        where tokens live in the engine, not the payload, so payloads stored through one
+        are valid for the others.
+        """
+        return (
+            f"fmt={self.fmt.value};dtype={_dtype_name(self.dtype)};layers={self.num_layers};"
+            f"heads={self.num_kv_heads};head_size={self.head_size};"
+            f"tp={self.tp_rank}/{self.tp_world_size}"
+        )
+
+    def payload_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """Shape of the payload for ``num_tokens`` tokens: ``(2, L, T, H*D)`` or ``(1, L, T,
+        latent)``.
+
+        Raises:
+            InvalidInputError: ``num_tokens`` is negative.
+        """
+        if not _is_strict_int(num_tokens) or num_tokens < 0:
+            raise InvalidInputError(f"num_tokens: expected an int >= 0, got {num_tokens!r}")
+        return (self._parts, self.num_layers, num_tokens, self.width)
+
+    # ------------------------------------------------------------------ engine memory
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The logical per-layer tensor shape a caller hands over for ``num_blocks`` blocks.
+
+        Raises:
+            InvalidInputError: ``num_blocks`` is not positive.
+        """
+        if not _is_strict_int(num_blocks) or num_blocks <= 0:
+            raise InvalidInputError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        bs, h, d = self.block_size, self.num_kv_heads, self.head_size
+        if self.kind is LayoutKind.VLLM_FLASH_ATTN:
+            return (2, num_blocks, bs, h, d)
+        if self.kind is LayoutKind.FLASHINFER:
+            return (num_blocks, 2, bs, h, d)
+        if self.kind is LayoutKind.MLA:
+            return (num_blocks, bs, d)
+        return (num_blocks, h, bs, 2 * d)
+
+    def allocate_kv_caches(
+        self,
+        num_blocks: int,
+        *,
+        device: str | torch.device = "cpu",
+        generator: torch.Generator | None = None,
+        random: bool = True,
+    ) -> list[torch.Tensor]:
+        """Allocate ``num_layers`` tensors in this layout (HND with its permuted strides).
+
+        Filled from a standard normal distribution when ``random`` (drawn from
+        ``generator``, which must live on ``device``), else with zeros. Meant for tests,
+        benchmarks and examples.
+
+        Raises:
+            InvalidInputError: ``num_blocks`` is not positive.
+        """
+        shape = self.kv_cache_shape(num_blocks)
+        if self.hnd:
+            # Memory ordered [2, nb, H, bs, D]; the caller sees [2, nb, bs, H, D].
+            shape = (shape[0], shape[1], shape[3], shape[2], shape[4])
+        layers: list[torch.Tensor] = []
+        for _ in range(self.num_layers):
+            if random:
+                t = torch.randn(shape, generator=generator, dtype=self.dtype, device=device)
+            else:
+                t = torch.zeros(shape, dtype=self.dtype, device=device)
+            layers.append(t.transpose(2, 3) if self.hnd else t)
+        return layers
+
+    def _num_blocks_of(self, layer: torch.Tensor) -> int:
+        return int(layer.shape[1] if self.kind is LayoutKind.VLLM_FLASH_ATTN else layer.shape[0])
+
+    def _has_memory_order(self, layer: torch.Tensor) -> bool:
+        if self.hnd:
+            return layer.transpose(2, 3).is_contiguous()
+        return layer.is_contiguous()
+
+    def _memory_order_text(self) -> str:
+        if self.hnd:
+            return "[2, num_blocks, num_kv_heads, block_size, head_size] (HND)"
+        if self.kind is LayoutKind.VLLM_CPU:
+            return "contiguous [num_blocks, num_kv_heads, block_size, 2 * head_size]"
+        return "contiguous"
+
+    def check_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> int:
+        """Validate the engine's per-layer KV tensors against this layout.
+
+        Checks the number of layers, each layer's shape, dtype and memory order (NHD and
+        the other kinds contiguous, HND with strides of memory ``[2, nb, H, bs, D]``) and
+        that all layers share one device. Call it once when caches are registered;
+        :meth:`gather` and :meth:`scatter` repeat only the cheap per-layer checks (shape,
+        dtype, memory order).
+
+        Returns:
+            The number of blocks per layer.
+
+        Raises:
+            InvalidInputError: naming the layer and what is wrong with it.
+        """
+        given: object = kv_caches
+        if isinstance(given, torch.Tensor) or not isinstance(given, Sequence):
+            raise InvalidInputError(
+                f"kv_caches: expected a sequence of {self.num_layers} layer tensors, "
+                f"got {type(given).__name__}"
+            )
+        if len(kv_caches) != self.num_layers:
+            raise InvalidInputError(
+                f"kv_caches: expected {self.num_layers} layer tensors, got {len(kv_caches)}"
+            )
+        expected_ndim = len(self.kv_cache_shape(1))
+        first = kv_caches[0]
+        if not isinstance(first, torch.Tensor) or first.ndim != expected_ndim:
+            raise InvalidInputError(
+                f"kv_caches[0]: expected a {expected_ndim}-D tensor, "
+                f"got {_describe(first)} for the {self.kind.value} layout"
+            )
+        num_blocks = self._num_blocks_of(first)
+        if num_blocks <= 0:
+            raise InvalidInputError("kv_caches[0]: has no blocks (num_blocks is 0)")
+        shape = torch.Size(self.kv_cache_shape(num_blocks))
+        device = first.device
+        for i, layer in enumerate(kv_caches):
+            if not isinstance(layer, torch.Tensor):
+                raise InvalidInputError(
+                    f"kv_caches[{i}]: expected a tensor, got {_describe(layer)}"
+                )
+            if layer.shape != shape:
+                raise InvalidInputError(
+                    f"kv_caches[{i}]: expected shape {tuple(shape)}, got {tuple(layer.shape)}"
+                )
+            if layer.dtype != self.dtype:
+                raise InvalidInputError(
+                    f"kv_caches[{i}]: expected dtype {_dtype_name(self.dtype)}, "
+                    f"got {_dtype_name(layer.dtype)}"
+                )
+            if layer.device != device:
+                raise InvalidInputError(
+                    f"kv_caches[{i}]: on device {layer.device}, but kv_caches[0] is on {device}"
+                )
+            if not self._has_memory_order(layer):
+                raise InvalidInputError(
+                    f"kv_caches[{i}]: expected memory ordered {self._memory_order_text()}, "
+                    f"got strides {layer.stride()}"
+                )
+        return num_blocks
+
+    def check_slot_mapping(
+        self,
+        slot_mapping: torch.Tensor,
+        num_tokens: int,
+        num_blocks: int,
+        *,
+        device: str | torch.device | None = None,
+    ) -> torch.Tensor:
+        """Validate a slot mapping and return it as int64.
+
+        ``slot_mapping`` must be a 1-D integer tensor of exactly ``num_tokens`` entries,
+        each ``< num_blocks * block_size``; negative entries mean "skip this token". The
+        range check runs where the tensor is, so checking a CPU mapping costs no device
+        synchronisation. The result is on ``device`` when given (normally the kv caches'
+        device), else on the mapping's own device; :meth:`gather` and :meth:`scatter` also
+        accept a CPU mapping for device caches and move it themselves.
+
+        Raises:
+            InvalidInputError: wrong type, rank, dtype, length, or a slot out of range.
+        """
+        if not _is_strict_int(num_tokens) or num_tokens < 0:
+            raise InvalidInputError(f"num_tokens: expected an int >= 0, got {num_tokens!r}")
+        if not _is_strict_int(num_blocks) or num_blocks <= 0:
+            raise InvalidInputError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        slots = self._check_slots_tensor(slot_mapping)
+        if slots.shape[0] != num_tokens:
+            raise InvalidInputError(
+                f"slot_mapping: expected {num_tokens} entries, got {slots.shape[0]}"
+            )
+        self._slot_range(slots, num_blocks * self.block_size)
+        return slots.to(device=slots.device if device is None else device, dtype=torch.int64)
+
+    @staticmethod
+    def _check_slots_tensor(slot_mapping: object) -> torch.Tensor:
+        if not isinstance(slot_mapping, torch.Tensor):
+            raise InvalidInputError(
+                f"slot_mapping: expected a tensor, got {type(slot_mapping).__name__}"
+            )
+        if slot_mapping.ndim != 1:
+            raise InvalidInputError(
+                f"slot_mapping: expected a 1-D tensor, got shape {tuple(slot_mapping.shape)}"
+            )
+        if not _is_integer_dtype(slot_mapping.dtype):
+            raise InvalidInputError(
+                f"slot_mapping: expected an integer dtype, got {_dtype_name(slot_mapping.dtype)}"
+            )
+        return slot_mapping
+
+    @staticmethod
+    def _slot_range(slots: torch.Tensor, num_slots: int) -> int:
+        """Check every slot is ``< num_slots`` and return the smallest (0 when empty).
+
+        One reduction: a host synchronisation when ``slots`` lives on an accelerator.
+        """
+        if slots.numel() == 0:
+            return 0
+        low, high = (int(v) for v in torch.aminmax(slots))
+        if high >= num_slots:
+            raise InvalidInputError(
+                f"slot_mapping: slot {high} out of range, the caches hold {num_slots} slots"
+            )
+        return low
+
+    # ------------------------------------------------------------------ transfers
+
+    def _row_views(self, kv_caches: Sequence[torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
+        """Each layer as a 2-D ``[rows, row_width]`` view of its own memory (no copy).
+
+        Every layer gets a cheap shape, dtype and memory-order check, so a bad layer fails
+        here with a clear error rather than as an out-of-range index on the device.
+
+        Raises:
+            InvalidInputError: a layer does not match this layout.
+        """
+        shape = torch.Size(self.kv_cache_shape(num_blocks))
+        dtype = self.dtype
+        views: list[torch.Tensor] = []
+        if self.hnd:
+            bs, h, d = self.block_size, self.num_kv_heads, self.head_size
+            rows_shape = (2 * num_blocks * h * bs, d)
+            # Strides of memory [2, nb, H, bs, D] seen as [2, nb, bs, H, D].
+            strides = (num_blocks * h * bs * d, h * bs * d, d, bs * d, 1)
+            for layer in kv_caches:
+                if layer.shape != shape or layer.dtype != dtype:
+                    self.check_kv_caches(kv_caches)
+                if layer.stride() == strides:
+                    # as_strided skips the transpose and is bounds-checked against storage.
+                    views.append(layer.as_strided(rows_shape, (d, 1)))
+                    continue
+                memory = layer.transpose(2, 3)
+                if not memory.is_contiguous():
+                    self.check_kv_caches(kv_caches)
+                views.append(memory.view(rows_shape))
+            return views
+        w = self.head_size if self.kind is LayoutKind.VLLM_CPU else self.width
+        for layer in kv_caches:
+            if layer.shape != shape or layer.dtype != dtype or not layer.is_contiguous():
+                self.check_kv_caches(kv_caches)
+            views.append(layer.view(-1, w))
+        return views
+
+    def _rows(self, slots: torch.Tensor, num_blocks: int) -> tuple[list[torch.Tensor], int]:
+        """Row indices into the row views for each payload part (K, V or the MLA latent).
+
+        ``slots`` is int64 with no negative entries. Returns the index tensors and the row
+        width; for HND and vLLM CPU a token spans ``num_kv_heads`` rows of ``head_size``,
+        listed token-major so they line up with a payload part viewed as rows.
+        """
+        bs = self.block_size
+        kind = self.kind
+        if kind is LayoutKind.MLA:
+            return [slots], self.width
+        if kind is LayoutKind.VLLM_FLASH_ATTN and not self.hnd:
+            return [slots, slots + num_blocks * bs], self.width
+        blocks = torch.div(slots, bs, rounding_mode="floor")
+        if kind is LayoutKind.FLASHINFER:
+            # [nb, 2, bs] rows: block b's K rows start at 2*b*bs, its V rows bs later.
+            rows_k = slots + blocks * bs
+            return [rows_k, rows_k + bs], self.width
+        h = self.num_kv_heads
+        if self.hnd:
+            # [2, nb, H, bs] rows of head_size.
+            block_stride, head_stride, v_offset = h * bs, bs, num_blocks * h * bs
+        else:
+            # vLLM CPU: [nb, H, 2, bs] rows of head_size.
+            block_stride, head_stride, v_offset = 2 * h * bs, 2 * bs, bs
+        base = slots + blocks * (block_stride - bs)
+        heads = torch.arange(0, h * head_stride, head_stride, device=slots.device)
+        rows_k = (base.unsqueeze(1) + heads).view(-1)
+        return [rows_k, rows_k + v_offset], self.head_size
+
+    def _check_payload(self, name: str, payload: object, num_tokens: int) -> torch.Tensor:
+        if not isinstance(payload, torch.Tensor):
+            raise InvalidInputError(f"{name}: expected a tensor, got {type(payload).__name__}")
+        expected = self.payload_shape(num_tokens)
+        if tuple(payload.shape) != expected:
+            raise InvalidInputError(
+                f"{name}: expected shape {expected} for {num_tokens} slots, "
+                f"got {tuple(payload.shape)}"
+            )
+        if payload.dtype != self.dtype:
+            raise InvalidInputError(
+                f"{name}: expected dtype {_dtype_name(self.dtype)}, "
+                f"got {_dtype_name(payload.dtype)}"
+            )
+        return payload
+
+    def _cache_geometry(self, kv_caches: Sequence[torch.Tensor]) -> tuple[int, torch.device]:
+        if len(kv_caches) != self.num_layers:
+            raise InvalidInputError(
+                f"kv_caches: expected {self.num_layers} layer tensors, got {len(kv_caches)}"
+            )
+        first = kv_caches[0]
+        if not isinstance(first, torch.Tensor) or first.ndim != len(self.kv_cache_shape(1)):
+            self.check_kv_caches(kv_caches)  # raises, naming what is wrong
+        return self._num_blocks_of(first), first.device
+
+    def gather(
+        self, kv_caches: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Copy the tokens at ``slots`` out of engine memory into the payload ``out``.
+
+        Args:
+            kv_caches: the layer tensors, as accepted by :meth:`check_kv_caches`.
+            slots: 1-D integer tensor, one slot per token, all ``>= 0``. May be on the CPU
+                for device caches (checked there, then moved); a device tensor costs one
+                host synchronisation for the range check.
+            out: contiguous ``payload_shape(len(slots))`` tensor of ``dtype``. It may live
+                on another device than the caches: the tokens are gathered into a staging
+                tensor on the caches' device and copied with ``non_blocking=True``, so a
+                pinned CPU ``out`` is complete only once the current stream is.
+
+        Raises:
+            InvalidInputError: a negative or out-of-range slot, or a malformed ``out``,
+                ``slots`` or cache list.
+        """
+        num_blocks, device = self._cache_geometry(kv_caches)
+        slots = self._check_slots_tensor(slots)
+        num_tokens = int(slots.shape[0])
+        out = self._check_payload("out", out, num_tokens)
+        if not out.is_contiguous():
+            raise InvalidInputError("out: must be contiguous")
+        low = self._slot_range(slots, num_blocks * self.block_size)
+        if low < 0:
+            raise InvalidInputError(
+                f"slots: gather needs every slot >= 0, got {low}; drop skipped tokens first"
+            )
+        if num_tokens == 0:
+            return
+        slots = slots.to(device=device, dtype=torch.int64, non_blocking=True)
+        dst = out if out.device == device else torch.empty_like(out, device=device)
+        rows, width = self._rows(slots, num_blocks)
+        parts = len(rows)
+        dst_rows = dst.view(parts * self.num_layers, -1, width).unbind(0)
+        for layer, src in enumerate(self._row_views(kv_caches, num_blocks)):
+            for part in range(parts):
+                torch.index_select(src, 0, rows[part], out=dst_rows[part * self.num_layers + layer])
+        if dst is not out:
+            out.copy_(dst, non_blocking=True)
+
+    def scatter(
+        self, payload: torch.Tensor, kv_caches: Sequence[torch.Tensor], slots: torch.Tensor
+    ) -> None:
+        """Write the payload's tokens into engine memory at ``slots``.
+
+        Tokens whose slot is negative are skipped: nothing is written for them. Slots must
+        be distinct (two tokens written to one slot leave either value).
+
+        Args:
+            payload: ``payload_shape(len(slots))`` tensor of ``dtype``, on any device; one
+                on another device than the caches is copied over with
+                ``non_blocking=True``, so the caller keeps it unchanged until the current
+                stream has finished.
+            kv_caches: the layer tensors, as accepted by :meth:`check_kv_caches`.
+            slots: 1-D integer tensor, one slot per payload token. May be on the CPU for
+                device caches; a device tensor costs one host synchronisation.
+
+        Raises:
+            InvalidInputError: an out-of-range slot, or a malformed payload, ``slots`` or
+                cache list.
+        """
+        num_blocks, device = self._cache_geometry(kv_caches)
+        slots = self._check_slots_tensor(slots)
+        payload = self._check_payload("payload", payload, int(slots.shape[0]))
+        low = self._slot_range(slots, num_blocks * self.block_size)
+        if low < 0:
+            keep = torch.nonzero(slots >= 0).view(-1)
+            if keep.numel() == 0:
+                return
+            slots = slots.index_select(0, keep)
+            payload = payload.index_select(2, keep.to(payload.device))
+        if slots.numel() == 0:
+            return
+        slots = slots.to(device=device, dtype=torch.int64, non_blocking=True)
+        payload = payload.to(device=device, non_blocking=True).contiguous()
+        rows, width = self._rows(slots, num_blocks)
+        parts = len(rows)
+        src_rows = payload.view(parts * self.num_layers, -1, width).unbind(0)
+        for layer, dst in enumerate(self._row_views(kv_caches, num_blocks)):
+            for part in range(parts):
+                dst.index_copy_(0, rows[part], src_rows[part * self.num_layers + layer])
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.ndim}-D tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
