@@ -1,0 +1,173 @@
+"""Benchmarks behind ``lmcache-async bench``.
+
+Two jobs live here, each in its own module so that importing this package stays cheap:
+
+- :mod:`lmcache_async.bench.embedded` — a multi-round chat workload on an embedded
+  :class:`~lmcache_async.CacheEngine` with real KV tensors (``make run``);
+- :mod:`lmcache_async.bench.micro` — copy, lookup and hashing micro-benchmarks measured
+  next to plain-torch baselines (``make bench``).
+
+This module holds the small helpers both share: dtype names, latency percentiles, plain
+text tables, progress display and JSON output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import fields, is_dataclass
+from typing import Any, Final, TextIO
+
+import torch
+
+from lmcache_async.errors import InvalidInputError
+
+__all__ = [
+    "DTYPES",
+    "Progress",
+    "format_table",
+    "parse_dtype",
+    "percentiles",
+    "plain_data",
+    "write_json",
+]
+
+DTYPES: Final[Mapping[str, torch.dtype]] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+"""KV dtypes the benchmarks accept, by name."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` (one of :data:`DTYPES`).
+
+    Raises:
+        InvalidInputError: ``name`` is not a known dtype name.
+    """
+    try:
+        return DTYPES[name]
+    except KeyError:
+        allowed = ", ".join(DTYPES)
+        raise InvalidInputError(f"unknown dtype {name!r}; expected one of {allowed}") from None
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
+    """Nearest-rank-interpolated percentiles of ``values`` as ``{"p50": ..., ...}``.
+
+    Also returns ``count`` and ``mean``. An empty sequence gives ``nan`` for every
+    statistic (and ``count`` 0) rather than raising, so a run without a given operation
+    still reports.
+    """
+    out: dict[str, float] = {"count": float(len(values))}
+    if not values:
+        out["mean"] = math.nan
+        for q in qs:
+            out[f"p{q:g}"] = math.nan
+        return out
+    ordered = sorted(values)
+    out["mean"] = sum(ordered) / len(ordered)
+    last = len(ordered) - 1
+    for q in qs:
+        pos = last * q / 100.0
+        lo = math.floor(pos)
+        hi = min(lo + 1, last)
+        frac = pos - lo
+        out[f"p{q:g}"] = ordered[lo] + (ordered[hi] - ordered[lo]) * frac
+    return out
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Render rows of strings as an aligned plain-text table (first column left-aligned)."""
+    widths = [len(h) for h in header]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
+            for i, cell in enumerate(cells)
+        ]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(row) for row in rows)])
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` with non-finite floats replaced by None (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def write_json(path: str | os.PathLike[str], results: Mapping[str, Any]) -> None:
+    """Write ``results`` to ``path`` as indented JSON (NaN and infinities become null).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_jsonable(results), f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def plain_data(value: Any) -> Any:
+    """``value`` as JSON-friendly Python data (dataclasses and named tuples to dicts)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain_data(getattr(value, f.name)) for f in fields(value)}
+    as_dict = getattr(value, "_asdict", None)
+    if callable(as_dict):
+        return {k: plain_data(v) for k, v in as_dict().items()}
+    if isinstance(value, Mapping):
+        return {str(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain_data(v) for v in value]
+    if isinstance(value, bytes):
+        return value.hex()
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return repr(value)
+
+
+class Progress:
+    """Progress on a stream: a tqdm bar when tqdm is importable, else a line a second."""
+
+    def __init__(self, total: float, stream: TextIO) -> None:
+        self._stream = stream
+        self._total = total
+        self._bar: Any = None
+        try:
+            from tqdm import tqdm  # noqa: PLC0415  (optional dependency)
+        except ImportError:
+            return
+        self._bar = tqdm(
+            total=round(total, 1),
+            file=stream,
+            unit="s",
+            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s{postfix}",
+            desc="bench",
+            leave=False,
+        )
+
+    def update(self, elapsed: float, text: str) -> None:
+        """Show ``elapsed`` seconds of the total and a short status ``text``."""
+        if self._bar is not None:
+            self._bar.n = round(min(elapsed, self._total), 1)
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.refresh()
+        else:
+            print(f"bench {elapsed:5.1f}/{self._total:.0f} s  {text}", file=self._stream)
+
+    def close(self) -> None:
+        """Remove the bar (the fallback printed lines stay)."""
+        if self._bar is not None:
+            self._bar.close()
