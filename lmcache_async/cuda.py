@@ -5,20 +5,21 @@ recorded behind it, and the caller awaits that event through :class:`EventBridge
 thread per stream blocks in ``Event.synchronize()`` and resolves an asyncio future with
 ``call_soon_threadsafe``, so the event loop never blocks on the GPU and no thread is held per
 copy. On the CPU the bridge is not used: small copies run inline on the loop (a thread hop
-costs more than they do) and large ones in a worker thread.
+costs more than they do) and large ones on a small pool of copy threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
+import functools
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
-import anyio.to_thread
 import structlog
 import torch
 
@@ -28,8 +29,10 @@ __all__ = ["Direction", "EventBridge", "Transfers"]
 
 log = structlog.get_logger(__name__)
 
+J = TypeVar("J")
 
-class Direction(str, enum.Enum):
+
+class Direction(enum.StrEnum):
     STORE = "store"  # engine memory -> host payload (D2H)
     LOAD = "load"  # host payload -> engine memory (H2D)
 
@@ -93,39 +96,66 @@ def _fail(future: asyncio.Future[None], exc: BaseException) -> None:
 
 
 class Transfers:
-    """Runs gather/scatter callables where they belong for the device of the KV caches.
+    """Runs gathers/scatters where they belong for the device of the KV caches.
 
-    ``inline_bytes``: on the CPU, copies smaller than this run on the event loop; larger
-    ones in a worker thread. On CUDA every copy goes to the direction's stream.
+    A copy is ``work(jobs)``: a callable over a list of per-chunk jobs. On the CPU, copies
+    of fewer than ``inline_bytes`` run on the event loop (a thread hop costs more than
+    they do); larger ones are split across ``workers`` copy threads, each running torch
+    with one intra-op thread, so two cores copy two chunks at once instead of contending
+    inside each small copy. On CUDA every copy goes to the direction's stream.
     """
 
-    def __init__(self, *, inline_bytes: int) -> None:
+    def __init__(self, *, inline_bytes: int, workers: int | None = None) -> None:
         self._inline_bytes = inline_bytes
+        self._workers = max(1, workers if workers is not None else torch.get_num_threads())
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._streams: dict[tuple[torch.device, Direction], Any] = {}
         self._bridges: dict[tuple[torch.device, Direction], EventBridge] = {}
         self._closed = False
 
     async def run(
         self,
-        fn: Callable[[], None],
+        work: Callable[[list[J]], None],
+        jobs: list[J],
         *,
         device: torch.device,
         direction: Direction,
         nbytes: int,
         timeout: float,
     ) -> None:
-        """Run ``fn`` (which queues or performs the copy) and return when it has completed.
+        """Run ``work(jobs)`` and return when the copies have completed.
 
-        Raises TimeoutError when a GPU copy does not complete within ``timeout`` seconds.
+        CPU copies are not interrupted once started, even if the caller is cancelled: the
+        memory they write to must not be handed back before they finish.
+
+        Raises:
+            TimeoutError: a GPU copy did not complete within ``timeout`` seconds.
+            EngineClosedError: after :meth:`close`.
         """
         if self._closed:
             raise EngineClosedError("transfers are closed")
         if device.type == "cuda":
-            await self._run_cuda(fn, device, direction, timeout)
+            await self._run_cuda(functools.partial(work, jobs), device, direction, timeout)
         elif nbytes < self._inline_bytes:
-            fn()
+            work(jobs)
         else:
-            await anyio.to_thread.run_sync(fn)
+            await self._run_threads(work, jobs)
+
+    async def _run_threads(self, work: Callable[[list[J]], None], jobs: list[J]) -> None:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self._workers,
+                thread_name_prefix="lmcache-copy",
+                initializer=torch.set_num_threads,  # per thread: the caller's setting stays
+                initargs=(1,),
+            )
+        split = min(self._workers, len(jobs))
+        loop = asyncio.get_running_loop()
+        futures = [loop.run_in_executor(self._executor, work, jobs[i::split]) for i in range(split)]
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait(futures)
+        for future in futures:
+            future.result()  # re-raise the first failure
 
     async def _run_cuda(
         self, fn: Callable[[], None], device: torch.device, direction: Direction, timeout: float
@@ -146,8 +176,11 @@ class Transfers:
         await self._bridges[key].wait(event, timeout=timeout)
 
     def close(self) -> None:
-        """Stop the bridge threads; further copies raise EngineClosedError."""
+        """Stop the copy and bridge threads; further copies raise EngineClosedError."""
         self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         for bridge in self._bridges.values():
             bridge.close()
         self._bridges.clear()

@@ -8,6 +8,7 @@ that are not async.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import itertools
@@ -48,6 +49,10 @@ Tokens = Sequence[int] | torch.Tensor | np.ndarray
 T = TypeVar("T")
 R = TypeVar("R", bound=Request)
 
+# Long prompts whose chunk digests are remembered: a prompt is typically looked up,
+# retrieved and stored in turn.
+_DIGEST_MEMO_PROMPTS = 32
+
 # How long a retrieve that timed out waits for a copy already under way, so that the mask it
 # returns covers every slot that was written.
 _ABANDON_GRACE_SECONDS = 10.0
@@ -83,6 +88,7 @@ class CacheEngine:
             self.namespace,
             chunk_size=config.chunk_size,
             algorithm=HashAlgorithm(config.hash_algorithm),
+            memo_size=_DIGEST_MEMO_PROMPTS,
         )
         self._events = EventBuffer(config.max_kv_events, enabled=config.enable_kv_events)
         self._pool = MemoryPool(config.cpu_capacity_bytes)
@@ -287,13 +293,14 @@ class CacheEngine:
             raise InvalidInputError("slot_mapping must be a 1-D integer tensor")
         num_blocks = self.layout.check_kv_caches(kv_caches)
         slots = self.layout.check_slot_mapping(slot_mapping, num_tokens, num_blocks)
+        slots_cpu = slots if slots.device.type == "cpu" else slots.cpu()
         request = request_type(
             req_id=req_id if req_id is not None else f"req-{next(self._request_ids)}",
             keyer=keyer,
             num_tokens=num_tokens,
             hash_inline=inline,
-            kv_caches=kv_caches,
-            slots=slots,
+            plan=self.layout.plan(kv_caches, slots, slots_cpu=slots_cpu),
+            slots_cpu=slots_cpu,
         )
         if inline:
             # Short prompts are hashed here: invalid tokens fail before anything is queued.
@@ -341,7 +348,8 @@ class CacheEngine:
         self._counters.store_requests += 1
         if not self._manager.accepts_writes or not self.is_healthy():
             return 0
-        request.limit = _store_limit(request.slots, start, request.num_tokens)
+        skipped = request.plan.first_skipped(start)
+        request.limit = request.num_tokens if skipped is None else skipped
         stored = await self._execute(
             self._store_pipe, request, request.completion, self.config.store_timeout
         )
@@ -384,9 +392,6 @@ class CacheEngine:
         )
         self._counters.retrieve_requests += 1
         request.mask = torch.zeros(request.num_tokens, dtype=torch.bool)
-        request.slots_cpu = (
-            request.slots.cpu() if request.slots.device.type != "cpu" else request.slots
-        )
         del start  # the spans already begin at the mask start
         try:
             if not self.is_healthy():
@@ -410,7 +415,9 @@ class CacheEngine:
         and return its memory.
         """
         try:
-            with anyio.fail_after(timeout):
+            # asyncio's own timeout: an anyio cancel scope costs tens of microseconds, paid
+            # on every request.
+            async with asyncio.timeout(timeout):
                 await pipeline.submit(request)
                 return await completion.wait()
         except TimeoutError:
@@ -450,19 +457,37 @@ class CacheEngine:
         self._check_open()
         if pin and lookup_id is None:
             raise InvalidInputError("pin=True needs a lookup_id")
-        keyer, num_tokens, inline = self._keys(tokens, hashes, offsets, None)
-        spans, _ = keyer() if inline else await anyio.to_thread.run_sync(keyer)
+        chunk_size = self.config.chunk_size
+        if hashes is not None:
+            keyer, num_tokens, _ = self._keys(tokens, hashes, offsets, None)
+            spans, _ = keyer()
+            keys: Sequence[bytes] = [span.key for span in spans]
+            ends = [span.end for span in spans]
+        else:
+            # Only the digests are needed: a whole-chunk key is its digest.
+            if tokens is None:
+                raise InvalidInputError("tokens (or hashes with offsets) are required")
+            _, num_tokens, inline = self._keys(tokens, None, offsets, None)
+            digest = functools.partial(self._hasher.digests, tokens)
+            keys = digest() if inline else await anyio.to_thread.run_sync(digest)
+            if num_tokens % chunk_size and not self.config.save_unfull_chunk:
+                keys = keys[:-1]
+            ends = []
         self._counters.lookup_requests += 1
         self._counters.lookup_tokens += num_tokens
         if not self.is_healthy():
             return 0
-        keys = [span.key for span in spans]
         if pin and lookup_id is not None:
             hits = self._manager.pin_prefix(keys, lookup_id)
             self._pins_changed.set()
         else:
             hits = self._manager.contains_prefix(keys)
-        hit_tokens = spans[hits - 1].end if hits else 0
+        if not hits:
+            hit_tokens = 0
+        elif ends:
+            hit_tokens = ends[hits - 1]
+        else:
+            hit_tokens = min(hits * chunk_size, num_tokens)
         self._counters.lookup_hit_tokens += hit_tokens
         return hit_tokens
 
@@ -532,13 +557,6 @@ class CacheEngine:
 def _already_hashed(request: Request) -> Keyer:
     spans, tokens = request.spans, request.tokens
     return lambda: (spans, tokens)
-
-
-def _store_limit(slot_mapping: torch.Tensor, start: int, num_tokens: int) -> int:
-    """Index of the first token at/after ``start`` whose slot is negative (or num_tokens)."""
-    tail = slot_mapping[start:num_tokens]
-    negative = torch.nonzero(tail < 0)
-    return start + int(negative[0, 0]) if negative.numel() else num_tokens
 
 
 class _EngineContext:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 __all__ = ["EventBuffer", "EventKind", "KVEvent"]
 
 
-class EventKind(str, enum.Enum):
+class EventKind(enum.StrEnum):
     STORED = "stored"
     REMOVED = "removed"
 

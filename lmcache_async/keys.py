@@ -13,9 +13,11 @@ hashed on its own, ``H(h_0 || segment)``, so a document is found wherever it app
 
 from __future__ import annotations
 
+import collections
 import enum
 import re
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
@@ -44,6 +46,9 @@ __all__ = [
 DIGEST_SIZE: Final = 16
 """Size in bytes of every key digest, whatever the algorithm."""
 
+_LAYER_BYTES: Final = 4
+_MAX_LAYERS: Final = 1 << (8 * _LAYER_BYTES)
+
 Tokens: TypeAlias = Sequence[int] | torch.Tensor | npt.NDArray[np.integer[Any]]
 """Token ids: a list/tuple of int, a 1-D integer tensor or a 1-D integer ndarray."""
 
@@ -59,7 +64,7 @@ _BYTES_HASH_TAG: Final = b"\x02"
 _KEY_TEXT: Final = re.compile(r"([0-9a-f]{32})(?:@L(0|[1-9][0-9]*))?")
 
 
-class HashAlgorithm(str, enum.Enum):
+class HashAlgorithm(enum.StrEnum):
     """The hash ``H`` used for seeds and chunk keys."""
 
     BLAKE3 = "blake3"
@@ -95,36 +100,53 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True, slots=True, repr=False)
-class ChunkKey:
+class ChunkKey(bytes):
     """The key of one chunk: a :data:`DIGEST_SIZE`-byte digest, optionally for one layer.
 
-    Frozen and hashable. :meth:`to_str` is the one stable text form (32 lowercase hex
-    characters, plus ``@L<layer>`` for a layer key) used for file names and Redis keys.
+    A key *is* its bytes: the digest, followed for a layer key by the layer number as 4
+    little-endian bytes. It hashes and compares like those bytes, so a tier's index can be
+    probed with a bare digest, with no key object built per chunk on the lookup path.
+    Immutable. :meth:`to_str` is the one stable text form (32 lowercase hex characters,
+    plus ``@L<layer>`` for a layer key) used for file names and Redis keys.
 
     Raises:
         InvalidInputError: ``digest`` is not :data:`DIGEST_SIZE` bytes, or ``layer`` is not
-            ``None`` or a non-negative int.
+            ``None`` or an int in ``[0, 2**32)``.
     """
 
-    digest: bytes
-    layer: int | None = None
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.digest, bytes) or len(self.digest) != DIGEST_SIZE:
+    def __new__(cls, digest: bytes, layer: int | None = None) -> ChunkKey:
+        if type(digest) is not bytes or len(digest) != DIGEST_SIZE:
             raise InvalidInputError(
-                f"ChunkKey digest must be {DIGEST_SIZE} bytes, got {self.digest!r:.80}"
+                f"ChunkKey digest must be {DIGEST_SIZE} bytes, got {digest!r:.80}"
             )
-        if self.layer is not None and (not _is_int(self.layer) or self.layer < 0):
+        if layer is None:
+            return super().__new__(cls, digest)
+        if not _is_int(layer) or not 0 <= layer < _MAX_LAYERS:
             raise InvalidInputError(
-                f"ChunkKey layer must be None or a non-negative int, got {self.layer!r}"
+                f"ChunkKey layer must be None or a non-negative int, got {layer!r}"
             )
+        return super().__new__(cls, digest + layer.to_bytes(_LAYER_BYTES, "little"))
+
+    @property
+    def digest(self) -> bytes:
+        """The chunk's digest (without the layer)."""
+        return bytes(self[:DIGEST_SIZE])
+
+    @property
+    def layer(self) -> int | None:
+        """The layer of a layer key, ``None`` for a whole-chunk key."""
+        if len(self) == DIGEST_SIZE:
+            return None
+        return int.from_bytes(self[DIGEST_SIZE:], "little")
 
     def to_str(self) -> str:
         """The stable text form: ``"<32 hex chars>"`` or ``"<32 hex chars>@L<layer>"``."""
-        if self.layer is None:
-            return self.digest.hex()
-        return f"{self.digest.hex()}@L{self.layer}"
+        layer = self.layer
+        if layer is None:
+            return self[:DIGEST_SIZE].hex()
+        return f"{self[:DIGEST_SIZE].hex()}@L{layer}"
 
     @classmethod
     def from_str(cls, text: str) -> ChunkKey:
@@ -199,8 +221,6 @@ class ChunkSpan:
 # __init__ of a frozen class costs about as much as hashing the chunk, so the hot path
 # fills the slots directly instead.
 _new_object = object.__new__
-_set_key_digest: Final = ChunkKey.__dict__["digest"].__set__
-_set_key_layer: Final = ChunkKey.__dict__["layer"].__set__
 _set_span_start: Final = ChunkSpan.__dict__["start"].__set__
 _set_span_end: Final = ChunkSpan.__dict__["end"].__set__
 _set_span_key: Final = ChunkSpan.__dict__["key"].__set__
@@ -208,10 +228,7 @@ _set_span_parent: Final = ChunkSpan.__dict__["parent"].__set__
 
 
 def _new_key(digest: bytes) -> ChunkKey:
-    key: ChunkKey = _new_object(ChunkKey)
-    _set_key_digest(key, digest)
-    _set_key_layer(key, None)
-    return key
+    return bytes.__new__(ChunkKey, digest)
 
 
 def _new_span(start: int, end: int, key: ChunkKey, parent: ChunkKey | None) -> ChunkSpan:
@@ -456,7 +473,7 @@ def _build_spans(
     digests: list[bytes], first: int, num_tokens: int, chunk_size: int
 ) -> list[ChunkSpan]:
     """Spans for chunks ``first..len(digests)-1``; chunk ``k`` covers ``[k*cs, (k+1)*cs)``."""
-    new, set_digest, set_layer = _new_object, _set_key_digest, _set_key_layer
+    new, new_key = _new_object, bytes.__new__
     set_start, set_end, set_key, set_parent = (
         _set_span_start,
         _set_span_end,
@@ -469,9 +486,7 @@ def _build_spans(
     start = first * chunk_size
     for digest in digests[first:]:
         # _new_key and _new_span inlined: this loop runs once per chunk.
-        key: ChunkKey = new(ChunkKey)
-        set_digest(key, digest)
-        set_layer(key, None)
+        key = new_key(ChunkKey, digest)
         end = min(start + chunk_size, num_tokens)
         span: ChunkSpan = new(ChunkSpan)
         set_start(span, start)
@@ -499,20 +514,66 @@ def _encode_block_hash(index: int, value: int | bytes) -> bytes:
         ) from None
 
 
+class _DigestMemo:
+    """The chained digests of recently hashed long prompts.
+
+    A serving engine asks about the same prompt several times (a lookup from the
+    scheduler, a retrieve, a store after prefill), and hashing a long prompt costs far more
+    than recognising it. An entry is found by a fast hash of the token bytes and used only
+    if the stored bytes are equal to the new ones, so a hit is exact by construction.
+    """
+
+    __slots__ = ("_capacity", "_entries", "_lock")
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._entries: collections.OrderedDict[int, tuple[bytes, list[bytes]]] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()  # digests() may run on worker threads too
+
+    def get(self, fingerprint: int, data: bytes) -> list[bytes] | None:
+        with self._lock:
+            entry = self._entries.get(fingerprint)
+            if entry is None or entry[0] != data:
+                return None
+            self._entries.move_to_end(fingerprint)
+            return list(entry[1])
+
+    def put(self, fingerprint: int, data: bytes, digests: list[bytes]) -> None:
+        with self._lock:
+            self._entries[fingerprint] = (data, list(digests))
+            self._entries.move_to_end(fingerprint)
+            while len(self._entries) > self._capacity:
+                self._entries.popitem(last=False)
+
+
 class ChunkHasher:
     """Cuts tokens into chunks of ``chunk_size`` and chains their hashes.
 
     ``h_0 = namespace.seed(algorithm)``, ``h_i = H(h_{i-1} || tokens_i)`` with ``tokens_i``
     as little-endian int32, so the key of a chunk depends on every token before it and keys
-    of a prefix are the first keys of any longer sequence. Stateless after construction:
-    safe to share between threads.
+    of a prefix are the first keys of any longer sequence. Safe to share between threads.
+
+    ``memo_size`` > 0 remembers the digests of that many recent prompts of at least
+    ``memo_min_tokens`` tokens, so asking again about the same long prompt (lookup, then
+    retrieve, then store) costs a comparison instead of a re-hash.
 
     Raises:
         InvalidInputError: ``chunk_size`` is not a positive int, ``namespace`` is not a
             :class:`Namespace`, or ``algorithm`` is unknown.
     """
 
-    __slots__ = ("_algorithm", "_chain", "_chunk_size", "_hash", "_namespace", "_seed")
+    __slots__ = (
+        "_algorithm",
+        "_chain",
+        "_chunk_size",
+        "_hash",
+        "_memo",
+        "_memo_min_bytes",
+        "_namespace",
+        "_seed",
+    )
 
     def __init__(
         self,
@@ -520,6 +581,8 @@ class ChunkHasher:
         *,
         chunk_size: int,
         algorithm: HashAlgorithm = HashAlgorithm.BLAKE3,
+        memo_size: int = 0,
+        memo_min_tokens: int = 4096,
     ) -> None:
         if not isinstance(namespace, Namespace):
             raise InvalidInputError(f"namespace must be a Namespace, got {namespace!r:.80}")
@@ -531,6 +594,25 @@ class ChunkHasher:
         self._seed = namespace.seed(self._algorithm)
         self._hash = _hash_function(self._algorithm)
         self._chain = _chain_blake3 if self._algorithm is HashAlgorithm.BLAKE3 else _chain_xxh3
+        if not _is_int(memo_size) or memo_size < 0:
+            raise InvalidInputError(f"memo_size must be an int >= 0, got {memo_size!r}")
+        self._memo = _DigestMemo(memo_size) if memo_size else None
+        self._memo_min_bytes = memo_min_tokens * _TOKEN_BYTES
+
+    def _all_digests(self, data: memoryview) -> list[bytes]:
+        """Digests of every chunk of ``data`` (token bytes), from the memo when it has them."""
+        step = self._chunk_size * _TOKEN_BYTES
+        memo = self._memo
+        if memo is None or len(data) < self._memo_min_bytes:
+            return self._chain(self._seed, data, step, len(data))
+        # bytes == bytes is one memcmp; comparing through a memoryview goes item by item.
+        content = data.tobytes()
+        fingerprint = xxhash.xxh3_64_intdigest(content)
+        digests = memo.get(fingerprint, content)
+        if digests is None:
+            digests = self._chain(self._seed, data, step, len(data))
+            memo.put(fingerprint, content, digests)
+        return digests
 
     @property
     def chunk_size(self) -> int:
@@ -560,7 +642,7 @@ class ChunkHasher:
             InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
         """
         data, _ = _token_bytes(tokens)
-        return self._chain(self._seed, data, self._chunk_size * _TOKEN_BYTES, len(data))
+        return self._all_digests(data)
 
     def spans(
         self,
@@ -585,8 +667,7 @@ class ChunkHasher:
         first = start // chunk_size
         if start >= num_tokens or first >= num_chunks:
             return []
-        step = chunk_size * _TOKEN_BYTES
-        digests = self._chain(self._seed, data, step, num_chunks * step)
+        digests = self._all_digests(data)[:num_chunks]
         return _build_spans(digests, first, num_tokens, chunk_size)
 
     def spans_from_hashes(

@@ -17,6 +17,7 @@ layer.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ __all__ = [
     "KVFormat",
     "KVLayout",
     "LayoutKind",
+    "TransferPlan",
 ]
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,7 +42,7 @@ DEFAULT_VLLM_CPU_BLOCK_SIZE = 128
 """Block size vLLM's CPU attention backend uses unless told otherwise."""
 
 
-class KVFormat(str, enum.Enum):
+class KVFormat(enum.StrEnum):
     """Shape of a chunk payload, the bytes that leave and re-enter the engine."""
 
     KV_2LTD = "KV_2LTD"
@@ -51,7 +53,7 @@ class KVFormat(str, enum.Enum):
     """``[1, num_layers, tokens, latent_dim]``."""
 
 
-class LayoutKind(str, enum.Enum):
+class LayoutKind(enum.StrEnum):
     """Which engine-side memory layout a :class:`KVLayout` describes."""
 
     VLLM_FLASH_ATTN = "vllm_flash_attn"
@@ -107,7 +109,7 @@ class KVLayout:
         kind: object = self.kind
         if not isinstance(kind, LayoutKind):
             try:
-                object.__setattr__(self, "kind", LayoutKind(kind))
+                object.__setattr__(self, "kind", LayoutKind(str(kind)))
             except ValueError:
                 choices = ", ".join(k.value for k in LayoutKind)
                 raise InvalidInputError(f"kind: expected one of {choices}, got {kind!r}") from None
@@ -569,6 +571,42 @@ class KVLayout:
             self.check_kv_caches(kv_caches)  # raises, naming what is wrong
         return self._num_blocks_of(first), first.device
 
+    def plan(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        slots: torch.Tensor,
+        *,
+        slots_cpu: torch.Tensor | None = None,
+    ) -> TransferPlan:
+        """Prepare the transfers of one request: row views and row indices computed once.
+
+        ``slots`` must have passed :meth:`check_slot_mapping` for these caches (int64, in
+        range); negative slots are allowed and are skipped by :meth:`TransferPlan.scatter`.
+        ``slots_cpu`` is the same mapping on the CPU when ``slots`` lives on a device (it
+        spares a host synchronisation). Per-chunk gathers and scatters then only slice.
+
+        Raises:
+            InvalidInputError: a layer does not match this layout.
+        """
+        num_blocks, device = self._cache_geometry(kv_caches)
+        host = slots if slots_cpu is None else slots_cpu
+        negative: list[int] = []
+        if host.numel() and int(host.min()) < 0:
+            negative = torch.nonzero(host < 0).view(-1).tolist()
+        slots = slots.to(device=device, dtype=torch.int64, non_blocking=True)
+        if negative:
+            slots = slots.clamp(min=0)  # keeps the row arithmetic in range; never copied
+        rows, width = self._rows(slots, num_blocks)
+        return TransferPlan(
+            self,
+            views=self._row_views(kv_caches, num_blocks),
+            rows=rows,
+            width=width,
+            rows_per_token=rows[0].shape[0] // max(int(slots.shape[0]), 1),
+            negative=negative,
+            device=device,
+        )
+
     def gather(
         self, kv_caches: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor
     ) -> None:
@@ -588,7 +626,7 @@ class KVLayout:
             InvalidInputError: a negative or out-of-range slot, or a malformed ``out``,
                 ``slots`` or cache list.
         """
-        num_blocks, device = self._cache_geometry(kv_caches)
+        num_blocks, _ = self._cache_geometry(kv_caches)
         slots = self._check_slots_tensor(slots)
         num_tokens = int(slots.shape[0])
         out = self._check_payload("out", out, num_tokens)
@@ -599,18 +637,8 @@ class KVLayout:
             raise InvalidInputError(
                 f"slots: gather needs every slot >= 0, got {low}; drop skipped tokens first"
             )
-        if num_tokens == 0:
-            return
-        slots = slots.to(device=device, dtype=torch.int64, non_blocking=True)
-        dst = out if out.device == device else torch.empty_like(out, device=device)
-        rows, width = self._rows(slots, num_blocks)
-        parts = len(rows)
-        dst_rows = dst.view(parts * self.num_layers, -1, width).unbind(0)
-        for layer, src in enumerate(self._row_views(kv_caches, num_blocks)):
-            for part in range(parts):
-                torch.index_select(src, 0, rows[part], out=dst_rows[part * self.num_layers + layer])
-        if dst is not out:
-            out.copy_(dst, non_blocking=True)
+        if num_tokens:
+            self.plan(kv_caches, slots).gather(0, num_tokens, out)
 
     def scatter(
         self, payload: torch.Tensor, kv_caches: Sequence[torch.Tensor], slots: torch.Tensor
@@ -633,26 +661,138 @@ class KVLayout:
             InvalidInputError: an out-of-range slot, or a malformed payload, ``slots`` or
                 cache list.
         """
-        num_blocks, device = self._cache_geometry(kv_caches)
+        num_blocks, _ = self._cache_geometry(kv_caches)
         slots = self._check_slots_tensor(slots)
-        payload = self._check_payload("payload", payload, int(slots.shape[0]))
-        low = self._slot_range(slots, num_blocks * self.block_size)
-        if low < 0:
-            keep = torch.nonzero(slots >= 0).view(-1)
-            if keep.numel() == 0:
-                return
-            slots = slots.index_select(0, keep)
-            payload = payload.index_select(2, keep.to(payload.device))
-        if slots.numel() == 0:
-            return
-        slots = slots.to(device=device, dtype=torch.int64, non_blocking=True)
-        payload = payload.to(device=device, non_blocking=True).contiguous()
-        rows, width = self._rows(slots, num_blocks)
-        parts = len(rows)
-        src_rows = payload.view(parts * self.num_layers, -1, width).unbind(0)
-        for layer, dst in enumerate(self._row_views(kv_caches, num_blocks)):
+        num_tokens = int(slots.shape[0])
+        payload = self._check_payload("payload", payload, num_tokens)
+        self._slot_range(slots, num_blocks * self.block_size)
+        if num_tokens:
+            self.plan(kv_caches, slots).scatter(payload, 0, num_tokens)
+
+
+class TransferPlan:
+    """One request's transfers between engine memory and chunk payloads.
+
+    Built by :meth:`KVLayout.plan`, which validates and computes everything that does not
+    depend on the chunk; :meth:`gather` and :meth:`scatter` move the tokens
+    ``[start, end)`` of the request with one ``index_select`` / ``index_copy_`` per layer
+    and K/V part, and no further checks.
+    """
+
+    __slots__ = ("_device", "_layout", "_negative", "_rows", "_rpt", "_views", "_width")
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        views: list[torch.Tensor],
+        rows: list[torch.Tensor],
+        width: int,
+        rows_per_token: int,
+        negative: list[int],
+        device: torch.device,
+    ) -> None:
+        self._layout = layout
+        self._views = views
+        self._rows = rows
+        self._width = width
+        self._rpt = rows_per_token
+        self._negative = negative
+        self._device = device
+
+    @property
+    def device(self) -> torch.device:
+        """Where the serving engine's KV memory lives."""
+        return self._device
+
+    def first_skipped(self, start: int) -> int | None:
+        """The first token at or after ``start`` whose slot is negative, if any."""
+        negative = self._negative
+        index = bisect.bisect_left(negative, start)
+        return negative[index] if index < len(negative) else None
+
+    def _negatives_in(self, start: int, end: int) -> list[int]:
+        negative = self._negative
+        if not negative:
+            return []
+        return negative[bisect.bisect_left(negative, start) : bisect.bisect_left(negative, end)]
+
+    def gather(self, start: int, end: int, out: torch.Tensor) -> None:
+        """Copy tokens ``[start, end)`` into ``out`` (``payload_shape(end - start)``).
+
+        ``out`` may be on the host while the caches are on a device: the copy to it is
+        queued with ``non_blocking=True`` on the current stream.
+
+        Raises:
+            InvalidInputError: a token in the range has a negative slot.
+        """
+        self.gather_chunks([(start, end, out)])
+
+    def gather_chunks(self, jobs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """Gather several chunks ``(start, end, out)`` layer by layer.
+
+        Going layer-major keeps one layer's memory in cache while every chunk takes its
+        rows from it, instead of sweeping all layers once per chunk.
+
+        Raises:
+            InvalidInputError: a token in one of the ranges has a negative slot.
+        """
+        num_layers = self._layout.num_layers
+        parts = len(self._rows)
+        staged: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for start, end, out in jobs:
+            if self._negatives_in(start, end):
+                raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
+            dst = out
+            if out.device != self._device:
+                dst = torch.empty_like(out, device=self._device)
+                copies.append((out, dst))
+            dst_rows = dst.view(parts * num_layers, -1, self._width).unbind(0)
+            staged.append((dst_rows, self._slice_rows(start, end)))
+        for layer, src in enumerate(self._views):
             for part in range(parts):
-                dst.index_copy_(0, rows[part], src_rows[part * self.num_layers + layer])
+                for dst_rows, rows in staged:
+                    torch.index_select(src, 0, rows[part], out=dst_rows[part * num_layers + layer])
+        for out, dst in copies:
+            out.copy_(dst, non_blocking=True)
+
+    def scatter(self, payload: torch.Tensor, start: int, end: int) -> None:
+        """Write ``payload`` (``payload_shape(end - start)``) at tokens ``[start, end)``.
+
+        Tokens with a negative slot are skipped. A payload on another device is copied
+        over with ``non_blocking=True``: keep it unchanged until the stream has finished.
+        """
+        self.scatter_chunks([(start, end, payload)])
+
+    def scatter_chunks(self, jobs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """Scatter several chunks ``(start, end, payload)`` layer by layer (see
+        :meth:`gather_chunks`); tokens with a negative slot are skipped."""
+        num_layers = self._layout.num_layers
+        staged: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
+        for start, end, payload in jobs:
+            rows = self._slice_rows(start, end)
+            source = payload.to(device=self._device, non_blocking=True)
+            skipped = self._negatives_in(start, end)
+            if skipped:
+                keep_list = sorted(set(range(end - start)) - {p - start for p in skipped})
+                if not keep_list:
+                    continue
+                keep = torch.tensor(keep_list, dtype=torch.int64, device=self._device)
+                source = source.index_select(2, keep)
+                per_token = torch.arange(self._rpt, device=self._device)
+                keep_rows = (keep.unsqueeze(1) * self._rpt + per_token).view(-1)
+                rows = [index.index_select(0, keep_rows) for index in rows]
+            source = source.contiguous()
+            staged.append((source.view(len(rows) * num_layers, -1, self._width).unbind(0), rows))
+        for layer, dst in enumerate(self._views):
+            for part in range(len(self._rows)):
+                for src_rows, rows in staged:
+                    dst.index_copy_(0, rows[part], src_rows[part * num_layers + layer])
+
+    def _slice_rows(self, start: int, end: int) -> list[torch.Tensor]:
+        rpt = self._rpt
+        return [part[start * rpt : end * rpt] for part in self._rows]
 
 
 def _describe(value: object) -> str:

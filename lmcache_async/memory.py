@@ -25,6 +25,7 @@ import operator
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import anyio
 import anyio.lowlevel
@@ -214,6 +215,20 @@ class MemoryObj:
         )
 
 
+_MAX_REMEMBERED_SHAPES = 256
+
+
+class _Request(NamedTuple):
+    """A validated allocation request."""
+
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    itemsize: int
+    nbytes: int
+    npages: int
+
+
 class _Waiter:
     """One :meth:`MemoryPool.allocate` call queued for space."""
 
@@ -291,6 +306,9 @@ class MemoryPool:
         self._pinned = 0
         self._waiters: deque[_Waiter] = deque()
         self._itemsizes: dict[torch.dtype, int] = {}
+        # Payload shapes repeat (one per chunk length), so their validation is remembered.
+        self._requests: dict[tuple[tuple[int, ...], torch.dtype], _Request] = {}
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
         log.debug(
             "memory_pool_created",
             capacity_bytes=num_pages * page_size,
@@ -332,13 +350,13 @@ class MemoryPool:
             InvalidInputError: bad shape or dtype, or a request larger than the capacity.
             EngineClosedError: the pool is closed.
         """
-        dims, nbytes, npages = self._check_request(shape, dtype)
+        request = self._check_request(shape, dtype)
         if self._waiters:
             return None
-        page = self._take(npages)
+        page = self._take(request.npages)
         if page is None:
             return None
-        return self._make_obj(page, npages, dims, dtype, nbytes)
+        return self._make_obj(page, request)
 
     async def allocate(
         self,
@@ -363,13 +381,14 @@ class MemoryPool:
             raise InvalidInputError(f"timeout must be a number, got {timeout!r}")
         if math.isnan(timeout) or timeout < 0:
             raise InvalidInputError(f"timeout must be >= 0, got {timeout}")
-        dims, nbytes, npages = self._check_request(shape, dtype)
+        request = self._check_request(shape, dtype)
+        npages = request.npages
         await anyio.lowlevel.checkpoint_if_cancelled()
         self._check_open()
         if not self._waiters:
             page = self._take(npages)
             if page is not None:
-                return self._make_obj(page, npages, dims, dtype, nbytes)
+                return self._make_obj(page, request)
 
         waiter = _Waiter(npages)
         self._waiters.append(waiter)
@@ -383,7 +402,7 @@ class MemoryPool:
                         continue
                     page = self._take(npages)
                     if page is not None:
-                        return self._make_obj(page, npages, dims, dtype, nbytes)
+                        return self._make_obj(page, request)
                     # Nothing can change between the failed attempt and the wait below (no
                     # await in between), so replacing the event here loses no wake-up.
                     waiter.event = anyio.Event()
@@ -394,13 +413,13 @@ class MemoryPool:
                 self._wake_head()
         log.debug(
             "allocation_timeout",
-            nbytes=nbytes,
+            nbytes=request.nbytes,
             timeout=timeout,
             free_bytes=self._free_pages * self._page_size,
             waiters=len(self._waiters),
         )
         raise AllocationTimeoutError(
-            f"no room for {nbytes} bytes ({npages} pages) within {timeout} s"
+            f"no room for {request.nbytes} bytes ({npages} pages) within {timeout} s"
         )
 
     def stats(self) -> PoolStats:
@@ -435,11 +454,12 @@ class MemoryPool:
         if self._closed:
             raise EngineClosedError("memory pool is closed")
 
-    def _check_request(
-        self, shape: Sequence[int], dtype: torch.dtype
-    ) -> tuple[tuple[int, ...], int, int]:
-        """Validate a request; return its dims, exact byte size and page count."""
+    def _check_request(self, shape: Sequence[int], dtype: torch.dtype) -> _Request:
+        """Validate a request; return its dims, strides, exact byte size and page count."""
         self._check_open()
+        key = (shape, dtype) if type(shape) is tuple else None
+        if key is not None and (known := self._requests.get(key)) is not None:
+            return known
         if not isinstance(dtype, torch.dtype):
             raise InvalidInputError(f"dtype must be a torch.dtype, got {dtype!r}")
         try:
@@ -448,7 +468,8 @@ class MemoryPool:
             raise InvalidInputError(f"shape must be a sequence of ints, got {shape!r}") from exc
         if any(d < 0 for d in dims):
             raise InvalidInputError(f"shape has a negative dimension: {dims}")
-        nbytes = math.prod(dims) * self._itemsize(dtype)
+        itemsize = self._itemsize(dtype)
+        nbytes = math.prod(dims) * itemsize
         if nbytes == 0:
             raise InvalidInputError(f"zero-size allocations are not supported: shape {dims}")
         npages = -(-nbytes // self._page_size)
@@ -457,7 +478,13 @@ class MemoryPool:
                 f"request of {nbytes} bytes exceeds the pool capacity of "
                 f"{self.capacity_bytes} bytes"
             )
-        return dims, nbytes, npages
+        strides = [1] * len(dims)
+        for i in range(len(dims) - 2, -1, -1):
+            strides[i] = strides[i + 1] * dims[i + 1]
+        request = _Request(dims, tuple(strides), dtype, itemsize, nbytes, npages)
+        if key is not None and len(self._requests) < _MAX_REMEMBERED_SHAPES:
+            self._requests[key] = request
+        return request
 
     def _itemsize(self, dtype: torch.dtype) -> int:
         size = self._itemsizes.get(dtype)
@@ -472,18 +499,22 @@ class MemoryPool:
             self._itemsizes[dtype] = size
         return size
 
-    def _make_obj(
-        self, page: int, npages: int, dims: tuple[int, ...], dtype: torch.dtype, nbytes: int
-    ) -> MemoryObj:
-        off = page * self._page_size
-        try:
-            view = self._arena[off : off + nbytes].view(dtype).view(dims)
-        except RuntimeError as exc:
-            self._give_back(page, npages)
-            raise InvalidInputError(f"cannot view {nbytes} bytes as {dtype}{dims}") from exc
+    def _make_obj(self, page: int, request: _Request) -> MemoryObj:
+        typed = self._typed.get(request.dtype)
+        if typed is None:
+            typed = self._typed[request.dtype] = self._arena.view(request.dtype)
+        # as_strided takes an offset into the whole storage, which begins before the arena.
+        offset = typed.storage_offset() + page * self._page_size // request.itemsize
+        view = typed.as_strided(request.dims, request.strides, offset)
         self._num_objects += 1
         return MemoryObj(
-            self, page=page, npages=npages, tensor=view, shape=dims, dtype=dtype, nbytes=nbytes
+            self,
+            page=page,
+            npages=request.npages,
+            tensor=view,
+            shape=request.dims,
+            dtype=request.dtype,
+            nbytes=request.nbytes,
         )
 
     def _take(self, npages: int) -> int | None:

@@ -340,7 +340,7 @@ def test_spans_cover_the_chunks_and_chain_parents() -> None:
     assert hash(spans[2].key) == hash(ChunkKey(digests[2]))
     with pytest.raises(dataclasses.FrozenInstanceError):
         spans[0].start = 1  # type: ignore[misc]
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         spans[0].key.layer = 1  # type: ignore[misc]
 
 
@@ -555,6 +555,9 @@ def test_chunk_key_text_round_trip() -> None:
         assert ChunkKey.from_str(item.to_str()) == item
     assert key != layered
     assert len({key, ChunkKey(bytes(digest)), layered}) == 2
+    # A whole-chunk key is its digest: a tier's index can be probed with the bare digest.
+    assert {key: 1}.get(digest) == 1
+    assert layered.digest == digest and layered.layer == 12 and key.layer is None
 
 
 @pytest.mark.parametrize(
@@ -659,3 +662,30 @@ def test_prefix_keys_are_a_prefix(tokens: list[int], chunk_size: int, data: st.D
     full_chunks = cut // chunk_size
     assert hasher.digests(tokens[:cut])[:full_chunks] == hasher.digests(tokens)[:full_chunks]
     assert hasher.digests(np.array(tokens[:cut], dtype=np.int64)) == hasher.digests(tokens[:cut])
+
+
+# --------------------------------------------------------------------------- digest memo
+
+
+def test_memo_returns_exact_digests_and_never_confuses_prompts() -> None:
+    plain = ChunkHasher(NS, chunk_size=16)
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=2, memo_min_tokens=64)
+    tokens = list(range(1000, 1200))
+    first = memo.digests(tokens)
+    assert first == plain.digests(tokens)
+    first.clear()  # callers get their own list: the memo cannot be corrupted through it
+    assert memo.digests(tokens) == plain.digests(tokens)
+    for position in (0, 99, 199):  # same length, one token changed: never a memo hit
+        changed = list(tokens)
+        changed[position] += 1
+        assert memo.digests(changed) == plain.digests(changed)
+    assert memo.spans(tokens, save_unfull_chunk=False) == plain.spans(
+        tokens, save_unfull_chunk=False
+    )
+    short = tokens[:50]  # below memo_min_tokens: hashed directly
+    assert memo.digests(short) == plain.digests(short)
+
+
+def test_memo_size_is_validated() -> None:
+    with pytest.raises(InvalidInputError, match="memo_size"):
+        ChunkHasher(NS, chunk_size=16, memo_size=-1)

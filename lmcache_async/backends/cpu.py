@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import structlog
 
@@ -36,7 +37,8 @@ class CPUBackend(StorageBackend):
 
     def __init__(self, pool: MemoryPool, *, on_evict: EvictionListener | None = None) -> None:
         self._pool = pool
-        self._entries: collections.OrderedDict[ChunkKey, MemoryObj] = collections.OrderedDict()
+        # Keys are ChunkKeys; typed as bytes so a bare digest can probe the index.
+        self._entries: collections.OrderedDict[bytes, MemoryObj] = collections.OrderedDict()
         self._bytes = 0
         self._on_evict = on_evict
         self._hits = 0
@@ -53,7 +55,7 @@ class CPUBackend(StorageBackend):
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
-    def contains_prefix_nowait(self, keys: Sequence[ChunkKey]) -> int:
+    def contains_prefix_nowait(self, keys: Sequence[bytes]) -> int:
         """Number of leading keys held; hits become most recently used."""
         entries = self._entries
         n = 0
@@ -67,7 +69,7 @@ class CPUBackend(StorageBackend):
             self._misses += 1
         return n
 
-    def get_prefix_nowait(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+    def get_prefix_nowait(self, keys: Sequence[bytes]) -> list[MemoryObj]:
         """Payloads of the leading keys held, each with a reference for the caller."""
         entries = self._entries
         out: list[MemoryObj] = []
@@ -116,13 +118,13 @@ class CPUBackend(StorageBackend):
 
     def clear_nowait(self) -> list[ChunkKey]:
         """Forget every entry; returns the keys that were held, oldest first."""
-        keys = list(self._entries)
+        keys = [cast(ChunkKey, key) for key in self._entries]
         for obj in self._entries.values():
             self._drop(obj)
         self._entries.clear()
         return keys
 
-    def pin_prefix_nowait(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+    def pin_prefix_nowait(self, keys: Sequence[bytes]) -> list[MemoryObj]:
         """Pin the leading keys held; returns their payloads, each referenced and pinned."""
         objs = self.get_prefix_nowait(keys)
         for obj in objs:
@@ -135,11 +137,11 @@ class CPUBackend(StorageBackend):
         page = self._pool.page_size
         released = 0
         victims: list[ChunkKey] = []
-        for key, obj in self._entries.items():
+        for key, obj in self._entries.items():  # oldest first
             if released >= nbytes:
                 break
             if obj.pin_count == 0 and obj.ref_count == 1:
-                victims.append(key)
+                victims.append(cast(ChunkKey, key))
                 released += -(-obj.nbytes // page) * page  # whole pages go back
         for key in victims:
             self._drop(self._entries.pop(key))

@@ -85,8 +85,8 @@ class StorageManager:
 
     # -- reads ----------------------------------------------------------------------------
 
-    def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
-        """Number of leading keys cached."""
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """Number of leading keys cached (a bare digest finds its whole-chunk key)."""
         return self._cpu.contains_prefix_nowait(keys)
 
     def contains(self, key: ChunkKey) -> bool:
@@ -159,7 +159,7 @@ class StorageManager:
 
     # -- pins -----------------------------------------------------------------------------
 
-    def pin_prefix(self, keys: Sequence[ChunkKey], lookup_id: Hashable) -> int:
+    def pin_prefix(self, keys: Sequence[bytes], lookup_id: Hashable) -> int:
         """Pin the leading cached keys for ``lookup_id``; returns how many were pinned.
 
         Pinning again under the same id replaces the earlier pins.

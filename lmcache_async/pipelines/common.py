@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..keys import ChunkSpan
+from ..layouts import TransferPlan
 from ..memory import MemoryObj
 
 __all__ = ["Keyer", "Request", "batched", "compute_spans", "release"]
@@ -23,17 +24,17 @@ Keyer = Callable[[], tuple[list[ChunkSpan], np.ndarray | None]]
 class Request:
     """What the stages of either pipeline need to know about one request.
 
-    ``kv_caches`` and ``slots`` describe the serving engine's memory; ``slots`` is int64 on
-    the caches' device. Counters track the batches still in the pipeline so the stage that
-    finishes the last one can resolve the request.
+    ``plan`` moves tokens between the serving engine's memory and payloads; ``slots_cpu`` is
+    the request's slot mapping as int64 on the host. Counters track the batches still in
+    the pipeline so the stage that finishes the last one can resolve the request.
     """
 
     req_id: str
     keyer: Keyer
     num_tokens: int
     hash_inline: bool
-    kv_caches: Sequence[torch.Tensor]
-    slots: torch.Tensor
+    plan: TransferPlan
+    slots_cpu: torch.Tensor
     cancelled: bool = False
     stopped: bool = False  # no further batch may be copied (memory ran out, a hit vanished)
     batches_total: int = -1  # unknown until the first stage has cut the request
@@ -51,7 +52,7 @@ class Request:
 
     @property
     def device(self) -> torch.device:
-        return self.kv_caches[0].device
+        return self.plan.device
 
     @property
     def skip(self) -> bool:

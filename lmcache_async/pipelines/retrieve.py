@@ -24,7 +24,7 @@ from ..keys import ChunkSpan
 from ..layouts import KVLayout
 from ..memory import MemoryObj
 from .common import Request, batched, compute_spans, release
-from .stage import Completion
+from .stage import Completion, items, put
 
 __all__ = ["RetrieveBatch", "RetrieveRequest", "build_retrieve_stages"]
 
@@ -35,7 +35,6 @@ log = structlog.get_logger(__name__)
 class RetrieveRequest(Request):
     """A retrieve in flight; ``mask`` (bool, CPU) grows as batches land."""
 
-    slots_cpu: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     mask: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     copy_failed: bool = False
     completion: Completion[torch.Tensor] = field(default_factory=Completion)
@@ -73,7 +72,7 @@ class LookupStage:
         send: MemoryObjectSendStream[RetrieveBatch],
     ) -> None:
         async with receive, send:
-            async for request in receive:
+            async for request in items(receive):
                 if request.skip:
                     request.finish_now()
                     continue
@@ -91,7 +90,7 @@ class LookupStage:
                     request.finish_now()
                     continue
                 for group in groups:
-                    await send.send(RetrieveBatch(request, spans[group.start : group.stop]))
+                    await put(send, RetrieveBatch(request, spans[group.start : group.stop]))
 
 
 class PrefetchStage:
@@ -108,7 +107,7 @@ class PrefetchStage:
         send: MemoryObjectSendStream[RetrieveBatch],
     ) -> None:
         async with receive, send:
-            async for batch in receive:
+            async for batch in items(receive):
                 request = batch.request
                 if request.skip:
                     request.finish_batch()
@@ -121,7 +120,7 @@ class PrefetchStage:
                 if not batch.objs:
                     request.finish_batch()
                     continue
-                await send.send(batch)
+                await put(send, batch)
 
 
 class CopyStage:
@@ -129,8 +128,7 @@ class CopyStage:
 
     name = "retrieve-copy"
 
-    def __init__(self, layout: KVLayout, transfers: Transfers, *, timeout: float) -> None:
-        self._layout = layout
+    def __init__(self, transfers: Transfers, *, timeout: float) -> None:
         self._transfers = transfers
         self._timeout = timeout
 
@@ -140,7 +138,7 @@ class CopyStage:
         send: MemoryObjectSendStream[Any],
     ) -> None:
         async with receive, send:
-            async for batch in receive:
+            async for batch in items(receive):
                 request = batch.request
                 try:
                     if request.cancelled or request.copy_failed:
@@ -158,25 +156,18 @@ class CopyStage:
                     request.finish_batch()
 
     async def _copy(self, batch: RetrieveBatch) -> None:
-        request = batch.request
-        layout = self._layout
-        device = request.device
-        kv_caches = request.kv_caches
+        plan = batch.request.plan
         jobs = [
-            (obj.tensor, request.slots[span.start : span.end])
+            (span.start, span.end, obj.tensor)
             for span, obj in zip(batch.spans, batch.objs, strict=True)
         ]
-        nbytes = sum(obj.nbytes for obj in batch.objs)
-
-        def scatter() -> None:
-            for payload, slots in jobs:
-                source = (
-                    payload if payload.device == device else payload.to(device, non_blocking=True)
-                )
-                layout.scatter(source, kv_caches, slots)
-
         await self._transfers.run(
-            scatter, device=device, direction=Direction.LOAD, nbytes=nbytes, timeout=self._timeout
+            plan.scatter_chunks,
+            jobs,
+            device=plan.device,
+            direction=Direction.LOAD,
+            nbytes=sum(obj.nbytes for obj in batch.objs),
+            timeout=self._timeout,
         )
 
 
@@ -192,5 +183,5 @@ def build_retrieve_stages(
     return [
         LookupStage(manager, batch_chunks=batch_chunks),
         PrefetchStage(manager),
-        CopyStage(layout, transfers, timeout=copy_timeout),
+        CopyStage(transfers, timeout=copy_timeout),
     ]

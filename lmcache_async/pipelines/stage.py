@@ -20,7 +20,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..errors import EngineClosedError
 
-__all__ = ["Completion", "Pipeline", "Stage"]
+__all__ = ["Completion", "Pipeline", "Stage", "items", "put"]
 
 log = structlog.get_logger(__name__)
 
@@ -62,6 +62,42 @@ class Completion(Generic[T]):
         if not self._done.is_set():
             raise RuntimeError("the request has not finished")
         return self._result  # type: ignore[return-value]
+
+
+class items(Generic[T]):  # a function in use: `async for x in items(receive)`
+    """Iterate over a stage's input until it is closed.
+
+    An item already buffered is taken without yielding to the event loop (anyio's
+    ``receive`` always yields first); the stage still yields whenever it has to wait, so a
+    pipeline hop costs no extra loop iteration when work is queued.
+    """
+
+    __slots__ = ("_receive",)
+
+    def __init__(self, receive: MemoryObjectReceiveStream[T]) -> None:
+        self._receive = receive
+
+    def __aiter__(self) -> items[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        try:
+            return self._receive.receive_nowait()
+        except anyio.WouldBlock:
+            try:
+                return await self._receive.receive()
+            except anyio.EndOfStream:
+                raise StopAsyncIteration from None
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+
+async def put(send: MemoryObjectSendStream[T], item: T) -> None:
+    """Hand ``item`` to the next stage, waiting only when its buffer is full."""
+    try:
+        send.send_nowait(item)
+    except anyio.WouldBlock:
+        await send.send(item)
 
 
 class Stage(Protocol):

@@ -14,7 +14,6 @@ from typing import Any
 
 import anyio
 import structlog
-import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..backends.manager import StorageManager
@@ -23,7 +22,7 @@ from ..errors import AllocationTimeoutError
 from ..layouts import KVLayout
 from ..memory import MemoryObj, MemoryPool
 from .common import Request, batched, compute_spans, release
-from .stage import Completion
+from .stage import Completion, items, put
 
 __all__ = ["StoreBatch", "StoreRequest", "build_store_stages"]
 
@@ -80,7 +79,7 @@ class HashStage:
         send: MemoryObjectSendStream[StoreBatch],
     ) -> None:
         async with receive, send:
-            async for request in receive:
+            async for request in items(receive):
                 if request.skip:
                     request.completion.set_result(0)
                     continue
@@ -99,7 +98,7 @@ class HashStage:
                     request.completion.set_result(request.stored_tokens())
                     continue
                 for group in groups:
-                    await send.send(StoreBatch(request, [todo[i] for i in group]))
+                    await put(send, StoreBatch(request, [todo[i] for i in group]))
 
 
 class AllocateStage:
@@ -118,7 +117,7 @@ class AllocateStage:
         send: MemoryObjectSendStream[StoreBatch],
     ) -> None:
         async with receive, send:
-            async for batch in receive:
+            async for batch in items(receive):
                 request = batch.request
                 if request.skip:
                     request.finish_batch()
@@ -133,7 +132,7 @@ class AllocateStage:
                 if not batch.objs:
                     request.finish_batch()
                     continue
-                await send.send(batch)
+                await put(send, batch)
 
     async def _allocate(self, batch: StoreBatch) -> None:
         request = batch.request
@@ -172,8 +171,7 @@ class CopyStage:
 
     name = "store-copy"
 
-    def __init__(self, layout: KVLayout, transfers: Transfers, *, timeout: float) -> None:
-        self._layout = layout
+    def __init__(self, transfers: Transfers, *, timeout: float) -> None:
         self._transfers = transfers
         self._timeout = timeout
 
@@ -183,7 +181,7 @@ class CopyStage:
         send: MemoryObjectSendStream[StoreBatch],
     ) -> None:
         async with receive, send:
-            async for batch in receive:
+            async for batch in items(receive):
                 request = batch.request
                 if request.cancelled:
                     release(batch.objs)
@@ -197,28 +195,21 @@ class CopyStage:
                     request.fail(exc)
                     request.finish_batch()
                     continue
-                await send.send(batch)
+                await put(send, batch)
 
     async def _copy(self, batch: StoreBatch) -> None:
         request = batch.request
-        layout = self._layout
-        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        nbytes = 0
-        for index, obj in zip(batch.indices, batch.objs, strict=True):
-            span = request.spans[index]
-            jobs.append((request.slots[span.start : span.end], obj.tensor))
-            nbytes += obj.nbytes
-        kv_caches = request.kv_caches
-
-        def gather() -> None:
-            for slots, out in jobs:
-                layout.gather(kv_caches, slots, out)
-
+        plan = request.plan
+        jobs = [
+            (request.spans[index].start, request.spans[index].end, obj.tensor)
+            for index, obj in zip(batch.indices, batch.objs, strict=True)
+        ]
         await self._transfers.run(
-            gather,
-            device=request.device,
+            plan.gather_chunks,
+            jobs,
+            device=plan.device,
             direction=Direction.STORE,
-            nbytes=nbytes,
+            nbytes=sum(obj.nbytes for obj in batch.objs),
             timeout=self._timeout,
         )
 
@@ -237,7 +228,7 @@ class PutStage:
         send: MemoryObjectSendStream[Any],
     ) -> None:
         async with receive, send:
-            async for batch in receive:
+            async for batch in items(receive):
                 request = batch.request
                 try:
                     if not request.cancelled:
@@ -264,6 +255,6 @@ def build_store_stages(
     return [
         HashStage(manager, batch_chunks=batch_chunks),
         AllocateStage(pool, layout, timeout=allocation_timeout),
-        CopyStage(layout, transfers, timeout=copy_timeout),
+        CopyStage(transfers, timeout=copy_timeout),
         PutStage(manager),
     ]

@@ -125,7 +125,7 @@ async def test_a_crashing_stage_marks_the_pipeline_not_running() -> None:
                     raise RuntimeError("stage bug")
 
     pipe = Pipeline("t", [Boom()], buffer_size=1)
-    with anyio.fail_after(5), pytest.raises(BaseExceptionGroup) as info:  # noqa: PT012
+    with anyio.fail_after(5), pytest.raises(BaseExceptionGroup) as info:
         async with pipe:
             await pipe.submit(1)
             await anyio.sleep_forever()
