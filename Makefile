@@ -43,8 +43,8 @@ test-fast: dev
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: dev
-	$(BIN)/ruff check lmcache_async tests examples
-	$(BIN)/ruff format --check lmcache_async tests examples
+	$(BIN)/ruff check lmcache_async tests
+	$(BIN)/ruff format --check lmcache_async tests
 	$(BIN)/mypy
 
 clean:
