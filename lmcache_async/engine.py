@@ -469,7 +469,14 @@ class CacheEngine:
                 raise InvalidInputError("tokens (or hashes with offsets) are required")
             _, num_tokens, inline = self._keys(tokens, None, offsets, None)
             digest = functools.partial(self._hasher.digests, tokens)
-            keys = digest() if inline else await anyio.to_thread.run_sync(digest)
+            if inline:
+                keys = digest()
+            else:
+                # A long prompt asked about again is recognised here, without a thread hop.
+                remembered = self._hasher.remembered(tokens)
+                keys = (
+                    remembered if remembered is not None else await anyio.to_thread.run_sync(digest)
+                )
             if num_tokens % chunk_size and not self.config.save_unfull_chunk:
                 keys = keys[:-1]
             ends = []

@@ -599,6 +599,21 @@ class ChunkHasher:
         self._memo = _DigestMemo(memo_size) if memo_size else None
         self._memo_min_bytes = memo_min_tokens * _TOKEN_BYTES
 
+    def remembered(self, tokens: Tokens) -> list[bytes] | None:
+        """The digests of ``tokens`` if the memo holds them, else None. Cheap for tensors
+        and arrays (no hashing); lists are not probed, their conversion alone is long work.
+
+        Raises:
+            InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
+        """
+        if self._memo is None or not isinstance(tokens, (torch.Tensor, np.ndarray)):
+            return None
+        data, _ = _token_bytes(tokens)
+        if len(data) < self._memo_min_bytes:
+            return None
+        content = data.tobytes()
+        return self._memo.get(xxhash.xxh3_64_intdigest(content), content)
+
     def _all_digests(self, data: memoryview) -> list[bytes]:
         """Digests of every chunk of ``data`` (token bytes), from the memo when it has them."""
         step = self._chunk_size * _TOKEN_BYTES

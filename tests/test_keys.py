@@ -689,3 +689,13 @@ def test_memo_returns_exact_digests_and_never_confuses_prompts() -> None:
 def test_memo_size_is_validated() -> None:
     with pytest.raises(InvalidInputError, match="memo_size"):
         ChunkHasher(NS, chunk_size=16, memo_size=-1)
+
+
+def test_remembered_probes_the_memo_without_hashing() -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=4, memo_min_tokens=64)
+    tokens = torch.arange(100, 300)
+    assert memo.remembered(tokens) is None
+    digests = memo.digests(tokens)
+    assert memo.remembered(tokens) == digests
+    assert memo.remembered(tokens.tolist()) is None  # lists are never probed
+    assert ChunkHasher(NS, chunk_size=16).remembered(tokens) is None  # no memo
