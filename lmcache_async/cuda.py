@@ -166,9 +166,10 @@ class Transfers:
             stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             self._streams[key] = stream
             self._bridges[key] = EventBridge(f"{direction.value}-{device}")
-        if direction is Direction.STORE:
-            # The serving engine wrote the KV on its compute stream: order our reads after it.
-            stream.wait_stream(torch.cuda.current_stream(device))
+        # Order the copy after work already queued on the caller's stream: for a store, the
+        # serving engine's writes of the KV; for both, the request's row indices, which
+        # were computed there when the request was prepared.
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             fn()
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -1129,6 +1129,8 @@ async def test_aclose_stops_every_task_and_thread() -> None:
             assert await scene.store(engine) == n
             assert await engine.lookup(scene.tokens, lookup_id="p", pin=True) == n
             await scene.retrieve_and_check(engine, prefix_mask(n, 0, n))
+            # inline_copy_bytes=0 sends every copy to the copy threads: they must exist now
+            assert any(t.name.startswith("lmcache-copy") for t in _engine_threads(threads_before))
         left_tasks = asyncio.all_tasks() - tasks_before
         assert not left_tasks, f"tasks outlived the engine: {left_tasks}"
         left_threads = _engine_threads(threads_before)
