@@ -74,7 +74,9 @@ DEFAULT_STORE_TIMEOUT: Final = 60.0
 DEFAULT_PIPELINE_QUEUE_SIZE: Final = 8
 DEFAULT_PIPELINE_BATCH_CHUNKS: Final = 4
 DEFAULT_INLINE_COPY_BYTES: Final = 4 * 1024 * 1024
-DEFAULT_INLINE_HASH_TOKENS: Final = 16384
+# Hashing 64k tokens takes about as long as two thread hops; shorter prompts are hashed on
+# the event loop, where the hop would cost more than it saves.
+DEFAULT_INLINE_HASH_TOKENS: Final = 65536
 DEFAULT_ENABLE_KV_EVENTS: Final = True
 DEFAULT_MAX_KV_EVENTS: Final = 10000
 DEFAULT_LOG_LEVEL: Final = "INFO"

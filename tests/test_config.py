@@ -26,7 +26,7 @@ EXPECTED_DEFAULTS: dict[str, Any] = {
     "pipeline_queue_size": 8,
     "pipeline_batch_chunks": 4,
     "inline_copy_bytes": 4 * 1024 * 1024,
-    "inline_hash_tokens": 16384,
+    "inline_hash_tokens": 65536,
     "enable_kv_events": True,
     "max_kv_events": 10000,
     "log_level": "INFO",
