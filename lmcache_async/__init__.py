@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .backends.base import TierStats
 from .config import EngineConfig
-from .engine import CacheEngine, SyncCacheEngine
+from .engine import CacheEngine
 from .errors import (
     AllocationTimeoutError,
     ConfigError,
@@ -25,6 +25,7 @@ from .keys import ChunkKey, HashAlgorithm
 from .layouts import KVFormat, KVLayout, LayoutKind
 from .memory import PoolStats
 from .stats import EngineStats
+from .sync_engine import SyncCacheEngine
 
 __version__ = "0.1.0"
 

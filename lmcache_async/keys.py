@@ -7,8 +7,9 @@ layout, tenant). ``H`` is blake3 (default) or xxh3-128, both producing :data:`DI
 bytes: a real hash, never Python's ``hash()``, so every process and host computes the same
 key for the same tokens.
 
-Segment keys (:class:`SegmentHasher`) serve blending: each separator-delimited segment is
-hashed on its own, ``H(h_0 || segment)``, so a document is found wherever it appears.
+Segment keys for blending (:class:`~lmcache_async.segments.SegmentHasher`) live in
+:mod:`lmcache_async.segments`; token input checks (:func:`token_array`, :func:`check_mask`)
+live in :mod:`lmcache_async.tokens` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -16,19 +17,25 @@ from __future__ import annotations
 import collections
 import enum
 import re
-import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import Final
 
 import blake3
 import numpy as np
-import numpy.typing as npt
 import torch
 import xxhash
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.tokens import (
+    _TOKEN_BYTES,
+    Tokens,
+    _is_int,
+    _token_bytes,
+    check_mask,
+    token_array,
+)
 
 __all__ = [
     "DIGEST_SIZE",
@@ -37,7 +44,6 @@ __all__ = [
     "ChunkSpan",
     "HashAlgorithm",
     "Namespace",
-    "SegmentHasher",
     "Tokens",
     "check_mask",
     "token_array",
@@ -49,12 +55,6 @@ DIGEST_SIZE: Final = 16
 _LAYER_BYTES: Final = 4
 _MAX_LAYERS: Final = 1 << (8 * _LAYER_BYTES)
 
-Tokens: TypeAlias = Sequence[int] | torch.Tensor | npt.NDArray[np.integer[Any]]
-"""Token ids: a list/tuple of int, a 1-D integer tensor or a 1-D integer ndarray."""
-
-_TOKEN_DTYPE: Final = np.dtype("<i4")
-_TOKEN_BYTES: Final = 4
-_TOKEN_LIMIT: Final = 2**31  # token ids must lie in [0, 2**31)
 _HASH_INT_BYTES: Final = 32
 _NAMESPACE_DOMAIN: Final = b"lmcache_async/namespace/v1\x00"
 _NONE_TAG: Final = b"\x00"
@@ -94,10 +94,6 @@ def _as_algorithm(algorithm: HashAlgorithm | str) -> HashAlgorithm:
         raise InvalidInputError(
             f"unknown hash algorithm {algorithm!r}; expected one of {choices}"
         ) from None
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class ChunkKey(bytes):
@@ -298,149 +294,6 @@ class Namespace:
             InvalidInputError: ``algorithm`` is not a :class:`HashAlgorithm` (or its value).
         """
         return _hash_function(_as_algorithm(algorithm))(self._encode())
-
-
-def _check_token_range(unsigned: npt.NDArray[Any], signed: npt.NDArray[Any]) -> None:
-    """Raise unless every token lies in ``[0, 2**31)``.
-
-    ``unsigned`` is the tokens viewed as unsigned ints, so one max() catches both negative
-    and too-large ids; ``signed`` is only used to word the error.
-    """
-    if unsigned.size and int(unsigned.max()) >= _TOKEN_LIMIT:
-        low = int(signed.min())
-        if low < 0:
-            raise InvalidInputError(f"token ids must be >= 0, found {low}")
-        raise InvalidInputError(f"token ids must be < 2**31, found {int(signed.max())}")
-
-
-def _ndarray_tokens(array: npt.NDArray[Any], what: str) -> npt.NDArray[np.int32]:
-    if array.ndim != 1:
-        raise InvalidInputError(f"tokens must be 1-D, got a {array.ndim}-D {what}")
-    kind = array.dtype.kind
-    if kind == "i" and array.dtype.itemsize >= _TOKEN_BYTES:
-        # Same width and byte order, unsigned: negative ids become >= 2**31.
-        _check_token_range(array.view(array.dtype.str.replace("i", "u")), array)
-    elif kind == "i":
-        if array.size and int(array.min()) < 0:
-            raise InvalidInputError(f"token ids must be >= 0, found {int(array.min())}")
-    elif kind == "u":
-        _check_token_range(array, array)
-    else:
-        raise InvalidInputError(f"tokens must have an integer dtype, got {what} of {array.dtype}")
-    return np.ascontiguousarray(array, dtype=_TOKEN_DTYPE)
-
-
-def _sequence_tokens(tokens: Sequence[int]) -> bytes:
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
-        raise InvalidInputError(
-            "tokens must be a sequence of int, a 1-D integer tensor or a 1-D integer ndarray,"
-            f" got {type(tokens).__name__}"
-        )
-    try:
-        data = struct.pack(f"<{len(tokens)}i", *tokens)
-    except struct.error as exc:
-        values: Sequence[object] = tokens
-        for value in values:
-            if not isinstance(value, (int, np.integer)):
-                raise InvalidInputError(
-                    f"tokens must be ints, found {type(value).__name__} {value!r:.40}"
-                ) from None
-        raise InvalidInputError(f"token ids must lie in [0, 2**31): {exc}") from None
-    _check_token_range(np.frombuffer(data, dtype="<u4"), np.frombuffer(data, dtype=_TOKEN_DTYPE))
-    return data
-
-
-def token_array(tokens: Tokens) -> npt.NDArray[np.int32]:
-    """Token ids as a 1-D little-endian int32 ndarray (``'<i4'``).
-
-    Accepts a list/tuple of int, a 1-D integer tensor of any integer dtype on any device
-    (copied to the CPU), or a 1-D integer ndarray. The result may share memory with the
-    input and may be read-only: treat it as read-only. In a list, ``True``/``False`` count
-    as the ints 1/0 (refusing them would cost a check per token).
-
-    Raises:
-        InvalidInputError: the input is not 1-D, not of an integer dtype (bool and float
-            tensors/arrays and non-int list items are refused), or holds an id outside
-            ``[0, 2**31)``.
-    """
-    if isinstance(tokens, torch.Tensor):
-        return _tensor_tokens(tokens)
-    if isinstance(tokens, np.ndarray):
-        return _ndarray_tokens(tokens, "ndarray")
-    return np.frombuffer(_sequence_tokens(tokens), dtype=_TOKEN_DTYPE)
-
-
-def _tensor_tokens(tensor: torch.Tensor) -> npt.NDArray[np.int32]:
-    dtype = tensor.dtype
-    if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
-        raise InvalidInputError(f"tokens must have an integer dtype, got tensor of {dtype}")
-    if tensor.dim() != 1:
-        raise InvalidInputError(f"tokens must be 1-D, got a {tensor.dim()}-D tensor")
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    try:
-        array = tensor.numpy()
-    except (TypeError, RuntimeError) as exc:
-        raise InvalidInputError(f"tokens of dtype {dtype} are not supported: {exc}") from None
-    return _ndarray_tokens(array, "tensor")
-
-
-def _token_bytes(tokens: Tokens) -> tuple[memoryview, int]:
-    """The tokens' little-endian int32 bytes, and the number of tokens."""
-    if isinstance(tokens, (torch.Tensor, np.ndarray)):
-        array = token_array(tokens)
-        return array.data.cast("B"), len(array)
-    data = _sequence_tokens(tokens)
-    return memoryview(data), len(data) // _TOKEN_BYTES
-
-
-def check_mask(mask: torch.Tensor | None, num_tokens: int, chunk_size: int) -> int:
-    """Validate a store/retrieve mask and return where its True part starts.
-
-    The mask is a 1-D bool tensor of length ``num_tokens`` shaped ``F...FT...T``: the
-    leading Falses mark tokens the caller already has, and their count must be a multiple of
-    ``chunk_size`` (an all-False mask is allowed and returns ``num_tokens``). ``None`` means
-    all True and returns 0.
-
-    Raises:
-        InvalidInputError: the mask is not a tensor, not bool, not 1-D, of the wrong length,
-            not of the form ``F...FT...T``, or its leading Falses are not a multiple of
-            ``chunk_size``; or ``num_tokens``/``chunk_size`` are invalid.
-    """
-    if not _is_int(chunk_size) or chunk_size <= 0:
-        raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    if not _is_int(num_tokens) or num_tokens < 0:
-        raise InvalidInputError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-    if mask is None:
-        return 0
-    if not isinstance(mask, torch.Tensor):
-        raise InvalidInputError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise InvalidInputError(f"mask must have dtype torch.bool, got {mask.dtype}")
-    if mask.dim() != 1:
-        raise InvalidInputError(f"mask must be 1-D, got shape {tuple(mask.shape)}")
-    if mask.numel() != num_tokens:
-        raise InvalidInputError(
-            f"mask length {mask.numel()} does not match the number of tokens {num_tokens}"
-        )
-    if num_tokens == 0:
-        return 0
-    flags = mask.cpu().numpy()
-    first = int(flags.argmax())
-    if not flags[first]:
-        return num_tokens
-    if not flags[first:].all():
-        hole = first + int(flags[first:].argmin())
-        raise InvalidInputError(
-            "mask must be all False then all True (F...FT...T): "
-            f"position {hole} is False after the first True at {first}"
-        )
-    if first % chunk_size:
-        raise InvalidInputError(
-            f"mask has {first} leading False tokens, which is not a multiple of "
-            f"chunk_size {chunk_size}"
-        )
-    return first
 
 
 def _chain_blake3(prev: bytes, data: memoryview, step: int, stop: int) -> list[bytes]:
@@ -749,89 +602,3 @@ class ChunkHasher:
             prev = hash_function(prev + item)
             digests.append(prev)
         return _build_spans(digests, first, num_tokens, chunk_size)
-
-
-class SegmentHasher:
-    """Segment keys for blending: one unchained key per separator-delimited segment.
-
-    Tokens are split at each (non-overlapping, leftmost-first) occurrence of ``separator``;
-    each segment, separator tokens excluded, is keyed ``H(seed || segment)`` with no chain,
-    so a document's KV is found wherever it appears in a prompt.
-
-    Raises:
-        InvalidInputError: ``separator`` is empty or not valid tokens, ``namespace`` is not
-            a :class:`Namespace`, or ``algorithm`` is unknown.
-    """
-
-    __slots__ = ("_algorithm", "_hash", "_namespace", "_seed", "_separator")
-
-    def __init__(
-        self,
-        namespace: Namespace,
-        *,
-        separator: Sequence[int],
-        algorithm: HashAlgorithm = HashAlgorithm.BLAKE3,
-    ) -> None:
-        if not isinstance(namespace, Namespace):
-            raise InvalidInputError(f"namespace must be a Namespace, got {namespace!r:.80}")
-        separator_array = token_array(separator).copy()
-        if not separator_array.size:
-            raise InvalidInputError("separator must hold at least one token")
-        self._separator = separator_array
-        self._algorithm = _as_algorithm(algorithm)
-        self._namespace = namespace
-        self._seed = namespace.seed(self._algorithm)
-        self._hash = _hash_function(self._algorithm)
-
-    @property
-    def separator(self) -> tuple[int, ...]:
-        """The separator token sequence."""
-        return tuple(int(t) for t in self._separator)
-
-    @property
-    def algorithm(self) -> HashAlgorithm:
-        """The hash ``H``."""
-        return self._algorithm
-
-    @property
-    def namespace(self) -> Namespace:
-        """The namespace bound into every key through the seed."""
-        return self._namespace
-
-    def _separator_starts(self, tokens: npt.NDArray[np.int32]) -> list[int]:
-        """Start indices of every occurrence of the separator (overlaps included)."""
-        sep = self._separator
-        width = len(sep)
-        if len(tokens) < width:
-            return []
-        candidates = np.flatnonzero(tokens[: len(tokens) - width + 1] == sep[0])
-        for offset in range(1, width):
-            if not candidates.size:
-                break
-            candidates = candidates[tokens[candidates + offset] == sep[offset]]
-        return [int(c) for c in candidates]
-
-    def spans(self, tokens: Tokens) -> list[ChunkSpan]:
-        """One span per non-empty segment, in order; ``parent`` is always None.
-
-        Raises:
-            InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
-        """
-        array = token_array(tokens)
-        width = len(self._separator)
-        bounds: list[tuple[int, int]] = []
-        position = 0
-        for hit in self._separator_starts(array):
-            if hit < position:
-                continue  # overlaps the separator just consumed
-            if hit > position:
-                bounds.append((position, hit))
-            position = hit + width
-        if position < len(array):
-            bounds.append((position, len(array)))
-        hash_function = self._hash
-        seed = self._seed
-        return [
-            _new_span(start, end, _new_key(hash_function(seed + array[start:end].tobytes())), None)
-            for start, end in bounds
-        ]

@@ -28,10 +28,10 @@ from lmcache_async.keys import (
     ChunkSpan,
     HashAlgorithm,
     Namespace,
-    SegmentHasher,
     check_mask,
     token_array,
 )
+from lmcache_async.segments import SegmentHasher
 
 NS = Namespace("org/model", "layout-v1", revision="abc123")
 ALGORITHMS = list(HashAlgorithm)
