@@ -1,0 +1,109 @@
+"""Where copies run: the CUDA event bridge (driven by stand-in events) and the CPU paths."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+import torch
+
+from lmcache_async.cuda import Direction, EventBridge, Transfers
+from lmcache_async.errors import EngineClosedError
+
+pytestmark = pytest.mark.anyio
+
+CPU = torch.device("cpu")
+
+
+class HeldEvent:
+    """Stands in for a torch.cuda.Event: synchronize() blocks until released."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.released = threading.Event()
+        self.error = error
+
+    def synchronize(self) -> None:
+        self.released.wait(timeout=10)
+        if self.error is not None:
+            raise self.error
+
+
+async def test_bridge_wakes_the_waiter_when_the_event_completes() -> None:
+    bridge = EventBridge("test")
+    try:
+        event = HeldEvent()
+        done = anyio.Event()
+
+        async def waiter() -> None:
+            await bridge.wait(event, timeout=5)
+            done.set()
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.wait_all_tasks_blocked()
+                assert not done.is_set()  # the loop is free while the "GPU" works
+                event.released.set()
+        assert done.is_set()
+    finally:
+        bridge.close()
+
+
+async def test_bridge_reports_device_errors_and_timeouts() -> None:
+    bridge = EventBridge("test")
+    try:
+        failing = HeldEvent(RuntimeError("device fault"))
+        failing.released.set()
+        with anyio.fail_after(5), pytest.raises(RuntimeError, match="device fault"):
+            await bridge.wait(failing, timeout=5)
+        stuck = HeldEvent()
+        with anyio.fail_after(5), pytest.raises(TimeoutError):
+            await bridge.wait(stuck, timeout=0.05)
+        stuck.released.set()  # let the waiter thread finish before close() joins it
+    finally:
+        bridge.close()
+    with pytest.raises(EngineClosedError):
+        await bridge.wait(HeldEvent(), timeout=1)
+
+
+async def test_small_copies_run_inline_and_large_ones_on_copy_threads() -> None:
+    transfers = Transfers(inline_bytes=1000, workers=2)
+    seen: list[tuple[str, list[int]]] = []
+
+    def work(jobs: list[int]) -> None:
+        seen.append((threading.current_thread().name, list(jobs)))
+
+    with anyio.fail_after(5):
+        await transfers.run(
+            work, [1, 2], device=CPU, direction=Direction.STORE, nbytes=10, timeout=5
+        )
+        assert seen == [(threading.current_thread().name, [1, 2])]
+        seen.clear()
+        await transfers.run(
+            work, [1, 2, 3, 4, 5], device=CPU, direction=Direction.LOAD, nbytes=5000, timeout=5
+        )
+    # split round-robin over the two copy threads, every job exactly once
+    assert sorted(job for _, jobs in seen for job in jobs) == [1, 2, 3, 4, 5]
+    assert len(seen) == 2
+    assert all(name.startswith("lmcache-copy") for name, _ in seen)
+    transfers.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("lmcache-copy")]
+    with pytest.raises(EngineClosedError):
+        await transfers.run(work, [1], device=CPU, direction=Direction.LOAD, nbytes=1, timeout=1)
+
+
+async def test_copy_thread_failure_reaches_the_caller() -> None:
+    transfers = Transfers(inline_bytes=0, workers=2)
+
+    def work(jobs: list[int]) -> None:
+        if 2 in jobs:
+            raise ValueError("bad copy")
+
+    try:
+        with anyio.fail_after(5), pytest.raises(ValueError, match="bad copy"):
+            await transfers.run(
+                work, [1, 2], device=CPU, direction=Direction.STORE, nbytes=1, timeout=5
+            )
+    finally:
+        transfers.close()
