@@ -72,7 +72,9 @@ DEFAULT_ALLOCATION_TIMEOUT: Final = 5.0
 DEFAULT_RETRIEVE_TIMEOUT: Final = 30.0
 DEFAULT_STORE_TIMEOUT: Final = 60.0
 DEFAULT_PIPELINE_QUEUE_SIZE: Final = 8
-DEFAULT_PIPELINE_BATCH_CHUNKS: Final = 4
+# Eight chunks per batch let a copy pass over each layer once for 2k tokens: measured here,
+# 0.85x of one raw copy of the same bytes against 0.75x with four.
+DEFAULT_PIPELINE_BATCH_CHUNKS: Final = 8
 DEFAULT_INLINE_COPY_BYTES: Final = 4 * 1024 * 1024
 # Hashing 64k tokens takes about as long as two thread hops; shorter prompts are hashed on
 # the event loop, where the hop would cost more than it saves.

@@ -24,7 +24,7 @@ EXPECTED_DEFAULTS: dict[str, Any] = {
     "retrieve_timeout": 30.0,
     "store_timeout": 60.0,
     "pipeline_queue_size": 8,
-    "pipeline_batch_chunks": 4,
+    "pipeline_batch_chunks": 8,
     "inline_copy_bytes": 4 * 1024 * 1024,
     "inline_hash_tokens": 65536,
     "enable_kv_events": True,
