@@ -66,15 +66,25 @@ class EventBridge:
     async def wait(self, event: Any, *, timeout: float) -> None:
         """Wait until ``event`` (a ``torch.cuda.Event``) has completed.
 
-        Raises TimeoutError after ``timeout`` seconds and EngineClosedError after close().
+        Raises TimeoutError when it took longer than ``timeout`` seconds, but only once it
+        has completed (the memory of the copy is then free to reuse); EngineClosedError
+        after close().
         """
         if self._closed:
             raise EngineClosedError("the CUDA event bridge is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         self._jobs.put((event, loop, future))
-        with anyio.fail_after(timeout):
-            await asyncio.shield(future)
+        try:
+            with anyio.fail_after(timeout):
+                await asyncio.shield(future)
+        except TimeoutError:
+            # The copy is still queued on the device and its host memory must not be handed
+            # back before it completes: report it, wait it out, then fail the request.
+            log.error("cuda_copy_overdue", timeout=timeout)
+            with anyio.CancelScope(shield=True):
+                await future
+            raise
 
     def close(self) -> None:
         """Stop the waiter thread once the events already queued have completed."""

@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import math
 import time
 from collections.abc import Hashable, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -29,7 +30,7 @@ from .backends.cpu import CPUBackend
 from .backends.manager import StorageManager
 from .config import EngineConfig
 from .cuda import Transfers
-from .errors import EngineClosedError, InvalidInputError
+from .errors import ConfigError, EngineClosedError, InvalidInputError
 from .events import EventBuffer, KVEvent
 from .keys import ChunkHasher, ChunkSpan, HashAlgorithm, Namespace, check_mask, token_array
 from .layouts import KVLayout
@@ -91,6 +92,13 @@ class CacheEngine:
         )
         self._events = EventBuffer(config.max_kv_events, enabled=config.enable_kv_events)
         self._pool = MemoryPool(config.cpu_capacity_bytes)
+        chunk_bytes = math.prod(layout.payload_shape(config.chunk_size)) * layout.dtype.itemsize
+        if chunk_bytes > self._pool.capacity_bytes:
+            raise ConfigError(
+                "max_local_cpu_size",
+                f"{config.max_local_cpu_size} GB holds less than one chunk of this layout "
+                f"({chunk_bytes} bytes for {config.chunk_size} tokens)",
+            )
         self._cpu = CPUBackend(self._pool)
         self._manager = StorageManager(
             self._cpu,
@@ -242,9 +250,12 @@ class CacheEngine:
                 raise InvalidInputError("pass either tokens or hashes, not both")
             if offsets is None:
                 raise InvalidInputError("hashes need offsets (the end token offset of each hash)")
-            offsets = list(offsets)
-            num_tokens = int(offsets[-1]) if offsets else 0
-            hash_list = list(hashes)
+            hash_list = _sequence("hashes", hashes)
+            offsets = _sequence("offsets", offsets)
+            last = offsets[-1] if offsets else 0
+            if not isinstance(last, int) or isinstance(last, bool):
+                raise InvalidInputError(f"offsets must be ints, got {last!r:.40}")
+            num_tokens = last
 
             def from_hashes() -> tuple[list[ChunkSpan], np.ndarray | None]:
                 spans = hasher.spans_from_hashes(
@@ -262,7 +273,7 @@ class CacheEngine:
                 raise InvalidInputError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
             num_tokens = int(tokens.shape[0])
         else:
-            num_tokens = len(tokens)
+            num_tokens = len(_check_sequence("tokens", tokens))
         source = tokens
 
         def from_tokens() -> tuple[list[ChunkSpan], np.ndarray | None]:
@@ -379,28 +390,29 @@ class CacheEngine:
         finishes. Raises InvalidInputError for bad input.
         """
         self._check_open()
-        request, start = self._prepare(
-            request_type=RetrieveRequest,
-            tokens=tokens,
-            kv_caches=kv_caches,
-            slot_mapping=slot_mapping,
-            mask=mask,
-            req_id=req_id,
-            hashes=hashes,
-            offsets=offsets,
-        )
-        self._counters.retrieve_requests += 1
-        request.mask = torch.zeros(request.num_tokens, dtype=torch.bool)
-        del start  # the spans already begin at the mask start
         try:
+            request, _ = self._prepare(
+                request_type=RetrieveRequest,
+                tokens=tokens,
+                kv_caches=kv_caches,
+                slot_mapping=slot_mapping,
+                mask=mask,
+                req_id=req_id,
+                hashes=hashes,
+                offsets=offsets,
+            )
+            self._counters.retrieve_requests += 1
+            request.mask = torch.zeros(request.num_tokens, dtype=torch.bool)
             if not self.is_healthy():
                 return request.mask
             result = await self._execute(
                 self._retrieve_pipe, request, request.completion, self.config.retrieve_timeout
             )
-            mask_out = result if result is not None else request.mask
             self._counters.retrieved_tokens += request.loaded_tokens
-            return mask_out
+            if result is not None:
+                return result
+            # Timed out or failed: a snapshot, in case an abandoned copy still lands later.
+            return request.mask.clone()
         finally:
             if lookup_id is not None:
                 self._manager.unpin(lookup_id)
@@ -408,35 +420,56 @@ class CacheEngine:
     async def _execute(
         self, pipeline: Pipeline, request: Request, completion: Completion[T], timeout: float
     ) -> T | None:
-        """Run ``request`` through ``pipeline``; None when it timed out.
+        """Run ``request`` through ``pipeline``; None when it timed out or failed.
 
-        On cancellation or timeout the request is marked so the stages drop what remains
-        and return its memory.
+        A request resolves only once every batch of it is accounted for. On timeout or
+        cancellation the request is marked, so the stages drop what remains and return its
+        memory, and the caller waits (bounded, shielded) for a copy already under way: when
+        this returns or raises, nothing of the request still touches the caller's memory.
+        Raises InvalidInputError (input found invalid off the loop) and EngineClosedError.
         """
+        submitted = False
+        deadline = asyncio.timeout(timeout)
         try:
             # asyncio's own timeout: an anyio cancel scope costs tens of microseconds, paid
             # on every request.
-            async with asyncio.timeout(timeout):
+            async with deadline:
                 await pipeline.submit(request)
+                submitted = True
                 return await completion.wait()
         except TimeoutError:
-            request.cancel()
+            if not deadline.expired():
+                # A TimeoutError from inside the pipeline (a GPU copy overdue): a failure.
+                self._counters.failed_requests += 1
+                log.exception("request_failed", req_id=request.req_id, pipeline=pipeline.name)
+                return None
             self._counters.timed_out_requests += 1
             log.warning("request_timed_out", req_id=request.req_id, pipeline=pipeline.name)
-            with anyio.move_on_after(_ABANDON_GRACE_SECONDS, shield=True):
-                await completion.wait()
+            await self._abandon(request, completion, submitted)
             return None
-        except EngineClosedError:
-            raise
-        except InvalidInputError:
+        except (EngineClosedError, InvalidInputError):
             raise
         except Exception:
             self._counters.failed_requests += 1
             log.exception("request_failed", req_id=request.req_id, pipeline=pipeline.name)
             return None
         except BaseException:
-            request.cancel()
+            await self._abandon(request, completion, submitted)
             raise
+
+    async def _abandon(self, request: Request, completion: Completion[T], submitted: bool) -> None:
+        """Drop what remains of ``request`` and wait for a copy of it already under way."""
+        request.cancel()
+        if not submitted:
+            return
+        with anyio.move_on_after(_ABANDON_GRACE_SECONDS, shield=True):
+            await completion.wait_done()
+        if not completion.done:
+            log.error(
+                "request_abandoned_with_copy_in_flight",
+                req_id=request.req_id,
+                grace_seconds=_ABANDON_GRACE_SECONDS,
+            )
 
     async def lookup(
         self,
@@ -558,6 +591,22 @@ class CacheEngine:
             frozen=self._manager.frozen,
             hot_cache=self._manager.hot_cache,
         )
+
+
+def _check_sequence(name: str, value: object) -> Sequence[Any]:
+    """``value`` itself, when it is a sequence of items (not text or bytes).
+
+    Raises:
+        InvalidInputError: it is not.
+    """
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
+        raise InvalidInputError(f"{name} must be a sequence, got {type(value).__name__}")
+    return value
+
+
+def _sequence(name: str, value: object) -> list[Any]:
+    """A list copy of the sequence ``value``. Raises InvalidInputError if it is not one."""
+    return list(_check_sequence(name, value))
 
 
 def _already_hashed(request: Request) -> Keyer:

@@ -125,6 +125,11 @@ class ChunkKey(bytes):
             )
         return super().__new__(cls, digest + layer.to_bytes(_LAYER_BYTES, "little"))
 
+    def __reduce__(self) -> tuple[type[ChunkKey], tuple[bytes, int | None]]:
+        # bytes' own protocol would rebuild from the raw bytes, which __new__ refuses for a
+        # layer key.
+        return (ChunkKey, (self.digest, self.layer))
+
     @property
     def digest(self) -> bytes:
         """The chunk's digest (without the layer)."""

@@ -57,10 +57,24 @@ async def test_bridge_reports_device_errors_and_timeouts() -> None:
         failing.released.set()
         with anyio.fail_after(5), pytest.raises(RuntimeError, match="device fault"):
             await bridge.wait(failing, timeout=5)
+        # An overdue copy is reported as a timeout only once it has completed: its host
+        # memory must not be reused while the device may still touch it.
         stuck = HeldEvent()
-        with anyio.fail_after(5), pytest.raises(TimeoutError):
-            await bridge.wait(stuck, timeout=0.05)
-        stuck.released.set()  # let the waiter thread finish before close() joins it
+        outcome: list[str] = []
+
+        async def waiter() -> None:
+            try:
+                await bridge.wait(stuck, timeout=0.05)
+            except TimeoutError:
+                outcome.append("timeout")
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.sleep(0.3)  # well past the timeout: the scenario, not a race
+                assert outcome == []
+                stuck.released.set()
+        assert outcome == ["timeout"]
     finally:
         bridge.close()
     with pytest.raises(EngineClosedError):

@@ -92,6 +92,10 @@ class StorageManager:
     def contains(self, key: ChunkKey) -> bool:
         return key in self._cpu
 
+    def hold(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """The payload of each cached key, referenced for the caller (None where absent)."""
+        return self._cpu.get_nowait(keys)
+
     def get_prefix(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
         """Payloads of the leading cached keys, each referenced for the caller."""
         return self._cpu.get_prefix_nowait(keys)

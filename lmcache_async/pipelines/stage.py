@@ -56,6 +56,10 @@ class Completion(Generic[T]):
         await self._done.wait()
         return self.result()
 
+    async def wait_done(self) -> None:
+        """Wait for the request to finish, whatever its outcome; never raises it."""
+        await self._done.wait()
+
     def result(self) -> T:
         if self._error is not None:
             raise self._error

@@ -31,12 +31,26 @@ log = structlog.get_logger(__name__)
 
 @dataclass(eq=False, slots=True)
 class StoreRequest(Request):
-    """A store in flight. ``limit``: no chunk ending after this token index is stored."""
+    """A store in flight. ``limit``: no chunk ending after this token index is stored.
+
+    The request holds a reference on every chunk it counts as cached (found present, or
+    put by one of its batches) until it finishes, so its own later allocations cannot
+    evict its prefix: memory pressure makes it a shorter store, never a store with a hole.
+    It resolves only when every batch is accounted for, so nothing of it is still running
+    when the caller gets the answer.
+    """
 
     limit: int = 0
     completion: Completion[int] = field(default_factory=Completion)
     stored: list[bool] = field(default_factory=list)
     partial: bool = False
+    error: BaseException | None = None
+    held: list[MemoryObj] = field(default_factory=list)
+
+    @property
+    def dropping(self) -> bool:
+        """True when no further batch of this request may be copied or put."""
+        return self.cancelled or self.error is not None
 
     def stored_tokens(self) -> int:
         """Tokens covered by the leading run of chunks that are cached."""
@@ -50,11 +64,22 @@ class StoreRequest(Request):
     def finish_batch(self) -> None:
         self.batches_done += 1
         if self.batches_done == self.batches_total:
+            self.finish()
+
+    def finish(self) -> None:
+        """Resolve the request and drop the references it held."""
+        release(self.held)
+        self.held.clear()
+        if self.error is not None:
+            self.completion.set_error(self.error)
+        else:
             self.completion.set_result(self.stored_tokens())
 
     def fail(self, error: BaseException) -> None:
+        """Record the first failure; the remaining batches are dropped."""
         self.stopped = True
-        self.completion.set_error(error)
+        if self.error is None:
+            self.error = error
 
 
 @dataclass(eq=False, slots=True)
@@ -81,21 +106,24 @@ class HashStage:
         async with receive, send:
             async for request in items(receive):
                 if request.skip:
-                    request.completion.set_result(0)
+                    request.finish()
                     continue
                 try:
                     await compute_spans(request)
                 except Exception as exc:  # invalid tokens found off the loop
                     request.fail(exc)
+                    request.finish()
                     continue
                 spans = [span for span in request.spans if span.end <= request.limit]
                 request.spans = spans
-                request.stored = [self._manager.contains(span.key) for span in spans]
-                todo = [i for i, present in enumerate(request.stored) if not present]
+                present = self._manager.hold([span.key for span in spans])
+                request.stored = [obj is not None for obj in present]
+                request.held = [obj for obj in present if obj is not None]
+                todo = [i for i, obj in enumerate(present) if obj is None]
                 groups = batched(0, len(todo), self._batch_chunks)
                 request.batches_total = len(groups)
                 if not groups:
-                    request.completion.set_result(request.stored_tokens())
+                    request.finish()
                     continue
                 for group in groups:
                     await put(send, StoreBatch(request, [todo[i] for i in group]))
@@ -183,7 +211,7 @@ class CopyStage:
         async with receive, send:
             async for batch in items(receive):
                 request = batch.request
-                if request.cancelled:
+                if request.dropping:
                     release(batch.objs)
                     request.finish_batch()
                     continue
@@ -231,11 +259,16 @@ class PutStage:
             async for batch in items(receive):
                 request = batch.request
                 try:
-                    if not request.cancelled:
+                    if not request.dropping:
                         spans = [request.spans[i] for i in batch.indices]
-                        held = self._manager.put(spans, batch.objs, request.tokens)
-                        for i in batch.indices[:held]:
-                            request.stored[i] = True
+                        kept = self._manager.put(spans, batch.objs, request.tokens)
+                        # Hold what the tier now has under these keys (another request may
+                        # have put the same chunk first) until this request ends.
+                        cached = self._manager.hold([span.key for span in spans[:kept]])
+                        for i, obj in zip(batch.indices, cached, strict=False):
+                            if obj is not None:
+                                request.stored[i] = True
+                                request.held.append(obj)
                 finally:
                     release(batch.objs)
                     request.finish_batch()
