@@ -124,7 +124,9 @@ class TransferPlan:
         staged: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
         for start, end, payload in jobs:
             rows = self._slice_rows(start, end)
-            source = payload.to(device=self._device, non_blocking=True)
+            source = payload
+            if payload.device != self._device:
+                source = payload.to(device=self._device, non_blocking=True)
             skipped = self._negatives_in(start, end)
             if skipped:
                 keep_list = sorted(set(range(end - start)) - {p - start for p in skipped})
@@ -135,7 +137,8 @@ class TransferPlan:
                 per_token = torch.arange(self._rpt, device=self._device)
                 keep_rows = (keep.unsqueeze(1) * self._rpt + per_token).view(-1)
                 rows = [index.index_select(0, keep_rows) for index in rows]
-            source = source.contiguous()
+            if not source.is_contiguous():
+                source = source.contiguous()
             staged.append((source.view(len(rows) * num_layers, -1, self._width).unbind(0), rows))
         for layer, dst in enumerate(self._views):
             for part in range(len(self._rows)):

@@ -144,10 +144,14 @@ class CopyStage:
                     if request.cancelled or request.copy_failed:
                         continue
                     await self._copy(batch)
-                    for span in batch.spans:
-                        written = request.slots_cpu[span.start : span.end] >= 0
-                        request.mask[span.start : span.end] = written
-                        request.loaded_tokens += span.num_tokens
+                    # A batch's spans are consecutive: mark them in one step. Tokens with
+                    # a negative slot were not written.
+                    start, end = batch.spans[0].start, batch.spans[-1].end
+                    if request.plan.first_skipped(start) is None:
+                        request.mask[start:end] = True
+                    else:
+                        request.mask[start:end] = request.slots_cpu[start:end] >= 0
+                    request.loaded_tokens += end - start
                 except Exception:
                     log.exception("retrieve_copy_failed", req_id=request.req_id)
                     request.copy_failed = True
