@@ -29,12 +29,12 @@ import xxhash
 
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.tokens import (
-    _TOKEN_BYTES,
+    TOKEN_BYTES,
     Tokens,
-    _is_int,
-    _token_bytes,
     check_mask,
+    is_strict_int,
     token_array,
+    token_bytes,
 )
 
 __all__ = [
@@ -119,7 +119,7 @@ class ChunkKey(bytes):
             )
         if layer is None:
             return super().__new__(cls, digest)
-        if not _is_int(layer) or not 0 <= layer < _MAX_LAYERS:
+        if not is_strict_int(layer) or not 0 <= layer < _MAX_LAYERS:
             raise InvalidInputError(
                 f"ChunkKey layer must be None or a non-negative int, got {layer!r}"
             )
@@ -201,7 +201,9 @@ class ChunkSpan:
     parent: ChunkKey | None
 
     def __post_init__(self) -> None:
-        if not (_is_int(self.start) and _is_int(self.end) and 0 <= self.start < self.end):
+        if not (
+            is_strict_int(self.start) and is_strict_int(self.end) and 0 <= self.start < self.end
+        ):
             raise InvalidInputError(
                 f"ChunkSpan needs ints 0 <= start < end, got [{self.start!r}, {self.end!r})"
             )
@@ -360,7 +362,7 @@ def _build_spans(
 def _encode_block_hash(index: int, value: int | bytes) -> bytes:
     if isinstance(value, (bytes, bytearray)):
         return _BYTES_HASH_TAG + len(value).to_bytes(8, "little") + bytes(value)
-    if not _is_int(value):
+    if not is_strict_int(value):
         raise InvalidInputError(
             f"hashes[{index}] must be an int or bytes, got {type(value).__name__}"
         )
@@ -444,7 +446,7 @@ class ChunkHasher:
     ) -> None:
         if not isinstance(namespace, Namespace):
             raise InvalidInputError(f"namespace must be a Namespace, got {namespace!r:.80}")
-        if not _is_int(chunk_size) or chunk_size <= 0:
+        if not is_strict_int(chunk_size) or chunk_size <= 0:
             raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self._algorithm = _as_algorithm(algorithm)
         self._namespace = namespace
@@ -452,10 +454,10 @@ class ChunkHasher:
         self._seed = namespace.seed(self._algorithm)
         self._hash = _hash_function(self._algorithm)
         self._chain = _chain_blake3 if self._algorithm is HashAlgorithm.BLAKE3 else _chain_xxh3
-        if not _is_int(memo_size) or memo_size < 0:
+        if not is_strict_int(memo_size) or memo_size < 0:
             raise InvalidInputError(f"memo_size must be an int >= 0, got {memo_size!r}")
         self._memo = _DigestMemo(memo_size) if memo_size else None
-        self._memo_min_bytes = memo_min_tokens * _TOKEN_BYTES
+        self._memo_min_bytes = memo_min_tokens * TOKEN_BYTES
 
     def remembered(self, tokens: Tokens) -> list[bytes] | None:
         """The digests of ``tokens`` if the memo holds them, else None. Cheap for tensors
@@ -466,7 +468,7 @@ class ChunkHasher:
         """
         if self._memo is None or not isinstance(tokens, (torch.Tensor, np.ndarray)):
             return None
-        data, _ = _token_bytes(tokens)
+        data, _ = token_bytes(tokens)
         if len(data) < self._memo_min_bytes:
             return None
         content = data.tobytes()
@@ -474,7 +476,7 @@ class ChunkHasher:
 
     def _all_digests(self, data: memoryview) -> list[bytes]:
         """Digests of every chunk of ``data`` (token bytes), from the memo when it has them."""
-        step = self._chunk_size * _TOKEN_BYTES
+        step = self._chunk_size * TOKEN_BYTES
         memo = self._memo
         if memo is None or len(data) < self._memo_min_bytes:
             return self._chain(self._seed, data, step, len(data))
@@ -514,7 +516,7 @@ class ChunkHasher:
         Raises:
             InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
         """
-        data, _ = _token_bytes(tokens)
+        data, _ = token_bytes(tokens)
         return self._all_digests(data)
 
     def spans(
@@ -533,7 +535,7 @@ class ChunkHasher:
             InvalidInputError: ``tokens`` or ``mask`` are invalid (see :func:`token_array`,
                 :func:`check_mask`).
         """
-        data, num_tokens = _token_bytes(tokens)
+        data, num_tokens = token_bytes(tokens)
         chunk_size = self._chunk_size
         start = check_mask(mask, num_tokens, chunk_size)
         num_chunks = -(-num_tokens // chunk_size) if save_unfull_chunk else num_tokens // chunk_size
@@ -575,7 +577,7 @@ class ChunkHasher:
         count = len(offsets)
         previous = 0
         for index, end in enumerate(offsets):
-            if not _is_int(end):
+            if not is_strict_int(end):
                 raise InvalidInputError(
                     f"offsets[{index}] must be an int, got {type(end).__name__}"
                 )

@@ -17,17 +17,26 @@ import torch
 
 from lmcache_async.errors import InvalidInputError
 
-__all__ = ["Tokens", "check_mask", "token_array"]
+__all__ = [
+    "TOKEN_BYTES",
+    "Tokens",
+    "check_mask",
+    "is_strict_int",
+    "token_array",
+    "token_bytes",
+]
 
 Tokens: TypeAlias = Sequence[int] | torch.Tensor | npt.NDArray[np.integer[Any]]
 """Token ids: a list/tuple of int, a 1-D integer tensor or a 1-D integer ndarray."""
 
 _TOKEN_DTYPE: Final = np.dtype("<i4")
-_TOKEN_BYTES: Final = 4
+TOKEN_BYTES: Final = 4
+"""Bytes per token in the hashed form (little-endian int32)."""
 _TOKEN_LIMIT: Final = 2**31  # token ids must lie in [0, 2**31)
 
 
-def _is_int(value: object) -> bool:
+def is_strict_int(value: object) -> bool:
+    """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -48,7 +57,7 @@ def _ndarray_tokens(array: npt.NDArray[Any], what: str) -> npt.NDArray[np.int32]
     if array.ndim != 1:
         raise InvalidInputError(f"tokens must be 1-D, got a {array.ndim}-D {what}")
     kind = array.dtype.kind
-    if kind == "i" and array.dtype.itemsize >= _TOKEN_BYTES:
+    if kind == "i" and array.dtype.itemsize >= TOKEN_BYTES:
         # Same width and byte order, unsigned: negative ids become >= 2**31.
         _check_token_range(array.view(array.dtype.str.replace("i", "u")), array)
     elif kind == "i":
@@ -116,13 +125,13 @@ def _tensor_tokens(tensor: torch.Tensor) -> npt.NDArray[np.int32]:
     return _ndarray_tokens(array, "tensor")
 
 
-def _token_bytes(tokens: Tokens) -> tuple[memoryview, int]:
+def token_bytes(tokens: Tokens) -> tuple[memoryview, int]:
     """The tokens' little-endian int32 bytes, and the number of tokens."""
     if isinstance(tokens, (torch.Tensor, np.ndarray)):
         array = token_array(tokens)
         return array.data.cast("B"), len(array)
     data = _sequence_tokens(tokens)
-    return memoryview(data), len(data) // _TOKEN_BYTES
+    return memoryview(data), len(data) // TOKEN_BYTES
 
 
 def check_mask(mask: torch.Tensor | None, num_tokens: int, chunk_size: int) -> int:
@@ -138,9 +147,9 @@ def check_mask(mask: torch.Tensor | None, num_tokens: int, chunk_size: int) -> i
             not of the form ``F...FT...T``, or its leading Falses are not a multiple of
             ``chunk_size``; or ``num_tokens``/``chunk_size`` are invalid.
     """
-    if not _is_int(chunk_size) or chunk_size <= 0:
+    if not is_strict_int(chunk_size) or chunk_size <= 0:
         raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    if not _is_int(num_tokens) or num_tokens < 0:
+    if not is_strict_int(num_tokens) or num_tokens < 0:
         raise InvalidInputError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
     if mask is None:
         return 0
