@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.tokens import is_strict_int
 from lmcache_async.transfer import TransferPlan
 
 __all__ = [
@@ -69,10 +70,6 @@ class LayoutKind(enum.StrEnum):
     block and head, then all V rows)."""
 
 
-def _is_strict_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_integer_dtype(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
@@ -115,9 +112,9 @@ class KVLayout:
                 raise InvalidInputError(f"kind: expected one of {choices}, got {kind!r}") from None
         for name in ("num_layers", "block_size", "num_kv_heads", "head_size", "tp_world_size"):
             value = getattr(self, name)
-            if not _is_strict_int(value) or value <= 0:
+            if not is_strict_int(value) or value <= 0:
                 raise InvalidInputError(f"{name}: expected a positive int, got {value!r}")
-        if not _is_strict_int(self.tp_rank) or not 0 <= self.tp_rank < self.tp_world_size:
+        if not is_strict_int(self.tp_rank) or not 0 <= self.tp_rank < self.tp_world_size:
             raise InvalidInputError(
                 f"tp_rank: expected an int in [0, {self.tp_world_size}), got {self.tp_rank!r}"
             )
@@ -284,7 +281,7 @@ class KVLayout:
         Raises:
             InvalidInputError: ``num_tokens`` is negative.
         """
-        if not _is_strict_int(num_tokens) or num_tokens < 0:
+        if not is_strict_int(num_tokens) or num_tokens < 0:
             raise InvalidInputError(f"num_tokens: expected an int >= 0, got {num_tokens!r}")
         return (self._parts, self.num_layers, num_tokens, self.width)
 
@@ -296,7 +293,7 @@ class KVLayout:
         Raises:
             InvalidInputError: ``num_blocks`` is not positive.
         """
-        if not _is_strict_int(num_blocks) or num_blocks <= 0:
+        if not is_strict_int(num_blocks) or num_blocks <= 0:
             raise InvalidInputError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         bs, h, d = self.block_size, self.num_kv_heads, self.head_size
         if self.kind is LayoutKind.VLLM_FLASH_ATTN:
@@ -434,9 +431,9 @@ class KVLayout:
         Raises:
             InvalidInputError: wrong type, rank, dtype, length, or a slot out of range.
         """
-        if not _is_strict_int(num_tokens) or num_tokens < 0:
+        if not is_strict_int(num_tokens) or num_tokens < 0:
             raise InvalidInputError(f"num_tokens: expected an int >= 0, got {num_tokens!r}")
-        if not _is_strict_int(num_blocks) or num_blocks <= 0:
+        if not is_strict_int(num_blocks) or num_blocks <= 0:
             raise InvalidInputError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         slots = self._check_slots_tensor(slot_mapping)
         if slots.shape[0] != num_tokens:
