@@ -277,8 +277,8 @@ class CacheEngine:
         source = tokens
 
         def from_tokens() -> tuple[list[ChunkSpan], np.ndarray | None]:
-            array = token_array(source)
-            return hasher.spans(array, mask=mask, save_unfull_chunk=save_unfull), array
+            array = token_array(source)  # validated once, here
+            return hasher.array_spans(array, mask=mask, save_unfull_chunk=save_unfull), array
 
         return from_tokens, num_tokens, num_tokens < self.config.inline_hash_tokens
 

@@ -24,6 +24,7 @@ from typing import Final
 
 import blake3
 import numpy as np
+import numpy.typing as npt
 import torch
 import xxhash
 
@@ -535,7 +536,22 @@ class ChunkHasher:
             InvalidInputError: ``tokens`` or ``mask`` are invalid (see :func:`token_array`,
                 :func:`check_mask`).
         """
-        data, num_tokens = token_bytes(tokens)
+        return self.array_spans(token_array(tokens), mask=mask, save_unfull_chunk=save_unfull_chunk)
+
+    def array_spans(
+        self,
+        tokens: npt.NDArray[np.int32],
+        *,
+        mask: torch.Tensor | None = None,
+        save_unfull_chunk: bool = True,
+    ) -> list[ChunkSpan]:
+        """:meth:`spans` of tokens already converted by :func:`token_array` (they are not
+        checked again).
+
+        Raises:
+            InvalidInputError: ``mask`` is invalid (see :func:`check_mask`).
+        """
+        data, num_tokens = tokens.data.cast("B"), len(tokens)
         chunk_size = self._chunk_size
         start = check_mask(mask, num_tokens, chunk_size)
         num_chunks = -(-num_tokens // chunk_size) if save_unfull_chunk else num_tokens // chunk_size
