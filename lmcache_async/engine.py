@@ -198,7 +198,10 @@ class CacheEngine:
             self._reaper_scope.cancel()
             with anyio.CancelScope(shield=True):
                 await self._reaper_stopped.wait()
-        self._transfers.close()
+        # Joining the copy and bridge threads blocks: do it off the event loop, and finish
+        # it even when the closing task is being cancelled.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._transfers.close)
         await self._manager.aclose()
         self._pool.close()
         log.info("engine_closed", model=self.namespace.model_name)
