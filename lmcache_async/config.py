@@ -59,6 +59,9 @@ CONFIG_FILE_ENV: Final = "LMCACHE_ASYNC_CONFIG_FILE"
 """Environment variable naming a YAML file read by :meth:`EngineConfig.load`."""
 
 HASH_ALGORITHMS: Final = ("blake3", "xxh3_128")
+TIER_NAMES: Final = ("cpu", "disk", "redis")
+TIER_CODECS: Final = ("none", "zstd", "lz4", "int8")
+REMOTE_SCHEMES: Final = ("redis", "rediss", "unix", "valkey", "valkeys", "redis-cluster")
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS: Final = ("console", "json")
 
@@ -81,6 +84,19 @@ DEFAULT_INLINE_COPY_BYTES: Final = 4 * 1024 * 1024
 DEFAULT_INLINE_HASH_TOKENS: Final = 65536
 DEFAULT_ENABLE_KV_EVENTS: Final = True
 DEFAULT_MAX_KV_EVENTS: Final = 10000
+DEFAULT_LOCAL_DISK: Final = None
+DEFAULT_MAX_LOCAL_DISK_SIZE: Final = 20.0
+DEFAULT_REMOTE_URL: Final = None
+DEFAULT_REMOTE_TIMEOUT: Final = 2.0
+DEFAULT_REMOTE_TTL: Final = None
+DEFAULT_TIER_CODEC: Final = "none"
+DEFAULT_STORE_LOCATION: Final = None
+DEFAULT_RETRIEVE_LOCATIONS: Final = None
+DEFAULT_WAIT_FOR_SLOW_TIERS: Final = False
+DEFAULT_SLOW_TIER_QUEUE_SIZE: Final = 64
+DEFAULT_HEALTH_CHECK_INTERVAL: Final = 1.0
+DEFAULT_REMOVE_AFTER_RETRIEVE: Final = False
+DEFAULT_USE_LAYERWISE: Final = False
 DEFAULT_LOG_LEVEL: Final = "INFO"
 DEFAULT_LOG_FORMAT: Final = "console"
 
@@ -98,6 +114,11 @@ _LOWER_BOUNDS: Final[Mapping[str, tuple[float, bool]]] = MappingProxyType(
         "inline_copy_bytes": (0, True),
         "inline_hash_tokens": (0, True),
         "max_kv_events": (1, True),
+        "max_local_disk_size": (0.0, False),
+        "remote_timeout": (0.0, False),
+        "remote_ttl": (0.0, False),
+        "slow_tier_queue_size": (1, True),
+        "health_check_interval": (0.0, False),
     }
 )
 
@@ -107,6 +128,7 @@ _CHOICES: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
         "hash_algorithm": HASH_ALGORITHMS,
         "log_level": LOG_LEVELS,
         "log_format": LOG_FORMATS,
+        "tier_codec": TIER_CODECS,
     }
 )
 
@@ -115,7 +137,15 @@ _FALSE_WORDS: Final = frozenset({"0", "false", "no", "off"})
 
 # Field annotations are strings under ``from __future__ import annotations``.
 _TYPES: Final[Mapping[str, type]] = MappingProxyType(
-    {"int": int, "float": float, "bool": bool, "str": str}
+    {
+        "int": int,
+        "float": float,
+        "bool": bool,
+        "str": str,
+        "str | None": str,
+        "float | None": float,
+        "tuple[str, ...] | None": tuple,
+    }
 )
 
 
@@ -162,6 +192,35 @@ class EngineConfig:
     """Whether chunk-stored / chunk-removed events are recorded."""
     max_kv_events: int = DEFAULT_MAX_KV_EVENTS
     """Undelivered events kept; beyond it the oldest are dropped and counted."""
+    local_disk: str | None = DEFAULT_LOCAL_DISK
+    """Directory of the disk tier (``file://`` prefix allowed); None: no disk tier."""
+    max_local_disk_size: float = DEFAULT_MAX_LOCAL_DISK_SIZE
+    """Capacity of the disk tier in GB; least recently used chunks are evicted beyond it."""
+    remote_url: str | None = DEFAULT_REMOTE_URL
+    """Redis/Valkey tier: ``redis://``, ``rediss://``, ``unix://``, ``valkey://`` or
+    ``redis-cluster://host:port[,host:port...]``; None: no Redis tier."""
+    remote_timeout: float = DEFAULT_REMOTE_TIMEOUT
+    """Seconds every Redis call may take before the tier counts as failing."""
+    remote_ttl: float | None = DEFAULT_REMOTE_TTL
+    """Seconds a chunk lives in Redis; None: until Redis evicts it."""
+    tier_codec: str = DEFAULT_TIER_CODEC
+    """Payload encoding on disk and in Redis: ``none``, ``zstd``, ``lz4`` (lossless) or
+    ``int8`` (lossy, per-channel scale)."""
+    store_location: tuple[str, ...] | None = DEFAULT_STORE_LOCATION
+    """Tiers a store writes to (``cpu``, ``disk``, ``redis``); None: every enabled tier."""
+    retrieve_locations: tuple[str, ...] | None = DEFAULT_RETRIEVE_LOCATIONS
+    """Tiers lookups and retrieves read from; None: every enabled tier."""
+    wait_for_slow_tiers: bool = DEFAULT_WAIT_FOR_SLOW_TIERS
+    """Whether a store waits until disk and Redis hold its chunks (else they are written
+    behind it through a bounded queue)."""
+    slow_tier_queue_size: int = DEFAULT_SLOW_TIER_QUEUE_SIZE
+    """Batches of chunks queued for each slow tier; beyond it writes are skipped, counted."""
+    health_check_interval: float = DEFAULT_HEALTH_CHECK_INTERVAL
+    """Seconds between probes of each slow tier."""
+    remove_after_retrieve: bool = DEFAULT_REMOVE_AFTER_RETRIEVE
+    """Receiver role of disaggregated prefill: chunks are removed once retrieved."""
+    use_layerwise: bool = DEFAULT_USE_LAYERWISE
+    """Whether the serving engine stores and retrieves layer by layer."""
     log_level: str = DEFAULT_LOG_LEVEL
     """``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR`` (any case; stored upper-case)."""
     log_format: str = DEFAULT_LOG_FORMAT
@@ -177,6 +236,18 @@ class EngineConfig:
     def cpu_capacity_bytes(self) -> int:
         """``max_local_cpu_size`` in bytes (rounded down)."""
         return int(self.max_local_cpu_size * GB)
+
+    @property
+    def disk_capacity_bytes(self) -> int:
+        """``max_local_disk_size`` in bytes (rounded down)."""
+        return int(self.max_local_disk_size * GB)
+
+    @property
+    def disk_directory(self) -> str | None:
+        """``local_disk`` without a ``file://`` prefix, or None when there is no disk tier."""
+        if self.local_disk is None:
+            return None
+        return self.local_disk.removeprefix("file://")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -270,8 +341,13 @@ class EngineConfig:
         return cls.from_dict(merged)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field as plain Python values; round-trips through :meth:`from_dict`."""
-        return {name: getattr(self, name) for name in self.field_names()}
+        """Every field as plain Python values (tier lists as lists); round-trips through
+        :meth:`from_dict` and YAML."""
+        out: dict[str, Any] = {}
+        for name in self.field_names():
+            value = getattr(self, name)
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied, validated like a new config.
@@ -301,6 +377,16 @@ def _check_keys(data: Mapping[Any, Any], *, source: str) -> None:
 
 def _check_value(name: str, field_type: type, value: object) -> object:
     """Return ``value`` checked and normalised for field ``name``; ConfigError otherwise."""
+    if value is None and name in _OPTIONAL:
+        return None
+    if field_type is tuple:
+        return _check_locations(name, value)
+    if name == "remote_url":
+        return _check_remote_url(value)
+    if name == "local_disk":
+        if not isinstance(value, str) or not value.removeprefix("file://"):
+            raise ConfigError(name, f"expected a directory path, got {_describe(value)}")
+        return value
     # bool is an int subclass: refuse it explicitly wherever a number is expected.
     if field_type is bool:
         if not isinstance(value, bool):
@@ -337,6 +423,40 @@ def _check_value(name: str, field_type: type, value: object) -> object:
     return number
 
 
+# Fields that may be None (their annotation says ``| None``).
+_OPTIONAL: Final = frozenset(
+    {"local_disk", "remote_url", "remote_ttl", "store_location", "retrieve_locations"}
+)
+
+
+def _check_locations(name: str, value: object) -> tuple[str, ...]:
+    """A tuple of known tier names from a list/tuple or a comma-separated string."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list | tuple) or not value:
+        raise ConfigError(name, f"expected a non-empty list of tiers, got {_describe(value)}")
+    for tier in value:
+        if tier not in TIER_NAMES:
+            allowed = ", ".join(repr(t) for t in TIER_NAMES)
+            raise ConfigError(name, f"unknown tier {tier!r}; expected some of {allowed}")
+    if len(set(value)) != len(value):
+        raise ConfigError(name, f"a tier is named twice in {list(value)!r}")
+    return tuple(value)
+
+
+def _check_remote_url(value: object) -> str:
+    """A Redis/Valkey URL whose scheme we speak; ConfigError(field="remote_url") otherwise."""
+    if not isinstance(value, str):
+        raise ConfigError("remote_url", f"expected a URL string, got {_describe(value)}")
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in REMOTE_SCHEMES:
+        allowed = ", ".join(f"{s}://" for s in REMOTE_SCHEMES)
+        raise ConfigError("remote_url", f"unsupported URL {value!r}; expected {allowed}")
+    if not rest:
+        raise ConfigError("remote_url", f"URL {value!r} names no server")
+    return value
+
+
 def _describe(value: object) -> str:
     return f"{type(value).__name__} ({value!r})"
 
@@ -344,6 +464,10 @@ def _describe(value: object) -> str:
 def _parse_env(name: str, field_type: type, raw: str) -> object:
     """Parse one environment value by its field's type; ConfigError naming the field."""
     text = raw.strip()
+    if name in _OPTIONAL and text.lower() in ("", "none", "null"):
+        return None
+    if field_type is tuple:
+        return text
     if field_type is bool:
         word = text.lower()
         if word in _TRUE_WORDS:

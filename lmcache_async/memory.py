@@ -83,6 +83,7 @@ class MemoryObj:
 
     __slots__ = (
         "_dtype",
+        "checksum",
         "_nbytes",
         "_npages",
         "_page",
@@ -113,6 +114,9 @@ class MemoryObj:
         self._nbytes = nbytes
         self._ref = 1
         self._pin = 0
+        # Checksum of the payload bytes, set by the first slow tier that writes it (the
+        # payload is immutable once cached, so every tier reuses it).
+        self.checksum: int | None = None
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -29,6 +29,19 @@ EXPECTED_DEFAULTS: dict[str, Any] = {
     "inline_hash_tokens": 65536,
     "enable_kv_events": True,
     "max_kv_events": 10000,
+    "local_disk": None,
+    "max_local_disk_size": 20.0,
+    "remote_url": None,
+    "remote_timeout": 2.0,
+    "remote_ttl": None,
+    "tier_codec": "none",
+    "store_location": None,
+    "retrieve_locations": None,
+    "wait_for_slow_tiers": False,
+    "slow_tier_queue_size": 64,
+    "health_check_interval": 1.0,
+    "remove_after_retrieve": False,
+    "use_layerwise": False,
     "log_level": "INFO",
     "log_format": "console",
 }
@@ -54,6 +67,29 @@ def test_cpu_capacity_bytes_uses_binary_gigabytes() -> None:
 
 
 INVALID_VALUES: list[tuple[str, Any]] = [
+    ("local_disk", ""),
+    ("local_disk", "file://"),
+    ("local_disk", 3),
+    ("max_local_disk_size", 0),
+    ("max_local_disk_size", -2.0),
+    ("remote_url", "http://localhost:6379"),
+    ("remote_url", "localhost:6379"),
+    ("remote_url", "redis://"),
+    ("remote_url", 6379),
+    ("remote_timeout", 0),
+    ("remote_ttl", -1),
+    ("remote_ttl", "60"),
+    ("tier_codec", "gzip"),
+    ("store_location", ["gpu"]),
+    ("store_location", []),
+    ("store_location", ["cpu", "cpu"]),
+    ("retrieve_locations", "disk,nvme"),
+    ("retrieve_locations", 3),
+    ("wait_for_slow_tiers", "yes"),
+    ("slow_tier_queue_size", 0),
+    ("health_check_interval", 0.0),
+    ("remove_after_retrieve", 1),
+    ("use_layerwise", None),
     ("chunk_size", 0),
     ("chunk_size", -256),
     ("chunk_size", 256.0),
@@ -422,3 +458,25 @@ def test_load_unknown_override_is_named() -> None:
 
 def test_load_with_nothing_is_defaults() -> None:
     assert EngineConfig.load(environ={}) == EngineConfig()
+
+
+def test_tier_settings_parse_from_every_source(tmp_path: Path) -> None:
+    cfg = EngineConfig(
+        local_disk=f"file://{tmp_path}", store_location="cpu, disk", retrieve_locations=["redis"]
+    )
+    assert cfg.disk_directory == str(tmp_path)
+    assert cfg.store_location == ("cpu", "disk")
+    assert cfg.retrieve_locations == ("redis",)
+    assert cfg.disk_capacity_bytes == 20 * GB
+    env = {
+        "LMCACHE_ASYNC_STORE_LOCATION": "disk,redis",
+        "LMCACHE_ASYNC_REMOTE_TTL": "none",
+        "LMCACHE_ASYNC_REMOTE_URL": "redis-cluster://127.0.0.1:7000,127.0.0.1:7001",
+    }
+    loaded = EngineConfig.load(environ=env)
+    assert loaded.store_location == ("disk", "redis")
+    assert loaded.remote_ttl is None
+    assert loaded.remote_url == "redis-cluster://127.0.0.1:7000,127.0.0.1:7001"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert EngineConfig.from_file(path) == cfg

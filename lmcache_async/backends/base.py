@@ -24,6 +24,11 @@ class TierStats:
     puts: int
     evictions: int
     healthy: bool
+    corrupt: int = 0
+    """Entries found corrupt (checksum, truncation, header mismatch): each was a miss and
+    was deleted."""
+    errors: int = 0
+    """Operations that failed against the tier (I/O or connection errors)."""
 
 
 class StorageBackend(abc.ABC):
@@ -60,6 +65,10 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def healthy(self) -> bool:
         """Whether the tier can serve requests now."""
+
+    async def check_health(self) -> bool:
+        """Probe the tier (the health monitor calls this); by default, :meth:`healthy`."""
+        return self.healthy()
 
     @abc.abstractmethod
     def stats(self) -> TierStats:
