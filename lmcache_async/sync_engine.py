@@ -43,6 +43,7 @@ class SyncCacheEngine:
         self._engine_cm = engine_cm
         self._engine = engine
         self._closed = False
+        self._lookup_servers: list[Any] = []
 
     @classmethod
     def open(
@@ -113,12 +114,35 @@ class SyncCacheEngine:
         result: EngineStats = self._call(self._engine.stats)
         return result
 
+    def serve_lookups(self, instance_id: str, rank: int, socket_dir: str | None = None) -> str:
+        """Answer a scheduler's lookups for this engine until :meth:`close`.
+
+        Starts a :class:`~lmcache_async.rpc.lookup.LookupServer` on the engine's thread and
+        returns its endpoint. Raises InvalidInputError for a bad argument or an endpoint
+        that cannot be bound, EngineClosedError after close.
+        """
+        # rpc sits above the engine: imported here, so the engine never imports it on load.
+        from .rpc.lookup import LookupServer  # noqa: PLC0415
+
+        if self._closed:
+            raise EngineClosedError("the cache engine is closed")
+        context = self._portal.wrap_async_context_manager(
+            LookupServer.serve(
+                self._engine, instance_id=instance_id, rank=rank, socket_dir=socket_dir
+            )
+        )
+        server = context.__enter__()
+        self._lookup_servers.append(context)
+        return server.endpoint
+
     def close(self) -> None:
-        """Stop the engine and its thread; idempotent."""
+        """Stop the lookup servers, the engine and its thread; idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
+            while self._lookup_servers:
+                self._lookup_servers.pop().__exit__(None, None, None)
             self._engine_cm.__exit__(None, None, None)
         finally:
             self._portal_cm.__exit__(None, None, None)

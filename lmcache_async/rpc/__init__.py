@@ -1,0 +1,3 @@
+"""Processes over ZeroMQ: the wire protocol and the scheduler-to-worker lookup service."""
+
+from __future__ import annotations
