@@ -18,7 +18,7 @@ layer.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -274,6 +274,58 @@ class KVLayout:
             f"tp={self.tp_rank}/{self.tp_world_size}"
         )
 
+    def to_dict(self) -> dict[str, str | int | bool]:
+        """Every field as plain data (kind and dtype by name), for a wire handshake or a
+        file; :meth:`from_dict` rebuilds the layout."""
+        return {
+            "kind": self.kind.value,
+            "num_layers": self.num_layers,
+            "block_size": self.block_size,
+            "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size,
+            "dtype": _dtype_name(self.dtype),
+            "hnd": self.hnd,
+            "tp_world_size": self.tp_world_size,
+            "tp_rank": self.tp_rank,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> KVLayout:
+        """The layout described by a :meth:`to_dict` mapping (``hnd``, ``tp_world_size``
+        and ``tp_rank`` may be left out).
+
+        Raises:
+            InvalidInputError: ``data`` is not a mapping, lacks a field, has an unknown
+                key, names an unknown kind or dtype, or a value is out of range.
+        """
+        if not isinstance(data, Mapping):
+            raise InvalidInputError(f"layout: expected a mapping, got {type(data).__name__}")
+        required = ("kind", "num_layers", "block_size", "num_kv_heads", "head_size", "dtype")
+        known = (*required, "hnd", "tp_world_size", "tp_rank")
+        unknown = sorted(str(key) for key in data if key not in known)
+        if unknown:
+            raise InvalidInputError(f"layout: unknown keys {unknown}; expected {list(known)}")
+        missing = [key for key in required if key not in data]
+        if missing:
+            raise InvalidInputError(f"layout: missing keys {missing}")
+        dtypes = {_dtype_name(dtype): dtype for dtype in SUPPORTED_DTYPES}
+        dtype = dtypes.get(data["dtype"]) if isinstance(data["dtype"], str) else None
+        if dtype is None:
+            raise InvalidInputError(
+                f"dtype: expected one of {', '.join(dtypes)}, got {data['dtype']!r:.40}"
+            )
+        return cls(
+            data["kind"],
+            data["num_layers"],
+            data["block_size"],
+            data["num_kv_heads"],
+            data["head_size"],
+            dtype,
+            data.get("hnd", False),
+            data.get("tp_world_size", 1),
+            data.get("tp_rank", 0),
+        )
+
     def payload_shape(self, num_tokens: int) -> tuple[int, ...]:
         """Shape of the payload for ``num_tokens`` tokens: ``(2, L, T, H*D)`` or ``(1, L, T,
         latent)``.
@@ -284,6 +336,19 @@ class KVLayout:
         if not is_strict_int(num_tokens) or num_tokens < 0:
             raise InvalidInputError(f"num_tokens: expected an int >= 0, got {num_tokens!r}")
         return (self._parts, self.num_layers, num_tokens, self.width)
+
+    def layer_payload_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """Shape of one layer's payload for ``num_tokens`` tokens (layerwise transfers):
+        ``KV_T2D`` ``(T, 2, H*D)``, or ``(T, latent)`` for MLA.
+
+        Raises:
+            InvalidInputError: ``num_tokens`` is negative.
+        """
+        if not is_strict_int(num_tokens) or num_tokens < 0:
+            raise InvalidInputError(f"num_tokens: expected an int >= 0, got {num_tokens!r}")
+        if self.kind is LayoutKind.MLA:
+            return (num_tokens, self.width)
+        return (num_tokens, 2, self.width)
 
     # ------------------------------------------------------------------ engine memory
 
