@@ -24,18 +24,32 @@ import numpy as np
 import structlog
 import torch
 from anyio import CancelScope
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 
+from .backends.base import StorageBackend
+from .backends.codec import Codec
 from .backends.cpu import CPUBackend
+from .backends.disk import DiskBackend
 from .backends.manager import StorageManager
+from .backends.record import RecordSpec
 from .config import EngineConfig
 from .cuda import Transfers
 from .errors import ConfigError, EngineClosedError, InvalidInputError
 from .events import EventBuffer, KVEvent
-from .keys import ChunkHasher, ChunkSpan, HashAlgorithm, Namespace, check_mask, token_array
-from .layouts import KVLayout
-from .memory import MemoryPool
+from .health import HealthMonitor
+from .keys import (
+    ChunkHasher,
+    ChunkKey,
+    ChunkSpan,
+    HashAlgorithm,
+    Namespace,
+    check_mask,
+    token_array,
+)
+from .layouts import KVFormat, KVLayout, LayoutKind
+from .memory import MemoryObj, MemoryPool
 from .pipelines.common import Keyer, Request
+from .pipelines.layerwise import LayerwisePipeline, RetrieveLayers, StoreLayers
 from .pipelines.retrieve import RetrieveRequest, build_retrieve_stages
 from .pipelines.stage import Completion, Pipeline
 from .pipelines.store import StoreRequest, build_store_stages
@@ -75,6 +89,7 @@ class CacheEngine:
         model_name: str,
         revision: str | None = None,
         tenant: str | None = None,
+        pool_buffer: memoryview | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -91,7 +106,11 @@ class CacheEngine:
             memo_size=_DIGEST_MEMO_PROMPTS,
         )
         self._events = EventBuffer(config.max_kv_events, enabled=config.enable_kv_events)
-        self._pool = MemoryPool(config.cpu_capacity_bytes)
+        self._pool = (
+            MemoryPool(config.cpu_capacity_bytes)
+            if pool_buffer is None
+            else MemoryPool.from_buffer(pool_buffer)
+        )
         chunk_bytes = math.prod(layout.payload_shape(config.chunk_size)) * layout.dtype.itemsize
         if chunk_bytes > self._pool.capacity_bytes:
             raise ConfigError(
@@ -99,6 +118,7 @@ class CacheEngine:
                 f"{config.max_local_cpu_size} GB holds less than one chunk of this layout "
                 f"({chunk_bytes} bytes for {config.chunk_size} tokens)",
             )
+        _check_tier_settings(config)
         self._cpu = CPUBackend(self._pool)
         self._manager = StorageManager(
             self._cpu,
@@ -106,7 +126,14 @@ class CacheEngine:
             chunk_size=config.chunk_size,
             pin_timeout=config.pin_timeout,
             hot_cache=config.local_cpu,
+            store_location=config.store_location,
+            retrieve_locations=config.retrieve_locations,
+            write_queue_size=config.slow_tier_queue_size,
+            wait_for_slow_tiers=config.wait_for_slow_tiers,
         )
+        self._health: HealthMonitor | None = None
+        self._background: TaskGroup | None = None
+        self._prefetches: dict[Hashable, anyio.Event] = {}
         self._cpu.set_eviction_listener(self._manager.on_evicted)
         self._transfers = Transfers(inline_bytes=config.inline_copy_bytes)
         self._store_pipe = Pipeline(
@@ -134,6 +161,17 @@ class CacheEngine:
             buffer_size=config.pipeline_queue_size,
         )
         self._counters = Counters()
+        self._layerwise = LayerwisePipeline(
+            self._manager,
+            self._pool,
+            layout,
+            self._transfers,
+            self._counters,
+            healthy=self.is_healthy,
+            allocation_timeout=config.allocation_timeout,
+            store_timeout=config.store_timeout,
+            retrieve_timeout=config.retrieve_timeout,
+        )
         self._request_ids = itertools.count()
         self._pins_changed = anyio.Event()
         self._reaper_scope: CancelScope | None = None
@@ -152,12 +190,16 @@ class CacheEngine:
         model_name: str,
         revision: str | None = None,
         tenant: str | None = None,
+        pool_buffer: memoryview | None = None,
     ) -> _EngineContext:
         """An async context manager that yields a running engine and closes it on exit.
 
         ``model_name``, ``revision`` (weights fingerprint) and ``tenant`` (a salt) go into
         every chunk key with the layout's fingerprint, so caches of different models,
-        weights, layouts or tenants never mix. Raises InvalidInputError for a bad argument.
+        weights, layouts or tenants never mix. ``pool_buffer`` (e.g. a shared-memory
+        segment's ``buf``) becomes the host arena instead of ``max_local_cpu_size`` bytes
+        allocated here; the caller keeps it mapped until the engine is closed. Raises
+        InvalidInputError for a bad argument.
         """
         if not isinstance(config, EngineConfig):
             raise InvalidInputError("config must be an EngineConfig")
@@ -166,14 +208,33 @@ class CacheEngine:
         if not isinstance(model_name, str) or not model_name:
             raise InvalidInputError("model_name must be a non-empty string")
         return _EngineContext(
-            cls(config, layout, model_name=model_name, revision=revision, tenant=tenant)
+            cls(
+                config,
+                layout,
+                model_name=model_name,
+                revision=revision,
+                tenant=tenant,
+                pool_buffer=pool_buffer,
+            )
         )
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        slow = await open_slow_tiers(self.config, self._pool, self.record_spec())
+        self._manager.attach_slow_tiers(slow)
         await stack.enter_async_context(self._store_pipe)
         await stack.enter_async_context(self._retrieve_pipe)
         task_group = await stack.enter_async_context(anyio.create_task_group())
+        self._background = task_group
         await task_group.start(self._reap_pins, name="pin-reaper")
+        await self._manager.start(task_group)
+        if slow:
+            self._health = HealthMonitor(
+                slow,
+                interval=self.config.health_check_interval,
+                timeout=self.config.remote_timeout,
+            )
+            self._health_scope = CancelScope()
+            task_group.start_soon(self._watch_health, name="tier-health")
         self._started = True
         log.info(
             "engine_started",
@@ -181,7 +242,28 @@ class CacheEngine:
             layout=self.layout.fingerprint,
             cpu_bytes=self._pool.capacity_bytes,
             chunk_size=self.config.chunk_size,
+            tiers=list(self._manager.tier_names),
         )
+
+    def record_spec(self, codec: Codec | None = None) -> RecordSpec:
+        """How this engine's chunks are written to disk and Redis."""
+        return RecordSpec(
+            fingerprint=self.layout.fingerprint,
+            fmt=str(self.layout.fmt),
+            dtype=self.layout.dtype,
+            max_tokens=self.config.chunk_size,
+            shape_of=self.layout.payload_shape,
+            codec=Codec(self.config.tier_codec) if codec is None else codec,
+            layer_fmt=str(
+                KVFormat.KV_MLA if self.layout.kind is LayoutKind.MLA else KVFormat.KV_T2D
+            ),
+            layer_shape_of=self.layout.layer_payload_shape,
+        )
+
+    async def _watch_health(self) -> None:
+        assert self._health is not None
+        with self._health_scope:
+            await self._health.run()
 
     async def aclose(self) -> None:
         """Finish queued work, stop the pipelines and release every byte of host memory."""
@@ -198,11 +280,14 @@ class CacheEngine:
             self._reaper_scope.cancel()
             with anyio.CancelScope(shield=True):
                 await self._reaper_stopped.wait()
+        if self._health is not None:
+            self._health_scope.cancel()
         # Joining the copy and bridge threads blocks: do it off the event loop, and finish
         # it even when the closing task is being cancelled.
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._transfers.close)
-        await self._manager.aclose()
+        with anyio.CancelScope(shield=True):
+            await self._manager.aclose(drain_timeout=self.config.store_timeout)
         self._pool.close()
         log.info("engine_closed", model=self.namespace.model_name)
 
@@ -332,6 +417,7 @@ class CacheEngine:
         req_id: str | None = None,
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
+        store_location: Sequence[str] | None = None,
     ) -> int:
         """Copy the KV of ``tokens`` out of ``kv_caches`` into the cache.
 
@@ -345,9 +431,13 @@ class CacheEngine:
         Returns the number of tokens, from the first stored chunk on, whose chunks are cached
         when the call returns. It is smaller than asked when host memory could not be had in
         time (a partial store, logged) and 0 when the engine is frozen, its hot cache is off,
-        or it is unhealthy. Raises InvalidInputError (nothing stored) for bad input.
+        or it is unhealthy. ``store_location`` names the tiers to write (default: the
+        configured ``store_location``); disk and Redis are written behind the call unless
+        ``wait_for_slow_tiers`` is set. Raises InvalidInputError (nothing stored) for bad
+        input.
         """
         self._check_open()
+        locations = self._locations(store_location, "store_location")
         request, start = self._prepare(
             request_type=StoreRequest,
             tokens=tokens,
@@ -358,6 +448,7 @@ class CacheEngine:
             hashes=hashes,
             offsets=offsets,
         )
+        request.locations = locations
         self._counters.store_requests += 1
         if not self._manager.accepts_writes or not self.is_healthy():
             return 0
@@ -384,16 +475,21 @@ class CacheEngine:
         lookup_id: Hashable | None = None,
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
+        retrieve_locations: Sequence[str] | None = None,
     ) -> torch.Tensor:
         """Load the cached KV of the longest cached run of chunks from the mask start on.
 
         Returns a bool CPU tensor of ``len(tokens)``: True exactly for the tokens whose KV
         was written into ``kv_caches``; nothing outside it is written, and tokens with a
-        negative slot are never written. Pins held for ``lookup_id`` are released when it
-        finishes. Raises InvalidInputError for bad input.
+        negative slot are never written. Chunks held only by disk or Redis are read into
+        host memory (and kept in the CPU tier); ``retrieve_locations`` limits the tiers read.
+        Chunks prefetched (:meth:`prefetch`) and pins held for ``lookup_id`` are used, then
+        released when it finishes. With ``remove_after_retrieve`` the loaded chunks are
+        removed from the cache. Raises InvalidInputError for bad input.
         """
         self._check_open()
         try:
+            locations = self._locations(retrieve_locations, "retrieve_locations")
             request, _ = self._prepare(
                 request_type=RetrieveRequest,
                 tokens=tokens,
@@ -404,21 +500,123 @@ class CacheEngine:
                 hashes=hashes,
                 offsets=offsets,
             )
+            request.locations = locations
+            request.lookup_id = lookup_id
             self._counters.retrieve_requests += 1
             request.mask = torch.zeros(request.num_tokens, dtype=torch.bool)
             if not self.is_healthy():
                 return request.mask
+            if lookup_id is not None:
+                await self._wait_prefetch(lookup_id)
             result = await self._execute(
                 self._retrieve_pipe, request, request.completion, self.config.retrieve_timeout
             )
             self._counters.retrieved_tokens += request.loaded_tokens
             if result is not None:
+                if self.config.remove_after_retrieve and request.loaded_tokens:
+                    await self._remove_loaded(request)
                 return result
             # Timed out or failed: a snapshot, in case an abandoned copy still lands later.
             return request.mask.clone()
         finally:
             if lookup_id is not None:
                 self._manager.unpin(lookup_id)
+
+    # -- layerwise ------------------------------------------------------------------------
+
+    def store_layer(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        kv_caches: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        req_id: str | None = None,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+    ) -> StoreLayers:
+        """Store like :meth:`store`, one layer at a time: an async iterator of
+        ``num_layers + 1`` steps.
+
+        Await a step after each layer's compute (step *i* starts layer *i*'s copy) and one
+        more at the end, which yields the number of tokens stored; the others yield None::
+
+            it = engine.store_layer(tokens, kv_caches=kv, slot_mapping=slots)
+            for layer in range(num_layers):
+                compute(layer)
+                await anext(it)
+            stored = await anext(it)
+
+        Each chunk is stored as one ``KV_T2D`` payload per layer, under its layer keys, and
+        counts as cached once every layer is. ``aclose()`` (or leaving ``async for``) before
+        the end stores nothing and returns the memory taken. Raises InvalidInputError here
+        for bad input (tokens checked off the loop: at the first step).
+        """
+        self._check_open()
+        request, start = self._prepare(
+            request_type=Request,
+            tokens=tokens,
+            kv_caches=kv_caches,
+            slot_mapping=slot_mapping,
+            mask=mask,
+            req_id=req_id,
+            hashes=hashes,
+            offsets=offsets,
+        )
+        self._counters.store_requests += 1
+        skipped = request.plan.first_skipped(start)
+        limit = request.num_tokens if skipped is None else skipped
+        return self._layerwise.store(request, limit=limit)
+
+    def retrieve_layer(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        kv_caches: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        req_id: str | None = None,
+        lookup_id: Hashable | None = None,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+    ) -> RetrieveLayers:
+        """Retrieve like :meth:`retrieve`, one layer at a time: an async iterator of
+        ``num_layers + 1`` steps.
+
+        The first step looks up the chunks whose every layer is cached; step *i + 1*
+        returns once layer *i* is in ``kv_caches``. The last yields the bool mask (CPU) of
+        the tokens loaded; the others yield None::
+
+            it = engine.retrieve_layer(tokens, kv_caches=kv, slot_mapping=slots)
+            await anext(it)
+            for layer in range(num_layers):
+                result = await anext(it)  # layer `layer` is loaded
+                compute(layer)
+            mask = result
+
+        Only chunks stored layerwise (:meth:`store_layer`) are found. Pins held for
+        ``lookup_id`` are released when the iterator ends. ``aclose()`` before the end
+        returns every reference taken. Raises InvalidInputError here for bad input.
+        """
+        self._check_open()
+        try:
+            request, _ = self._prepare(
+                request_type=Request,
+                tokens=tokens,
+                kv_caches=kv_caches,
+                slot_mapping=slot_mapping,
+                mask=mask,
+                req_id=req_id,
+                hashes=hashes,
+                offsets=offsets,
+            )
+        except BaseException:
+            if lookup_id is not None:
+                self._manager.unpin(lookup_id)
+            raise
+        request.lookup_id = lookup_id
+        self._counters.retrieve_requests += 1
+        return self._layerwise.retrieve(request, lookup_id=lookup_id)
 
     async def _execute(
         self, pipeline: Pipeline, request: Request, completion: Completion[T], timeout: float
@@ -474,6 +672,41 @@ class CacheEngine:
                 grace_seconds=_ABANDON_GRACE_SECONDS,
             )
 
+    async def _lookup_keys(
+        self,
+        tokens: Tokens | None,
+        hashes: Sequence[int | bytes] | None,
+        offsets: Sequence[int] | None,
+    ) -> tuple[Sequence[bytes], list[int], int]:
+        """The chunk keys of a prompt, the end token of each (empty: every chunk is
+        ``chunk_size`` long) and the prompt's length."""
+        if hashes is not None:
+            keyer, num_tokens, _ = self._keys(tokens, hashes, offsets, None)
+            spans, _ = keyer()
+            return [span.key for span in spans], [span.end for span in spans], num_tokens
+        # Only the digests are needed: a whole-chunk key is its digest.
+        if tokens is None:
+            raise InvalidInputError("tokens (or hashes with offsets) are required")
+        _, num_tokens, inline = self._keys(tokens, None, offsets, None)
+        digest = functools.partial(self._hasher.digests, tokens)
+        keys: Sequence[bytes]
+        if inline:
+            keys = digest()
+        else:
+            # A long prompt asked about again is recognised here, without a thread hop.
+            remembered = self._hasher.remembered(tokens)
+            keys = remembered if remembered is not None else await anyio.to_thread.run_sync(digest)
+        if num_tokens % self.config.chunk_size and not self.config.save_unfull_chunk:
+            keys = keys[:-1]
+        return keys, [], num_tokens
+
+    def _hit_tokens(self, hits: int, ends: list[int], num_tokens: int) -> int:
+        if not hits:
+            return 0
+        if ends:
+            return ends[hits - 1]
+        return min(hits * self.config.chunk_size, num_tokens)
+
     async def lookup(
         self,
         tokens: Tokens | None = None,
@@ -482,66 +715,329 @@ class CacheEngine:
         pin: bool = False,
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
+        search_range: Sequence[str] | None = None,
     ) -> int:
-        """Number of prefix tokens (from token 0) whose KV is cached.
+        """Number of prefix tokens (from token 0) whose KV is cached in any tier.
 
-        With ``pin=True`` and a ``lookup_id`` those chunks are pinned (never evicted) until
-        :meth:`lookup_unpin`, a :meth:`retrieve` with the same id, or ``pin_timeout``.
-        Raises InvalidInputError for bad input.
+        The prefix may begin in the CPU tier and continue on disk or in Redis;
+        ``search_range`` limits the tiers asked (default: ``retrieve_locations``). With
+        ``pin=True`` and a ``lookup_id`` the chunks in the CPU tier are pinned (never
+        evicted) until :meth:`lookup_unpin`, a :meth:`retrieve` with the same id, or
+        ``pin_timeout``. Raises InvalidInputError for bad input.
         """
         self._check_open()
         if pin and lookup_id is None:
             raise InvalidInputError("pin=True needs a lookup_id")
-        chunk_size = self.config.chunk_size
-        if hashes is not None:
-            keyer, num_tokens, _ = self._keys(tokens, hashes, offsets, None)
-            spans, _ = keyer()
-            keys: Sequence[bytes] = [span.key for span in spans]
-            ends = [span.end for span in spans]
-        else:
-            # Only the digests are needed: a whole-chunk key is its digest.
-            if tokens is None:
-                raise InvalidInputError("tokens (or hashes with offsets) are required")
-            _, num_tokens, inline = self._keys(tokens, None, offsets, None)
-            digest = functools.partial(self._hasher.digests, tokens)
-            if inline:
-                keys = digest()
-            else:
-                # A long prompt asked about again is recognised here, without a thread hop.
-                remembered = self._hasher.remembered(tokens)
-                keys = (
-                    remembered if remembered is not None else await anyio.to_thread.run_sync(digest)
-                )
-            if num_tokens % chunk_size and not self.config.save_unfull_chunk:
-                keys = keys[:-1]
-            ends = []
+        locations = self._locations(search_range, "search_range")
+        keys, ends, num_tokens = await self._lookup_keys(tokens, hashes, offsets)
         self._counters.lookup_requests += 1
         self._counters.lookup_tokens += num_tokens
         if not self.is_healthy():
             return 0
-        if pin and lookup_id is not None:
+        if self.config.use_layerwise:
+            # Layerwise stores keep one entry per layer: a chunk counts when all are held.
+            if pin and lookup_id is not None:
+                hits = self._layerwise.pin(keys, lookup_id)
+                self._pins_changed.set()
+            else:
+                hits = await self._layerwise.lookup(keys, locations)
+        elif pin and lookup_id is not None:
             hits = self._manager.pin_prefix(keys, lookup_id)
             self._pins_changed.set()
         else:
-            hits = self._manager.contains_prefix(keys)
-        if not hits:
-            hit_tokens = 0
-        elif ends:
-            hit_tokens = ends[hits - 1]
-        else:
-            hit_tokens = min(hits * chunk_size, num_tokens)
+            hits = self._manager.contains_prefix(keys) if locations is None else 0
+        if (
+            not self.config.use_layerwise
+            and hits < len(keys)
+            and (self._manager.slow_tiers or locations is not None)
+        ):
+            hits = await self._manager.lookup_prefix(keys, locations)
+        hit_tokens = self._hit_tokens(hits, ends, num_tokens)
         self._counters.lookup_hit_tokens += hit_tokens
         return hit_tokens
+
+    async def prefetch(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        lookup_id: Hashable,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        search_range: Sequence[str] | None = None,
+    ) -> int:
+        """Look up a prompt and start loading its hits from disk or Redis into host memory.
+
+        Returns the prefix tokens cached (as :meth:`lookup`) at once; the loading runs in
+        the background, and a later :meth:`retrieve` with the same ``lookup_id`` waits for
+        it and is served from what it loaded (pinned until then, or ``pin_timeout``).
+        Raises InvalidInputError for bad input.
+        """
+        self._check_open()
+        if lookup_id is None:
+            raise InvalidInputError("prefetch needs a lookup_id")
+        locations = self._locations(search_range, "search_range")
+        keys, ends, num_tokens = await self._lookup_keys(tokens, hashes, offsets)
+        self._counters.lookup_requests += 1
+        self._counters.lookup_tokens += num_tokens
+        if not self.is_healthy() or self._background is None:
+            return 0
+        hits = await self._manager.lookup_prefix(keys, locations)
+        hit_tokens = self._hit_tokens(hits, ends, num_tokens)
+        self._counters.lookup_hit_tokens += hit_tokens
+        if hits:
+            done = anyio.Event()
+            self._prefetches[lookup_id] = done
+            self._background.start_soon(
+                self._load_prefetch, list(keys[:hits]), locations, lookup_id, done
+            )
+        return hit_tokens
+
+    async def _load_prefetch(
+        self,
+        keys: list[bytes],
+        locations: tuple[str, ...] | None,
+        lookup_id: Hashable,
+        done: anyio.Event,
+    ) -> None:
+        """Read ``keys`` into host memory, batch by batch, and pin them for ``lookup_id``."""
+        objs: list[MemoryObj] = []
+        try:
+            with anyio.move_on_after(self.config.retrieve_timeout):
+                step = self.config.pipeline_batch_chunks
+                chunk_keys = [k if isinstance(k, ChunkKey) else ChunkKey(k) for k in keys]
+                for start in range(0, len(chunk_keys), step):
+                    batch = chunk_keys[start : start + step]
+                    got = await self._manager.fetch_prefix(batch, locations)
+                    objs.extend(got)
+                    if len(got) < len(batch):
+                        break
+            if self._prefetches.get(lookup_id) is done:
+                self._manager.pin_objects(keys[: len(objs)], objs, lookup_id)
+                self._pins_changed.set()
+                log.debug("prefetched", lookup_id=str(lookup_id), chunks=len(objs))
+        except Exception:
+            log.exception("prefetch_failed", lookup_id=str(lookup_id))
+        finally:
+            for obj in objs:
+                obj.unref()  # the pin set holds its own references
+            done.set()
+
+    async def _wait_prefetch(self, lookup_id: Hashable) -> None:
+        """Wait (bounded by ``retrieve_timeout``) for a prefetch under ``lookup_id``."""
+        done = self._prefetches.pop(lookup_id, None)
+        if done is not None:
+            with anyio.move_on_after(self.config.retrieve_timeout):
+                await done.wait()
+
+    async def _remove_loaded(self, request: RetrieveRequest) -> None:
+        """Remove the chunks a retrieve loaded (the receiver role of disaggregated prefill)."""
+        spans = request.spans
+        if not spans:
+            return
+        first = next((s for s in spans if request.mask[s.start]), None)
+        if first is None:
+            return
+        loaded = [s.key for s in spans if s.start >= first.start and request.mask[s.end - 1]]
+        await self._manager.remove(loaded)
+
+    async def compress(
+        self,
+        tokens: Tokens | None = None,
+        method: str = "zstd",
+        location: str = "disk",
+        *,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+    ) -> int:
+        """Re-encode the stored chunks of a prompt's cached prefix in a slow tier.
+
+        ``method``: ``zstd`` or ``lz4`` (lossless), ``int8`` (lossy, per-channel scale) or
+        ``none`` (what :meth:`decompress` uses). ``location``: ``disk`` or ``redis``. Returns
+        the number of chunks re-encoded. Raises InvalidInputError for an unknown method or a
+        location that is not an enabled slow tier.
+        """
+        self._check_open()
+        codec = Codec.parse(method)
+        tier = self._manager.tier(location)
+        if tier.name == self._cpu.name:
+            raise InvalidInputError("compress works on the disk or redis tier, not on cpu")
+        keys, _, _ = await self._lookup_keys(tokens, hashes, offsets)
+        chunk_keys = [k if isinstance(k, ChunkKey) else ChunkKey(k) for k in keys]
+        hits = await tier.contains_prefix(chunk_keys)
+        spec = self.record_spec(codec)
+        done = 0
+        step = self.config.pipeline_batch_chunks
+        for start in range(0, hits, step):
+            batch = chunk_keys[start : min(start + step, hits)]
+            got = await tier.get(batch)
+            objs = [obj for obj in got if obj is not None]
+            try:
+                if len(objs) < len(batch):
+                    break
+                await tier.remove(batch)
+                done += await tier.put(batch, objs, spec=spec)  # type: ignore[call-arg]
+            finally:
+                for obj in objs:
+                    obj.unref()
+        log.info("chunks_reencoded", location=tier.name, method=str(codec), chunks=done)
+        return done
+
+    async def decompress(
+        self,
+        tokens: Tokens | None = None,
+        location: str = "disk",
+        *,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+    ) -> int:
+        """Store a prompt's chunks in ``location`` without compression again (the inverse of
+        :meth:`compress`; a lossy ``int8`` encoding stays as lossy as it was). Returns the
+        number of chunks re-encoded."""
+        return await self.compress(tokens, "none", location, hashes=hashes, offsets=offsets)
+
+    # -- chunk-level API (sidecar) --------------------------------------------------------
+    # What a process that copies KV itself (the sidecar's clients) needs: the chunks of a
+    # request, host memory for their payloads, and the tiers' put and fetch.
+
+    async def chunk_spans(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[list[ChunkSpan], np.ndarray | None]:
+        """The chunks of a request from the mask start on, as store and retrieve cut it,
+        and its tokens as int32 (None when keyed by ``hashes``). A long prompt is hashed
+        in a worker thread. Raises InvalidInputError for bad input."""
+        self._check_open()
+        keyer, _, inline = self._keys(tokens, hashes, offsets, mask)
+        if inline:
+            return keyer()
+        return await anyio.to_thread.run_sync(keyer)
+
+    @property
+    def accepts_writes(self) -> bool:
+        """Whether a store could keep anything now (open, healthy, not frozen, and some
+        target tier takes writes)."""
+        return not self._closed and self._manager.accepts_writes and self.is_healthy()
+
+    def hold_chunks(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """The CPU-tier payload of each key (None where absent), each referenced for the
+        caller, who must ``unref()`` it."""
+        self._check_open()
+        return self._manager.hold(keys)
+
+    async def allocate_chunk(self, num_tokens: int) -> MemoryObj:
+        """Host memory for one chunk payload of ``num_tokens`` tokens (the layout's
+        ``payload_shape`` and dtype), waiting up to ``allocation_timeout`` for room.
+
+        Raises:
+            AllocationTimeoutError: no room in time.
+            InvalidInputError: ``num_tokens`` is not in ``[1, chunk_size]``.
+        """
+        self._check_open()
+        if not isinstance(num_tokens, int) or not 0 < num_tokens <= self.config.chunk_size:
+            raise InvalidInputError(
+                f"num_tokens must be in [1, {self.config.chunk_size}], got {num_tokens!r}"
+            )
+        shape = self.layout.payload_shape(num_tokens)
+        obj = self._pool.allocate_nowait(shape, self.layout.dtype)
+        if obj is None:
+            obj = await self._pool.allocate(
+                shape, self.layout.dtype, timeout=self.config.allocation_timeout
+            )
+        return obj
+
+    def buffer_offset(self, obj: MemoryObj) -> int:
+        """Byte offset of ``obj``'s payload in the engine's ``pool_buffer`` (or arena)."""
+        return self._pool.arena_offset + obj.offset
+
+    async def put_chunks(
+        self,
+        spans: Sequence[ChunkSpan],
+        objs: Sequence[MemoryObj],
+        tokens: np.ndarray | None = None,
+        *,
+        store_location: Sequence[str] | None = None,
+    ) -> int:
+        """Cache filled payloads as a store does (CPU tier now, slow tiers written behind
+        unless configured otherwise); returns how many leading chunks a tier took. The
+        caller keeps its own references. Raises InvalidInputError for an unknown tier."""
+        self._check_open()
+        locations = self._locations(store_location, "store_location")
+        return await self._manager.put(spans, objs, tokens, locations)
+
+    async def fetch_chunks(
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        lookup_id: Hashable | None = None,
+        retrieve_locations: Sequence[str] | None = None,
+    ) -> list[MemoryObj]:
+        """Payloads of the leading ``keys`` cached in any tier, each referenced for the
+        caller; chunks held only by disk or Redis are read into host memory, and a
+        prefetch under ``lookup_id`` is waited for and used. Empty when unhealthy.
+        Raises InvalidInputError for an unknown tier."""
+        self._check_open()
+        locations = self._locations(retrieve_locations, "retrieve_locations")
+        if not self.is_healthy() or not keys:
+            return []
+        if lookup_id is not None:
+            await self._wait_prefetch(lookup_id)
+        hits = await self._manager.lookup_prefix(keys, locations)
+        if not hits:
+            return []
+        return await self._manager.fetch_prefix(keys[:hits], locations, lookup_id)
+
+    def record_request(self, kind: str, tokens: int, *, partial: bool = False) -> None:
+        """Count a ``"store"`` or ``"retrieve"`` served through this chunk-level API in
+        :meth:`stats` (``tokens`` stored or loaded).
+
+        Raises:
+            InvalidInputError: ``kind`` is neither.
+        """
+        counters = self._counters
+        if kind == "store":
+            counters.store_requests += 1
+            counters.stored_tokens += tokens
+            counters.partial_stores += int(partial)
+        elif kind == "retrieve":
+            counters.retrieve_requests += 1
+            counters.retrieved_tokens += tokens
+        else:
+            raise InvalidInputError(f"kind must be 'store' or 'retrieve', got {kind!r}")
+
+    async def check_health(self) -> dict[str, bool]:
+        """Probe every tier now (instead of waiting for the monitor's next round); returns
+        each tier's state."""
+        self._check_open()
+        if self._health is not None:
+            await self._health.check_once()
+        return self._manager.tier_health()
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until chunks queued for disk and Redis are written (at most ``timeout``
+        seconds, default ``store_timeout``); False when time ran out."""
+        self._check_open()
+        return await self._manager.flush(self.config.store_timeout if timeout is None else timeout)
+
+    def _locations(self, locations: Sequence[str] | None, name: str) -> tuple[str, ...] | None:
+        """Validated per-call tier names, or None for the configured ones."""
+        if locations is None:
+            return None
+        return self._manager.check_locations(locations, name)
 
     async def lookup_unpin(self, lookup_id: Hashable) -> None:
         """Release the pins taken by :meth:`lookup` for ``lookup_id`` (no-op if none)."""
         self._check_open()
         self._manager.unpin(lookup_id)
 
-    async def clear(self) -> int:
-        """Drop every cached chunk and every pin; returns how many chunks were dropped."""
+    async def clear(self, locations: Sequence[str] | None = None) -> int:
+        """Drop every cached chunk of the named tiers (default: all) and, with the CPU tier,
+        every pin; returns how many chunks were dropped."""
         self._check_open()
-        return self._manager.clear()
+        return await self._manager.clear(self._locations(locations, "locations"))
 
     def freeze(self, enabled: bool) -> None:
         """Freeze mode: stores write nothing; lookups and retrieves are still served."""
@@ -589,11 +1085,78 @@ class CacheEngine:
             pinned_chunks=self._manager.pinned_chunks,
             active_lookup_ids=self._manager.active_lookup_ids,
             expired_pins=self._manager.expired_pins,
+            tier_health=self._manager.tier_health(),
+            tier_writes_pending=self._manager.tier_writes_pending,
+            tier_writes_dropped=self._manager.tier_writes_dropped,
+            tier_writes_failed=self._manager.tier_writes_failed,
+            promoted_chunks=self._manager.promoted_chunks,
+            tier_read_errors=self._manager.tier_read_errors,
             events_dropped=self._events.dropped,
             healthy=self.is_healthy(),
             frozen=self._manager.frozen,
             hot_cache=self._manager.hot_cache,
         )
+
+
+def _check_tier_settings(config: EngineConfig) -> None:
+    """Raise ConfigError when a location names a tier the config does not enable."""
+    enabled = {"cpu"}
+    if config.local_disk is not None:
+        enabled.add("disk")
+    if config.remote_url is not None:
+        enabled.add("redis")
+    for name in ("store_location", "retrieve_locations"):
+        for tier in getattr(config, name) or ():
+            if tier not in enabled:
+                raise ConfigError(
+                    name, f"tier {tier!r} is not enabled (set local_disk / remote_url for it)"
+                )
+
+
+async def open_slow_tiers(
+    config: EngineConfig, pool: MemoryPool, spec: RecordSpec
+) -> list[StorageBackend]:
+    """Open the disk and Redis tiers the config enables, fastest first.
+
+    Raises:
+        ConfigError: a tier cannot start with its settings (the field is named).
+    """
+    tiers: list[StorageBackend] = []
+    try:
+        directory = config.disk_directory
+        if directory is not None:
+            tiers.append(
+                await DiskBackend.open(
+                    directory,
+                    pool=pool,
+                    spec=spec,
+                    allocation_timeout=config.allocation_timeout,
+                    max_local_disk_size=config.disk_capacity_bytes,
+                )
+            )
+        if config.remote_url is not None:
+            try:
+                from .backends.redis import RedisBackend  # noqa: PLC0415 (optional extra)
+            except ImportError as exc:
+                raise ConfigError(
+                    "remote_url",
+                    "the Redis tier needs redis-py: pip install 'lmcache-async[redis]'",
+                ) from exc
+            tiers.append(
+                await RedisBackend.open(
+                    config.remote_url,
+                    pool=pool,
+                    spec=spec,
+                    allocation_timeout=config.allocation_timeout,
+                    timeout=config.remote_timeout,
+                    ttl=config.remote_ttl,
+                )
+            )
+    except BaseException:
+        for tier in tiers:
+            await tier.aclose()
+        raise
+    return tiers
 
 
 def _check_sequence(name: str, value: object) -> Sequence[Any]:

@@ -25,7 +25,7 @@ import operator
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import anyio
 import anyio.lowlevel
@@ -46,6 +46,9 @@ _PAGE_ALIGNMENT = 256
 
 _ARENA_ALIGNMENT = 4096
 """The arena starts on an OS-page boundary, so page boundaries are absolute addresses."""
+
+Buffer: TypeAlias = memoryview | bytearray
+"""A writable buffer an arena may be carved from (e.g. ``SharedMemory.buf``)."""
 
 Evictor = Callable[[int], int]
 """Hook ``evictor(nbytes) -> released``: asked for ``nbytes`` more contiguous room, it evicts
@@ -143,6 +146,15 @@ class MemoryObj:
     def nbytes(self) -> int:
         """Exact payload size in bytes (not rounded to pages)."""
         return self._nbytes
+
+    @property
+    def offset(self) -> int:
+        """Byte offset of the payload from the start of the pool's arena (page-aligned).
+
+        With :attr:`MemoryPool.arena_offset` it locates the payload in the buffer the pool
+        was built on, so another process mapping that buffer sees the same bytes.
+        """
+        return self._page * self._pool.page_size
 
     @property
     def ref_count(self) -> int:
@@ -260,18 +272,26 @@ class MemoryPool:
         page_size: int = DEFAULT_PAGE_SIZE,
         pin_memory: bool | None = None,
         evictor: Evictor | None = None,
+        buffer: Buffer | None = None,
     ) -> None:
         """Allocate the arena (``torch.empty``: pages are not touched until used).
 
         Args:
             capacity_bytes: arena size; rounded down to whole pages, at least one page.
             page_size: bytes per page, a positive multiple of 256.
-            pin_memory: pin the arena; ``None`` pins it when CUDA is available.
+            pin_memory: pin the arena; ``None`` pins it when CUDA is available (and never
+                when ``buffer`` is given).
             evictor: the hook asked to free room when an allocation does not fit.
+            buffer: a writable buffer to carve the arena from instead of allocating one
+                (e.g. a ``multiprocessing.shared_memory.SharedMemory``'s ``buf``); the arena
+                starts at :attr:`arena_offset` in it. The caller keeps it alive and mapped
+                while the pool or any of its objects is in use.
 
         Raises:
             InvalidInputError: a size is not positive, ``page_size`` is not a multiple of
-                256, or pinned memory was asked for on a system that cannot provide it.
+                256, pinned memory was asked for on a system that cannot provide it (or
+                together with ``buffer``), or ``buffer`` is read-only or smaller than
+                ``capacity_bytes`` plus its alignment.
         """
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise InvalidInputError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
@@ -283,19 +303,31 @@ class MemoryPool:
             raise InvalidInputError(
                 f"page_size must be a positive multiple of {_PAGE_ALIGNMENT}, got {page_size}"
             )
-        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         num_pages = max(1, capacity_bytes // page_size)
         size = num_pages * page_size
-        try:
-            raw = torch.empty(size + _ARENA_ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
-        except RuntimeError as exc:
-            raise InvalidInputError(f"cannot allocate the host arena: {exc}") from exc
+        if buffer is not None:
+            if pin_memory:
+                raise InvalidInputError("pin_memory cannot be combined with a given buffer")
+            pin = False
+            raw = _buffer_tensor(buffer)
+            if raw.numel() < _alignment_skip(raw) + size:
+                raise InvalidInputError(
+                    f"buffer of {raw.numel()} bytes cannot hold an arena of {size} bytes "
+                    f"starting on a {_ARENA_ALIGNMENT}-byte boundary"
+                )
+        else:
+            pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+            try:
+                raw = torch.empty(size + _ARENA_ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+            except RuntimeError as exc:
+                raise InvalidInputError(f"cannot allocate the host arena: {exc}") from exc
         # The host allocator only promises 64-byte alignment; start the arena on a 4 KiB
         # boundary so every page, and so every payload, is at least 256-byte aligned.
-        skip = -raw.data_ptr() % _ARENA_ALIGNMENT
+        skip = _alignment_skip(raw)
         arena = raw[skip : skip + size]
 
         self._arena = arena
+        self._arena_offset = skip
         self._page_size = page_size
         self._num_pages = num_pages
         self._pinned_arena = pin
@@ -320,10 +352,43 @@ class MemoryPool:
             pinned=pin,
         )
 
+    @classmethod
+    def from_buffer(
+        cls,
+        buffer: Buffer,
+        *,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        evictor: Evictor | None = None,
+    ) -> MemoryPool:
+        """A pool whose arena is as many whole pages as fit in ``buffer`` (never pinned).
+
+        Raises:
+            InvalidInputError: ``buffer`` is not a writable bytes-like object or holds less
+                than one page after alignment, or ``page_size`` is invalid.
+        """
+        try:
+            view = memoryview(buffer)
+        except TypeError:
+            raise InvalidInputError(
+                f"buffer must be a bytes-like object, got {type(buffer).__name__}"
+            ) from None
+        # The arena starts on an alignment boundary inside the buffer.
+        usable = view.nbytes - _alignment_skip(_buffer_tensor(view))
+        if isinstance(page_size, int) and page_size > 0 and usable < page_size:
+            raise InvalidInputError(
+                f"buffer of {view.nbytes} bytes holds less than one page of {page_size}"
+            )
+        return cls(usable, page_size=page_size, evictor=evictor, buffer=view)
+
     @property
     def capacity_bytes(self) -> int:
         """Arena size in bytes (a whole number of pages)."""
         return self._num_pages * self._page_size
+
+    @property
+    def arena_offset(self) -> int:
+        """Where the arena starts in the allocation or buffer it was carved from (bytes)."""
+        return self._arena_offset
 
     @property
     def page_size(self) -> int:
@@ -589,3 +654,28 @@ class MemoryPool:
         """Let the first waiter retry: room may have appeared, or become evictable."""
         if self._waiters:
             self._waiters[0].event.set()
+
+
+def _buffer_tensor(buffer: Buffer) -> torch.Tensor:
+    """A uint8 tensor sharing ``buffer``'s memory.
+
+    Raises:
+        InvalidInputError: ``buffer`` is not a non-empty, writable, contiguous bytes-like
+            object.
+    """
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise InvalidInputError(
+            f"buffer must be a bytes-like object, got {type(buffer).__name__}"
+        ) from None
+    if view.readonly:
+        raise InvalidInputError("buffer must be writable")
+    if not view.c_contiguous or view.nbytes == 0:
+        raise InvalidInputError("buffer must be a non-empty contiguous buffer")
+    return torch.frombuffer(view.cast("B"), dtype=torch.uint8)
+
+
+def _alignment_skip(raw: torch.Tensor) -> int:
+    """Bytes to skip from the start of ``raw`` to reach an arena-aligned address."""
+    return -raw.data_ptr() % _ARENA_ALIGNMENT

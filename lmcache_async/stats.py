@@ -53,6 +53,18 @@ class EngineStats:
     pinned_chunks: int
     active_lookup_ids: int
     expired_pins: int
+    tier_health: Mapping[str, bool]
+    """Each tier's state: a slow tier that is down is bypassed until it is back."""
+    tier_writes_pending: int
+    """Batches queued for the slow tiers (write-behind)."""
+    tier_writes_dropped: int
+    """Chunks not written to a slow tier: its queue was full or it was down."""
+    tier_writes_failed: int
+    """Chunks a slow tier failed to write."""
+    promoted_chunks: int
+    """Chunks read from a slow tier and kept in the CPU tier."""
+    tier_read_errors: int
+    """Slow-tier reads that failed (each a miss)."""
     events_dropped: int
     healthy: bool
     frozen: bool

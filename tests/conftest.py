@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import pytest
+
+if TYPE_CHECKING:
+    from tests.servers import RedisCluster, RedisServer
 
 
 @pytest.fixture
@@ -20,3 +26,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A fresh standalone ``redis-server`` on a free loopback port, stopped after the test.
+
+    Fails (does not skip) when redis-server is missing: run ``make redis``.
+    """
+    from tests.servers import RedisServer
+
+    with RedisServer(tmp_path_factory.mktemp("redis")).start() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def _redis_cluster_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    from tests.servers import RedisCluster
+
+    with RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redis_cluster(_redis_cluster_session: RedisCluster) -> RedisCluster:
+    """A 3-node Redis Cluster on loopback (shared by the session), emptied for each test."""
+    cluster = _redis_cluster_session
+    if not all(node.running for node in cluster.nodes):
+        cluster.restart()
+    cluster.flushall()
+    return cluster

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -43,6 +43,10 @@ class Request:
     tokens: np.ndarray | None = None
     # Set while a stage waits on behalf of this request, so cancel() can end the wait.
     waiting: anyio.CancelScope | None = None
+    # Tiers this request writes to or reads from (None: the engine's configured ones).
+    locations: tuple[str, ...] | None = None
+    # A retrieve is served first from what was prefetched under this lookup id.
+    lookup_id: Hashable | None = None
 
     def cancel(self) -> None:
         """Abandon the request: stages drop what remains of it and return its memory."""

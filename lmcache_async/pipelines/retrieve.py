@@ -83,7 +83,9 @@ class LookupStage:
                     request.completion.set_error(exc)
                     continue
                 spans = request.spans
-                hits = self._manager.contains_prefix([span.key for span in spans])
+                hits = await self._manager.lookup_prefix(
+                    [span.key for span in spans], request.locations
+                )
                 groups = batched(0, hits, self._batch_chunks)
                 request.batches_total = len(groups)
                 if not groups:
@@ -94,7 +96,8 @@ class LookupStage:
 
 
 class PrefetchStage:
-    """Takes a reference on each payload of a batch so it stays put until copied."""
+    """Takes a reference on each payload of a batch so it stays put until copied; chunks
+    held only by a slow tier are read into host memory here."""
 
     name = "retrieve-prefetch"
 
@@ -112,7 +115,9 @@ class PrefetchStage:
                 if request.skip:
                     request.finish_batch()
                     continue
-                batch.objs = self._manager.get_prefix([span.key for span in batch.spans])
+                batch.objs = await self._manager.fetch_prefix(
+                    [span.key for span in batch.spans], request.locations, request.lookup_id
+                )
                 if len(batch.objs) < len(batch.spans):
                     # Evicted between lookup and now: serve the run we still have.
                     request.stopped = True

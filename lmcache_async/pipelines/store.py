@@ -261,13 +261,16 @@ class PutStage:
                 try:
                     if not request.dropping:
                         spans = [request.spans[i] for i in batch.indices]
-                        kept = self._manager.put(spans, batch.objs, request.tokens)
-                        # Hold what the tier now has under these keys (another request may
-                        # have put the same chunk first) until this request ends.
+                        kept = await self._manager.put(
+                            spans, batch.objs, request.tokens, request.locations
+                        )
+                        # Hold what the CPU tier now has under these keys (another request
+                        # may have put the same chunk first) until this request ends;
+                        # chunks written to slow tiers only are held by their writers.
                         cached = self._manager.hold([span.key for span in spans[:kept]])
-                        for i, obj in zip(batch.indices, cached, strict=False):
+                        for i, obj in zip(batch.indices[:kept], cached, strict=True):
+                            request.stored[i] = True
                             if obj is not None:
-                                request.stored[i] = True
                                 request.held.append(obj)
                 finally:
                     release(batch.objs)

@@ -1,0 +1,460 @@
+"""Layerwise store and retrieve: one step per layer of the serving engine's forward pass.
+
+A layerwise request moves each chunk as one ``KV_T2D`` payload per layer (``[tokens, 2,
+heads * head_size]``, ``[tokens, latent]`` for MLA) under the key ``span.key.with_layer(i)``,
+so the serving engine can overlap layer *i*'s transfer with the compute of the next layer.
+Both directions are async generators of exactly ``num_layers + 1`` steps, whatever happens
+(a miss, a failure, a frozen cache: the steps are then no-ops), so the engine's loop never
+has to special-case them:
+
+* **store** (``await anext(it)`` once after each layer's compute, once more at the end):
+  step 0 hashes the request, takes the chunks already cached, allocates the payloads of the
+  others and starts layer 0's gather; step *i* starts layer *i*'s gather (on CUDA it is
+  queued behind layer *i*'s compute) and finishes layer *i-1*'s; step ``num_layers``
+  finishes the last layer, puts every chunk (all its layers present) into the cache and
+  yields the number of tokens stored. The earlier steps yield ``None``.
+* **retrieve** (``await anext(it)`` once before layer 0's compute, then once before each
+  layer's compute): step 0 looks up the chunks whose every layer is cached and takes
+  references on them; step *i + 1* returns once layer *i* has been written into the
+  engine's KV memory (on CUDA layer *i + 1* is already queued behind it). The last step
+  yields the bool mask (CPU) of the tokens loaded; the earlier ones yield ``None``.
+
+On the CPU a step runs its copy then and there (inline when small, in copy threads when
+large, as :class:`~lmcache_async.cuda.Transfers` decides), so no copy runs ahead of the
+step that asks for it. On CUDA one copy runs ahead on the direction's stream.
+
+Closing an iterator early (``aclose()``, leaving an ``async for``, cancelling the task that
+drives it) waits for copies already queued and returns every byte of host memory and every
+reference it took. Layer keys never collide with whole-chunk keys: a prefix stored one way
+is a miss for the other way, never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+import torch
+
+from ..backends.manager import StorageManager
+from ..cuda import Direction, Transfers
+from ..errors import AllocationTimeoutError, EngineClosedError
+from ..keys import ChunkKey, ChunkSpan
+from ..layouts import KVLayout
+from ..memory import MemoryObj, MemoryPool
+from ..stats import Counters
+from .common import Request, compute_spans, release
+
+__all__ = [
+    "LayerwisePipeline",
+    "RetrieveLayers",
+    "StoreLayers",
+    "layer_keys",
+]
+
+log = structlog.get_logger(__name__)
+
+StoreLayers = AsyncGenerator[int | None, None]
+"""A layerwise store: ``num_layers`` steps yield None, the last yields the tokens stored."""
+RetrieveLayers = AsyncGenerator[torch.Tensor | None, None]
+"""A layerwise retrieve: ``num_layers`` steps yield None, the last the bool mask (CPU)."""
+
+# (start, end, payload) of one chunk in one layer.
+_Job = tuple[int, int, torch.Tensor]
+
+
+def layer_keys(keys: Sequence[bytes], num_layers: int) -> list[ChunkKey]:
+    """Every layer's key of each chunk key, chunk-major.
+
+    ``keys`` are chunk keys or bare digests; the result is ``[k0@L0, ..., k0@L(n-1), k1@L0,
+    ...]``, so the leading run of present keys, divided by ``num_layers``, is the number of
+    leading chunks whose every layer is present.
+
+    Raises:
+        InvalidInputError: a key is not a digest.
+    """
+    out: list[ChunkKey] = []
+    for key in keys:
+        digest = key.digest if isinstance(key, ChunkKey) else bytes(key)
+        out.extend(ChunkKey(digest, layer) for layer in range(num_layers))
+    return out
+
+
+class _Copies:
+    """The layer copies of one request: run at once on the CPU, queued ahead on CUDA.
+
+    On CUDA :meth:`start` queues the copy on the direction's stream (a task that awaits its
+    completion event) and returns; :meth:`finish` awaits it. On the CPU :meth:`start` runs
+    the copy and :meth:`finish` has nothing left to do.
+    """
+
+    def __init__(
+        self, transfers: Transfers, device: torch.device, direction: Direction, timeout: float
+    ) -> None:
+        self._transfers = transfers
+        self._device = device
+        self._direction = direction
+        self._timeout = timeout
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+
+    @property
+    def ahead(self) -> bool:
+        """Whether a copy may run ahead of the step that needs it (CUDA streams)."""
+        return self._device.type == "cuda"
+
+    async def start(
+        self, layer: int, work: Callable[[list[_Job]], None], jobs: list[_Job], nbytes: int
+    ) -> None:
+        copy = self._transfers.run(
+            work,
+            jobs,
+            device=self._device,
+            direction=self._direction,
+            nbytes=nbytes,
+            timeout=self._timeout,
+        )
+        if not self.ahead:
+            await copy
+            return
+        self._tasks[layer] = asyncio.ensure_future(copy)
+        # One loop turn: the task queues its copy on the stream before this step returns.
+        await asyncio.sleep(0)
+
+    async def finish(self, layer: int) -> None:
+        """Wait for layer ``layer``'s copy; re-raises its failure."""
+        task = self._tasks.get(layer)
+        if task is None:
+            return
+        # Shielded: cancelling the caller must not cancel the wait for a copy still on the
+        # device; drain() waits for it before the memory is released.
+        await asyncio.shield(task)
+        del self._tasks[layer]
+
+    async def drain(self) -> None:
+        """Wait for every copy still queued, ignoring failures (used when closing).
+
+        Not interrupted by cancellation: the memory the copies touch is released next.
+        The cancellation is re-raised once they are done.
+        """
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        cancelled: BaseException | None = None
+        with anyio.CancelScope(shield=True):
+            while not all(task.done() for task in tasks):
+                try:
+                    await asyncio.wait(tasks)
+                except asyncio.CancelledError as exc:  # a native cancel goes past the shield
+                    cancelled = exc
+        for task in tasks:
+            if not task.cancelled():
+                task.exception()  # retrieved: a failure while closing is not news
+        if cancelled is not None:
+            raise cancelled
+
+
+@dataclass(eq=False, slots=True)
+class _Payloads:
+    """Per-layer payloads of the chunks a request copies: ``objs[layer][i]`` belongs to
+    ``spans[i]``. ``held`` are references on cached payloads kept until the request ends."""
+
+    spans: list[ChunkSpan] = field(default_factory=list)
+    objs: list[list[MemoryObj]] = field(default_factory=list)
+    held: list[MemoryObj] = field(default_factory=list)
+
+    def jobs(self, layer: int) -> tuple[list[_Job], int]:
+        """The copy jobs of one layer and their bytes."""
+        objs = self.objs[layer]
+        jobs = [
+            (span.start, span.end, obj.tensor) for span, obj in zip(self.spans, objs, strict=True)
+        ]
+        return jobs, sum(obj.nbytes for obj in objs)
+
+    def release_layer(self, layer: int) -> None:
+        release(self.objs[layer])
+        self.objs[layer] = []
+
+    def release(self) -> None:
+        for layer in range(len(self.objs)):
+            self.release_layer(layer)
+        release(self.held)
+        self.held.clear()
+
+
+class LayerwisePipeline:
+    """Builds the layerwise store and retrieve iterators of one engine.
+
+    It shares the engine's storage manager, memory pool, transfers and counters; it has no
+    tasks of its own, so there is nothing to start or stop. ``healthy`` tells whether the
+    engine can serve now (checked at the first step of each request).
+    """
+
+    def __init__(
+        self,
+        manager: StorageManager,
+        pool: MemoryPool,
+        layout: KVLayout,
+        transfers: Transfers,
+        counters: Counters,
+        *,
+        healthy: Callable[[], bool],
+        allocation_timeout: float,
+        store_timeout: float,
+        retrieve_timeout: float,
+    ) -> None:
+        self._manager = manager
+        self._pool = pool
+        self._layout = layout
+        self._transfers = transfers
+        self._counters = counters
+        self._healthy = healthy
+        self._allocation_timeout = allocation_timeout
+        self._store_timeout = store_timeout
+        self._retrieve_timeout = retrieve_timeout
+
+    @property
+    def num_layers(self) -> int:
+        return self._layout.num_layers
+
+    # -- lookups --------------------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[bytes], locations: Sequence[str] | None = None) -> int:
+        """Number of leading chunks of ``keys`` whose every layer is cached.
+
+        The per-layer payloads of a chunk are put together, after all of them were copied;
+        eviction can still drop some layers of a chunk, so every layer key is checked.
+        """
+        found = await self._manager.lookup_prefix(layer_keys(keys, self.num_layers), locations)
+        return found // self.num_layers
+
+    def pin(self, keys: Sequence[bytes], lookup_id: Hashable) -> int:
+        """Pin every layer of the leading cached chunks of ``keys`` for ``lookup_id``;
+        returns the number of chunks whose every layer is now pinned."""
+        return self._manager.pin_prefix(layer_keys(keys, self.num_layers), lookup_id) // (
+            self.num_layers
+        )
+
+    # -- store ----------------------------------------------------------------------------
+
+    async def store(self, request: Request, *, limit: int) -> StoreLayers:
+        """The layerwise store of ``request`` (see the module docstring for the steps).
+
+        No chunk ending after token ``limit`` is stored. The last step yields the number of
+        tokens, from the first stored chunk on, whose chunks (every layer) are cached then:
+        fewer than asked after a partial store (no host memory in time), 0 when the cache
+        takes no writes, the engine is unhealthy or a copy failed.
+        """
+        num_layers = self.num_layers
+        payloads = _Payloads()
+        copies = _Copies(self._transfers, request.device, Direction.STORE, self._store_timeout)
+        present: list[bool] = []
+        try:
+            ok = await self._begin_store(request, limit, payloads, present)
+            gather = request.plan.gather_layer_chunks
+            for layer in range(num_layers):
+                if ok and payloads.spans:
+                    jobs, nbytes = payloads.jobs(layer)
+                    ok = await self._guard(
+                        request, copies.start(layer, functools.partial(gather, layer), jobs, nbytes)
+                    )
+                    if ok and layer:
+                        ok = await self._guard(request, copies.finish(layer - 1))
+                yield None
+            if ok and payloads.spans:
+                ok = await self._guard(request, copies.finish(num_layers - 1))
+            stored = await self._put(request, payloads, present) if ok else 0
+            self._counters.stored_tokens += stored
+            yield stored
+        finally:
+            try:
+                await copies.drain()
+            finally:
+                payloads.release()
+
+    async def _begin_store(
+        self, request: Request, limit: int, payloads: _Payloads, present: list[bool]
+    ) -> bool:
+        """Hash, hold the chunks already cached, allocate the others; False if nothing may
+        be stored (no writes taken, unhealthy, allocation failed). Invalid tokens (found
+        off the loop) raise InvalidInputError."""
+        if not self._manager.accepts_writes or not self._healthy():
+            return False
+        await compute_spans(request)  # invalid tokens found off the loop raise here
+        num_layers = self.num_layers
+        spans = [span for span in request.spans if span.end <= limit]
+        request.spans = spans
+        found = self._manager.hold(layer_keys([span.key for span in spans], num_layers))
+        payloads.held = [obj for obj in found if obj is not None]
+        present.extend(
+            all(obj is not None for obj in found[i * num_layers : (i + 1) * num_layers])
+            for i in range(len(spans))
+        )
+        payloads.objs = [[] for _ in range(num_layers)]
+        todo = [span for span, cached in zip(spans, present, strict=True) if not cached]
+        try:
+            for index, span in enumerate(todo):
+                chunk = await self._allocate_chunk(span.num_tokens)
+                if chunk is None:
+                    self._counters.partial_stores += 1
+                    log.warning(
+                        "store_partial",
+                        req_id=request.req_id,
+                        stored_chunks=index,
+                        chunks=len(todo),
+                        reason="host_memory_timeout",
+                    )
+                    break
+                payloads.spans.append(span)
+                for layer, obj in enumerate(chunk):
+                    payloads.objs[layer].append(obj)
+        except Exception:
+            self._fail(request, "layerwise_allocate_failed")
+            return False
+        return True
+
+    async def _allocate_chunk(self, num_tokens: int) -> list[MemoryObj] | None:
+        """One payload per layer for a chunk; None when memory ran out in time."""
+        shape = self._layout.layer_payload_shape(num_tokens)
+        dtype = self._layout.dtype
+        objs: list[MemoryObj] = []
+        try:
+            for _ in range(self.num_layers):
+                obj = self._pool.allocate_nowait(shape, dtype)
+                if obj is None:
+                    obj = await self._pool.allocate(shape, dtype, timeout=self._allocation_timeout)
+                objs.append(obj)
+        except AllocationTimeoutError:
+            release(objs)
+            return None
+        except BaseException:
+            release(objs)
+            raise
+        return objs
+
+    async def _put(self, request: Request, payloads: _Payloads, present: list[bool]) -> int:
+        """Put every layer of the copied chunks; tokens in the leading run now cached."""
+        put = len(payloads.spans)
+        if put and self._healthy():
+            for layer in range(self.num_layers):
+                spans = [
+                    ChunkSpan(span.start, span.end, span.key.with_layer(layer), span.parent)
+                    for span in payloads.spans
+                ]
+                kept = await self._manager.put(
+                    spans, payloads.objs[layer], request.tokens, request.locations
+                )
+                put = min(put, kept)
+        elif put:
+            put = 0
+        new = {span.start for span in payloads.spans[:put]}
+        spans = request.spans
+        end = spans[0].start if spans else 0
+        for span, cached in zip(spans, present, strict=True):
+            if not cached and span.start not in new:
+                break
+            end = span.end
+        return end - (spans[0].start if spans else 0)
+
+    # -- retrieve -------------------------------------------------------------------------
+
+    async def retrieve(self, request: Request, *, lookup_id: Hashable | None) -> RetrieveLayers:
+        """The layerwise retrieve of ``request`` (see the module docstring for the steps).
+
+        The last step yields a bool CPU tensor of ``request.num_tokens``: True exactly for
+        the tokens whose KV was written in every layer. After a failed copy it is all False
+        (the layers already written are recomputed by the engine). Pins held for
+        ``lookup_id`` are released when the iterator ends.
+        """
+        num_layers = self.num_layers
+        mask = torch.zeros(request.num_tokens, dtype=torch.bool)
+        payloads = _Payloads()
+        copies = _Copies(self._transfers, request.device, Direction.LOAD, self._retrieve_timeout)
+        scatter = request.plan.scatter_layer_chunks
+        try:
+            ok = await self._begin_retrieve(request, payloads)
+
+            async def start(layer: int) -> None:
+                jobs, nbytes = payloads.jobs(layer)
+                await copies.start(layer, functools.partial(scatter, layer), jobs, nbytes)
+
+            if ok and copies.ahead:
+                ok = await self._guard(request, start(0))
+            yield None
+            for layer in range(num_layers):
+                if ok and copies.ahead:
+                    if layer + 1 < num_layers:
+                        ok = await self._guard(request, start(layer + 1))
+                    ok = ok and await self._guard(request, copies.finish(layer))
+                elif ok:
+                    ok = await self._guard(request, start(layer))
+                if ok:
+                    payloads.release_layer(layer)
+                if layer + 1 < num_layers:
+                    yield None
+            if ok:
+                self._mark(request, payloads.spans, mask)
+            self._counters.retrieved_tokens += int(mask.sum())
+            yield mask
+        finally:
+            try:
+                await copies.drain()
+            finally:
+                payloads.release()
+                if lookup_id is not None:
+                    self._manager.unpin(lookup_id)
+
+    async def _begin_retrieve(self, request: Request, payloads: _Payloads) -> bool:
+        """Hash and take references on every layer of the leading cached chunks; False on a
+        miss (or when the engine is unhealthy)."""
+        if not self._healthy():
+            return False
+        await compute_spans(request)  # invalid tokens found off the loop raise here
+        num_layers = self.num_layers
+        spans = request.spans
+        keys = layer_keys([span.key for span in spans], num_layers)
+        try:
+            found = await self._manager.fetch_prefix(keys, request.locations, request.lookup_id)
+        except Exception:
+            self._fail(request, "layerwise_lookup_failed")
+            return False
+        hits = len(found) // num_layers
+        release(found[hits * num_layers :])  # a chunk missing a layer is a miss
+        payloads.spans = spans[:hits]
+        payloads.objs = [
+            found[layer : hits * num_layers : num_layers] for layer in range(num_layers)
+        ]
+        return hits > 0
+
+    @staticmethod
+    def _mark(request: Request, spans: list[ChunkSpan], mask: torch.Tensor) -> None:
+        """Mark the tokens of ``spans`` (consecutive) that were written (slot >= 0)."""
+        if not spans:
+            return
+        start, end = spans[0].start, spans[-1].end
+        if request.plan.first_skipped(start) is None:
+            mask[start:end] = True
+        else:
+            mask[start:end] = request.slots_cpu[start:end] >= 0
+
+    # -- failures -------------------------------------------------------------------------
+
+    async def _guard(self, request: Request, step: Awaitable[object]) -> bool:
+        """Await ``step``; a failure is logged and counted, and ends the request's work (its
+        remaining steps are no-ops). Returns whether it succeeded."""
+        try:
+            await step
+        except EngineClosedError:
+            # The engine closed under a request the serving engine is still stepping.
+            log.warning("layerwise_engine_closed", req_id=request.req_id)
+            return False
+        except Exception:
+            self._fail(request, "layerwise_step_failed")
+            return False
+        return True
+
+    def _fail(self, request: Request, event: str) -> None:
+        self._counters.failed_requests += 1
+        log.exception(event, req_id=request.req_id)
