@@ -875,7 +875,7 @@ class CacheEngine:
                 if len(objs) < len(batch):
                     break
                 await tier.remove(batch)
-                done += await tier.put(batch, objs, spec=spec)  # type: ignore[call-arg]
+                done += await tier.put(batch, objs, spec=spec)
             finally:
                 for obj in objs:
                     obj.unref()

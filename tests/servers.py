@@ -170,6 +170,7 @@ class RedisServer:
         Raises:
             ServerError: the server is missing, already running, or never became ready.
         """
+        redis_binaries()  # a clear error when they are missing, before any retry
         if self.running:
             raise ServerError(f"redis-server already running on port {self.port}")
         last = ""

@@ -292,3 +292,44 @@ async def test_disk_writes_happen_behind_the_store(tmp_path: Path) -> None:
             assert engine.stats().tier_writes_pending == 0
             assert len(chunk_files(tmp_path)) == 4
         assert os.listdir(tmp_path)  # the cache outlives the engine
+
+
+@pytest.mark.anyio
+async def test_compress_and_decompress_in_place_on_disk(tmp_path: Path) -> None:
+    from lmcache_async.backends.record import RecordHeader
+
+    def codecs() -> set[str]:
+        return {RecordHeader.from_bytes(p.read_bytes())[0].codec for p in chunk_files(tmp_path)}
+
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path, local_cpu=False) as engine:
+            await store(engine, 64)
+            assert codecs() == {"none"}
+            assert await engine.compress(tokens_of(64, 1), "zstd", "disk") == 4
+            assert codecs() == {"zstd"}
+            await retrieve(engine, 64, 64)
+            assert await engine.decompress(tokens_of(64, 1), "disk") == 4
+            assert codecs() == {"none"}
+            await retrieve(engine, 64, 64)
+            with pytest.raises(InvalidInputError, match="codec"):
+                await engine.compress(tokens_of(64, 1), "gzip", "disk")
+            with pytest.raises(InvalidInputError, match="cpu"):
+                await engine.compress(tokens_of(64, 1), "zstd", "cpu")
+            # int8 is lossy: what comes back is close, within the codec's bound.
+            assert await engine.compress(tokens_of(64, 1), "int8", "disk") == 4
+            target = [torch.zeros_like(t) for t in source_caches(1)]
+            slots = slots_of(64, 1)
+            mask = await engine.retrieve(tokens_of(64, 1), kv_caches=target, slot_mapping=slots)
+            assert bool(mask.all())
+            source = source_caches(1)
+            worst = max(
+                float(
+                    (t[:, s // BLOCK, s % BLOCK].float() - r[:, s // BLOCK, s % BLOCK].float())
+                    .abs()
+                    .max()
+                )
+                for t, r in zip(target, source, strict=True)
+                for s in slots.tolist()
+            )
+            assert 0 < worst < 0.05 * max(float(r.abs().max()) for r in source)
+            assert engine.stats().pool.used_bytes == 0

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..keys import ChunkKey
 from ..memory import MemoryObj
+from .record import RecordSpec
 
 __all__ = ["StorageBackend", "TierStats"]
 
@@ -51,8 +52,16 @@ class StorageBackend(abc.ABC):
         """The payload of each key, or None where the tier does not hold it."""
 
     @abc.abstractmethod
-    async def put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
-        """Store payloads under keys (existing keys are kept); returns how many were added."""
+    async def put(
+        self,
+        keys: Sequence[ChunkKey],
+        objs: Sequence[MemoryObj],
+        *,
+        spec: RecordSpec | None = None,
+    ) -> int:
+        """Store payloads under keys (existing keys are kept); returns how many were added.
+
+        ``spec`` (slow tiers) overrides how records are encoded for this call."""
 
     @abc.abstractmethod
     async def remove(self, keys: Sequence[ChunkKey]) -> int:

@@ -19,6 +19,7 @@ from ..errors import InvalidInputError
 from ..keys import ChunkKey
 from ..memory import MemoryObj, MemoryPool
 from .base import StorageBackend, TierStats
+from .record import RecordSpec
 
 __all__ = ["CPUBackend"]
 
@@ -168,7 +169,13 @@ class CPUBackend(StorageBackend):
     async def get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         return self.get_nowait(keys)
 
-    async def put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+    async def put(
+        self,
+        keys: Sequence[ChunkKey],
+        objs: Sequence[MemoryObj],
+        *,
+        spec: RecordSpec | None = None,
+    ) -> int:
         return self.put_nowait(keys, objs)
 
     async def remove(self, keys: Sequence[ChunkKey]) -> int:

@@ -356,8 +356,17 @@ class DiskBackend(StorageBackend):
             self._errors += 1
             log.warning("disk_tier_read_failed", chunks=len(read_errors), error=read_errors[0])
 
-    async def put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+    async def put(
+        self,
+        keys: Sequence[ChunkKey],
+        objs: Sequence[MemoryObj],
+        *,
+        spec: RecordSpec | None = None,
+    ) -> int:
         """Write each new key's record (keys already held are kept, and become most recent).
+
+        ``spec`` overrides the tier's record spec for these writes (another codec, used by
+        the engine's ``compress``); it must describe the same layout.
 
         Older files are evicted first when the capacity would be exceeded; a chunk that
         does not fit even in an empty tier is refused. The objects are referenced while
@@ -397,14 +406,14 @@ class DiskBackend(StorageBackend):
                         batch.append((key, obj))
                 if not batch:
                     return 0
-                return await self._write(batch)
+                return await self._write(batch, spec or self._spec)
         finally:
             for obj in held:
                 obj.unref()
 
-    async def _write(self, batch: list[tuple[bytes, MemoryObj]]) -> int:
+    async def _write(self, batch: list[tuple[bytes, MemoryObj]], spec: RecordSpec) -> int:
         """Encode, make room, write; the caller holds the write lock and the references."""
-        encoded = await anyio.to_thread.run_sync(_encode_batch, self._spec, batch)
+        encoded = await anyio.to_thread.run_sync(_encode_batch, spec, batch)
         victims: list[Path] = []
         writes: list[tuple[Path, bytes, bytes | memoryview]] = []
         planned: list[tuple[bytes, _Entry]] = []

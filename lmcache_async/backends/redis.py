@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
@@ -84,6 +85,7 @@ more than the work)."""
 _SCRATCH_BUFFERS: Final = 2
 """Encoding buffers kept for reuse (one per concurrent put; more are made as needed)."""
 
+_PASSWORD_OPTION: Final = re.compile(r"([?&]password=)[^&]*", re.IGNORECASE)
 _SCAN_COUNT: Final = 1000
 _GLOB_SPECIAL: Final = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 
@@ -112,6 +114,8 @@ def _port(text: str, url: str) -> int:
 
 
 def _mask(url: str) -> str:
+    """``url`` with the password (in the user info or a ``password=`` option) masked."""
+    url = _PASSWORD_OPTION.sub(r"\1***", url)
     scheme, sep, rest = url.partition("://")
     userinfo, at, hosts = rest.rpartition("@")
     if not at or ":" not in userinfo:
@@ -243,7 +247,10 @@ async def _overlapped(
                 except Exception as exc:
                     errors.append(exc)
                     return
-                await send.send((n, item))
+                try:
+                    await send.send((n, item))
+                except anyio.BrokenResourceError:
+                    return  # the consumer stopped
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(produce)
@@ -264,7 +271,8 @@ class RedisBackend(StorageBackend):
 
     ``timeout`` (config ``remote_timeout``) bounds every connect, socket read and write and
     small call; ``ttl`` (``remote_ttl``) makes entries expire that many seconds after they
-    are written (None: never). ``batch_bytes`` caps the values moved per round trip.
+    are written (None: never). ``batch_bytes`` caps the values moved per round trip; puts
+    encode into up to two reused buffers of that size (kept until :meth:`aclose`).
     :meth:`stats` counts what this client saw: ``chunks`` and ``bytes`` are entries it added
     and has not removed, since the server is shared and entries may expire.
 
@@ -567,9 +575,17 @@ class RedisBackend(StorageBackend):
             # The read already missed; a later read finds the entry corrupt again.
             log.warning("redis_corrupt_delete_failed", chunks=len(entries), error=str(exc))
 
-    async def put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+    async def put(
+        self,
+        keys: Sequence[ChunkKey],
+        objs: Sequence[MemoryObj],
+        *,
+        spec: RecordSpec | None = None,
+    ) -> int:
         """Write each payload not stored yet (existing keys are kept); returns how many
         were added. The caller keeps its references; this takes its own while it encodes.
+        ``spec`` overrides the tier's record spec for these writes (another codec, used by
+        the engine's ``compress``); it must describe the same layout.
 
         Raises:
             InvalidInputError: ``keys`` and ``objs`` differ in length.
@@ -587,15 +603,15 @@ class RedisBackend(StorageBackend):
         added = 0
 
         async def encode(n: int) -> _Encoded:
-            return await self._encode_batch(keys, objs, batches[n])
+            return await self._encode_batch(keys, objs, batches[n], spec or self._spec)
 
         async def send(n: int, encoded: _Encoded) -> bool:
             nonlocal added
-            try:
-                added += await self._send_batch([rkeys[i] for i in batches[n]], encoded)
-            finally:
-                if len(self._scratch) < _SCRATCH_BUFFERS:
-                    self._scratch.append(encoded.buffer)
+            added += await self._send_batch([rkeys[i] for i in batches[n]], encoded)
+            # Reused only once the server has answered: a send cut short may leave views
+            # on the buffer in the transport's queue, still to be flushed.
+            if len(self._scratch) < _SCRATCH_BUFFERS:
+                self._scratch.append(encoded.buffer)
             return False
 
         try:
@@ -606,7 +622,11 @@ class RedisBackend(StorageBackend):
         return added
 
     async def _encode_batch(
-        self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj], indices: Sequence[int]
+        self,
+        keys: Sequence[ChunkKey],
+        objs: Sequence[MemoryObj],
+        indices: Sequence[int],
+        spec: RecordSpec,
     ) -> _Encoded:
         """The records of one batch, one after the other in a scratch buffer."""
         held = [objs[i].ref() for i in indices]
@@ -615,10 +635,10 @@ class RedisBackend(StorageBackend):
             if sum(obj.nbytes for obj in held) > _INLINE_BYTES:
                 # Not cancellable: the objects must outlive the thread that reads them.
                 buffer, ends = await anyio.to_thread.run_sync(
-                    self._encode, buffer, [keys[i] for i in indices], held
+                    self._encode, buffer, [keys[i] for i in indices], held, spec
                 )
             else:
-                buffer, ends = self._encode(buffer, [keys[i] for i in indices], held)
+                buffer, ends = self._encode(buffer, [keys[i] for i in indices], held, spec)
         finally:
             for obj in held:
                 obj.unref()
@@ -642,7 +662,11 @@ class RedisBackend(StorageBackend):
         return added
 
     def _encode(
-        self, buffer: bytearray, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]
+        self,
+        buffer: bytearray,
+        keys: Sequence[ChunkKey],
+        objs: Sequence[MemoryObj],
+        spec: RecordSpec,
     ) -> tuple[bytearray, list[int]]:
         """Write each ``header ‖ payload`` record, one after the other, into ``buffer`` (a
         fresh one when it is too small); returns the buffer and where each record ends.
@@ -651,7 +675,7 @@ class RedisBackend(StorageBackend):
         batch to batch, whose pages are already mapped: a fresh ``header + payload`` per
         value costs page faults on every batch, and measured several times slower.
         """
-        parts = [self._spec.encode(key, obj) for key, obj in zip(keys, objs, strict=True)]
+        parts = [spec.encode(key, obj) for key, obj in zip(keys, objs, strict=True)]
         total = sum(len(header) + len(payload) for header, payload in parts)
         if len(buffer) < total:
             buffer = bytearray(max(total, len(buffer) * 2))
@@ -688,14 +712,25 @@ class RedisBackend(StorageBackend):
             TierError: Redis reported another error.
         """
         pattern = self._prefix.decode().translate(_GLOB_SPECIAL) + "*"
-
-        async def scan() -> list[bytes]:
-            return [k async for k in self._client.scan_iter(match=pattern, count=_SCAN_COUNT)]
-
-        found = await self._call("scan", scan)
+        found = self._client.scan_iter(match=pattern, count=_SCAN_COUNT)
         removed = 0
-        for start in range(0, len(found), _SCAN_COUNT):
-            removed += await self._unlink(found[start : start + _SCAN_COUNT])
+        page: list[bytes] = []
+        try:
+            while True:
+                # Each step, not the whole scan, gets the deadline: a large store takes
+                # many pages. Keys are deleted page by page as the scan goes.
+                try:
+                    page.append(await self._call("scan", found.__anext__))
+                except StopAsyncIteration:
+                    break
+                if len(page) == _SCAN_COUNT:
+                    removed += await self._unlink(page)
+                    page = []
+            if page:
+                removed += await self._unlink(page)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await found.aclose()
         self._chunks = self._bytes = 0
         return removed
 
@@ -705,7 +740,8 @@ class RedisBackend(StorageBackend):
         self._chunks = max(0, self._chunks - removed)
 
     def healthy(self) -> bool:
-        """Whether the last call or probe reached Redis."""
+        """False from a call that could not reach Redis until :meth:`check_health`
+        reaches it again (and after :meth:`aclose`)."""
         return self._healthy and not self._closed
 
     async def check_health(self) -> bool:
@@ -747,6 +783,7 @@ class RedisBackend(StorageBackend):
         if self._closed:
             return
         self._closed = True
+        self._scratch.clear()
         with anyio.move_on_after(self._timeout, shield=True):
             try:
                 await self._client.aclose()

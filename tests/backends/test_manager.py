@@ -61,7 +61,9 @@ class FakeTier(StorageBackend):
             out.append(obj)
         return out
 
-    async def put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+    async def put(
+        self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj], *, spec: object = None
+    ) -> int:
         await self.gate.wait()
         self._check()
         for key, obj in zip(keys, objs, strict=True):

@@ -25,6 +25,7 @@ from lmcache_async.backends.record import RecordSpec
 from lmcache_async.backends.redis import (
     DEFAULT_KEY_PREFIX,
     RedisBackend,
+    _overlapped,
     parse_remote_url,
 )
 from lmcache_async.errors import (
@@ -367,6 +368,47 @@ async def test_cancelled_calls_leak_nothing(redis_server: RedisServer, open_tier
         release(objs, got)
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("failing", ["first", "second"])
+async def test_overlapped_stages_raise_the_error_itself(failing: str) -> None:
+    seen: list[int] = []
+
+    async def first(n: int) -> int:
+        if failing == "first" and n == 2:
+            raise TierUnavailableError("fetch failed")
+        return n * 10
+
+    async def second(n: int, item: int) -> bool:
+        if failing == "second" and n == 1:
+            raise TierUnavailableError("send failed")
+        seen.append(item)
+        return False
+
+    with anyio.fail_after(5), pytest.raises(TierUnavailableError):
+        await _overlapped(5, first, second)
+    assert seen == ([0, 10] if failing == "first" else [0])
+
+
+@pytest.mark.anyio
+async def test_overlapped_stops_when_asked_and_keeps_order() -> None:
+    started: list[int] = []
+    seen: list[int] = []
+
+    async def first(n: int) -> int:
+        started.append(n)
+        await anyio.sleep(0.001 * (5 - n))  # later items are ready sooner
+        return n
+
+    async def second(n: int, item: int) -> bool:
+        seen.append(item)
+        return n == 2
+
+    with anyio.fail_after(5):
+        await _overlapped(6, first, second)
+    assert seen == [0, 1, 2]
+    assert max(started) <= 3, "at most one item is produced ahead"
+
+
 # -- remove, clear, TTL -------------------------------------------------------------------
 
 
@@ -384,6 +426,17 @@ async def test_remove_and_clear_touch_only_this_prefix(target: Target, open_tier
     assert await target.raw.get(b"someone-else:1") == b"x"
     assert await target.raw.get(b"lmca") == b"y"
     assert (env.tier.stats().chunks, env.tier.stats().bytes) == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_clear_pages_through_many_keys(target: Target, open_tier: Opener) -> None:
+    env = await open_tier(target.url)
+    async with target.raw.pipeline() as pipe:
+        for i in range(2500):  # more than one SCAN page and one UNLINK batch
+            pipe.set(f"{DEFAULT_KEY_PREFIX}{i}".encode(), b"v")
+        await pipe.execute()
+    assert await env.tier.clear() == 2500
+    assert await env.tier.clear() == 0
 
 
 @pytest.mark.anyio
@@ -568,6 +621,7 @@ def test_urls_parse() -> None:
     assert (target.username, target.password) == ("u", "secret")
     assert "secret" not in target.display and "secret" not in repr(target)
     assert "pw" not in parse_remote_url("redis://:pw@h:1").display
+    assert "pw" not in parse_remote_url("redis://h:1/0?password=pw&db=1").display
 
 
 @pytest.mark.anyio
