@@ -33,8 +33,10 @@ dev: $(VENV)/.installed-dev
 run: venv
 	$(BIN)/lmcache-async bench
 
-bench: venv
+bench: dev redis
 	$(BIN)/lmcache-async bench --micro
+	$(BIN)/lmcache-async bench --tiers
+	$(BIN)/lmcache-async bench --sidecar
 
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { \

@@ -24,6 +24,7 @@ from .events import EventKind, KVEvent
 from .keys import ChunkKey, HashAlgorithm
 from .layouts import KVFormat, KVLayout, LayoutKind
 from .memory import PoolStats
+from .rpc.client import RemoteCacheEngine
 from .stats import EngineStats
 from .sync_engine import SyncCacheEngine
 
@@ -48,6 +49,7 @@ __all__ = [
     "LayoutKind",
     "PoolStats",
     "ProtocolError",
+    "RemoteCacheEngine",
     "SyncCacheEngine",
     "TierError",
     "TierStats",

@@ -19,13 +19,17 @@ write-back and other load on the machine weigh on both alike.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import shutil
+import socket
 import statistics
+import subprocess
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -43,7 +47,14 @@ from lmcache_async.memory import DEFAULT_PAGE_SIZE, MemoryObj, MemoryPool
 if TYPE_CHECKING:
     from lmcache_async.backends.redis import RedisBackend
 
-__all__ = ["DISK_TARGETS", "REDIS_TARGETS", "bench_disk", "bench_redis"]
+__all__ = [
+    "DISK_TARGETS",
+    "REDIS_TARGETS",
+    "bench_disk",
+    "bench_redis",
+    "format_tiers",
+    "run_tiers_bench",
+]
 
 DISK_TARGETS: Final[Mapping[str, float]] = {"put_ratio": 0.7, "get_ratio": 0.7}
 """The disk tier should reach at least 0.7x the raw write and read of the same bytes."""
@@ -565,3 +576,123 @@ async def _redis_run(
         "raw_get_gbps": _rate(nbytes, raw_get_s),
         "get_ratio": raw_get_s / get_s,
     }
+
+
+async def run_tiers_bench(
+    *,
+    directory: str | os.PathLike[str] | None = None,
+    redis_url: str | None = None,
+    chunk_bytes: int = 4 << 20,
+    chunks: int = 64,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """Both tier benchmarks: disk in ``directory`` (a temporary one by default), Redis at
+    ``redis_url`` or, when none is given, a ``redis-server`` started for the run on a free
+    loopback port (skipped, and said so, when redis-server is not installed)."""
+    results: dict[str, Any] = {"problems": []}
+    if directory is None:
+        with tempfile_directory() as tmp:
+            results["disk"] = await bench_disk(
+                tmp, chunk_bytes=chunk_bytes, chunks=chunks, repeats=repeats
+            )
+    else:
+        results["disk"] = await bench_disk(
+            directory, chunk_bytes=chunk_bytes, chunks=chunks, repeats=repeats
+        )
+    if redis_url is not None:
+        results["redis"] = await bench_redis(
+            redis_url, chunk_bytes=chunk_bytes, chunks=chunks, repeats=repeats
+        )
+    elif shutil.which("redis-server") is None:
+        results["problems"].append("redis-server is not installed: Redis tier not measured")
+    else:
+        with tempfile_directory() as tmp, local_redis(tmp) as url:
+            results["redis"] = await bench_redis(
+                url, chunk_bytes=chunk_bytes, chunks=chunks, repeats=repeats
+            )
+    for tier, targets in (("disk", DISK_TARGETS), ("redis", REDIS_TARGETS)):
+        figures = results.get(tier)
+        if figures is None:
+            continue
+        for name, target in targets.items():
+            if figures[name] < target:
+                results.setdefault("below_target", []).append(
+                    f"{tier} {name} {figures[name]:.2f} < {target}"
+                )
+    return results
+
+
+def format_tiers(results: Mapping[str, Any]) -> str:
+    """The tier benchmark as a short table, with each ratio next to its target."""
+    lines = ["tier   op    GB/s   raw GB/s  ratio  target"]
+    rows = (
+        ("disk", "put", "put_gbps", "raw_write_gbps", "put_ratio", DISK_TARGETS),
+        ("disk", "get", "get_gbps", "raw_read_gbps", "get_ratio", DISK_TARGETS),
+        ("redis", "put", "put_gbps", "raw_set_gbps", "put_ratio", REDIS_TARGETS),
+        ("redis", "get", "get_gbps", "raw_get_gbps", "get_ratio", REDIS_TARGETS),
+    )
+    for tier, op, rate, raw, ratio, targets in rows:
+        figures = results.get(tier)
+        if figures is None:
+            continue
+        lines.append(
+            f"{tier:<6} {op:<4} {figures[rate]:6.2f}   {figures[raw]:6.2f}   "
+            f"{figures[ratio]:5.2f}  >= {targets[ratio]}"
+        )
+    lines.extend(f"note: {problem}" for problem in results.get("problems", []))
+    lines.extend(f"below target: {item}" for item in results.get("below_target", []))
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def tempfile_directory() -> Iterator[str]:
+    """A temporary directory, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="lmcache-async-bench-") as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def local_redis(directory: str, timeout: float = 10.0) -> Iterator[str]:
+    """A ``redis-server`` on a free loopback port for the length of the block (no
+    persistence), stopped by pid afterwards; yields its URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            directory,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise InvalidInputError(f"redis-server did not start on port {port}")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
