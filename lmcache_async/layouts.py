@@ -9,14 +9,19 @@ order and moves the tokens named by a slot mapping to and from a chunk payload:
 * ``KV_2LTD`` payload ``[2, num_layers, tokens, num_kv_heads * head_size]`` (K = 0, V = 1);
 * ``KV_MLA`` payload ``[1, num_layers, tokens, latent_dim]``.
 
-Every transfer is a handful of vectorised ``index_select`` / ``index_copy_`` calls on a 2-D
-*row view* of each layer (a ``.view`` of the layer's own memory, no copy). The row indices
-of K and V for all tokens are computed once per call from the slots, then reused for every
-layer.
+Every transfer is one vectorised ``index_select`` / ``index_copy_`` per layer and payload
+part on a *row view* of the layer (a view of the layer's own memory, no copy). The row
+indices of K and V for all tokens are computed once per request from the slots, then reused
+for every layer. For most layouts a row is a run of contiguous elements (``H * D``, or
+``D`` of one head). vLLM's CPU attention packs each block and head in its own order
+(:class:`CpuKVPacking`: keys transposed, or AMX tiles); there a "row" is one token's values
+seen through a strided view of the flat layer whose first dimension steps one element, so
+the row index of a token is the element offset where its values start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,11 +30,12 @@ import torch
 
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.tokens import is_strict_int
-from lmcache_async.transfer import TransferPlan
+from lmcache_async.transfer import PlanPart, TransferPlan
 
 __all__ = [
     "DEFAULT_VLLM_CPU_BLOCK_SIZE",
     "SUPPORTED_DTYPES",
+    "CpuKVPacking",
     "KVFormat",
     "KVLayout",
     "LayoutKind",
@@ -66,8 +72,8 @@ class LayoutKind(enum.StrEnum):
     """Per layer ``[num_blocks, block_size, latent_dim]``, contiguous."""
     VLLM_CPU = "vllm_cpu"
     """vLLM's CPU attention backend: per layer ``[num_blocks, H, block_size, 2 * D]``,
-    contiguous, which in memory is ``[num_blocks, H, 2, block_size, D]`` (all K rows of a
-    block and head, then all V rows)."""
+    contiguous. Each block and head holds ``block_size * D`` key elements, then as many
+    value elements, each region packed as its :class:`CpuKVPacking` says."""
 
 
 def _is_integer_dtype(dtype: torch.dtype) -> bool:
@@ -76,6 +82,70 @@ def _is_integer_dtype(dtype: torch.dtype) -> bool:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_AMX_KEY_TOKENS = 16
+"""AMX key packing: tokens per group (a 64-byte tile row holds 16 four-byte words)."""
+_AMX_VALUE_DIMS = 16
+"""AMX value packing: head dimensions per group."""
+_AMX_PAIR = 2
+"""AMX packing: bf16 elements per four-byte word (two dims of a key, two tokens of a value)."""
+_AMX_ALIGNMENT = 32
+"""AMX packing: block size and head size must be multiples of this (vLLM's kernel checks)."""
+
+_VLLM_TRANSPOSED_KEY_ISAS = frozenset({"vec", "vec16", "vxe", "vsx", "rvv"})
+"""vLLM CPU attention kernels that write keys transposed and values as rows, every dtype."""
+
+
+class CpuKVPacking(enum.StrEnum):
+    """How vLLM's CPU attention packs one block and head of the KV cache.
+
+    vLLM writes the cache with ``cpu_attn_reshape_and_cache`` in the order its attention
+    kernel (the "ISA" it picks for the dtype, block size and CPU) reads fastest. Per
+    block ``b`` and head ``h`` the layer holds a key region of ``block_size * D`` elements
+    followed by a value region of the same size; the packings differ in where token ``t``,
+    dimension ``d`` sits inside each region.
+    """
+
+    KEYS_TRANSPOSED = "keys_transposed"
+    """Keys ``[D, block_size]`` (``d * block_size + t``), values ``[block_size, D]``
+    (``t * D + d``). vLLM's ``vec``, ``vec16``, ``vxe``, ``vsx`` and ``rvv`` kernels, and
+    ``neon`` for fp32 and fp16: every dtype on x86 CPUs without AMX."""
+    AMX = "amx"
+    """bf16 on CPUs with AMX: keys ``[block_size / 16, D / 2, 16, 2]`` (groups of 16 tokens,
+    pairs of dimensions), values ``[D / 16, block_size / 2, 16, 2]`` (groups of 16
+    dimensions, pairs of tokens). Block size and head size must be multiples of 32."""
+
+    @classmethod
+    def for_vllm_isa(cls, isa: str, dtype: torch.dtype) -> CpuKVPacking:
+        """The packing vLLM's CPU attention kernel ``isa`` writes for ``dtype``.
+
+        Raises:
+            InvalidInputError: an ISA (or ISA and dtype) whose packing is not described
+                here, such as ``neon`` with bf16 (vLLM's BFMMLA kernels pack their own way).
+        """
+        name = str(isa).lower()
+        if name in _VLLM_TRANSPOSED_KEY_ISAS:
+            return cls.KEYS_TRANSPOSED
+        if name == "neon" and dtype in (torch.float32, torch.float16):
+            return cls.KEYS_TRANSPOSED
+        if name == "amx" and dtype == torch.bfloat16:
+            return cls.AMX
+        known = ", ".join(sorted({*_VLLM_TRANSPOSED_KEY_ISAS, "neon (fp32, fp16)", "amx (bf16)"}))
+        raise InvalidInputError(
+            f"isa: vLLM's CPU attention kernel {isa!r} with {_dtype_name(dtype)} packs the KV "
+            f"cache in a way lmcache_async does not describe; supported: {known}"
+        )
+
+
+def _cpu_packing(value: object) -> CpuKVPacking:
+    if isinstance(value, CpuKVPacking):
+        return value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return CpuKVPacking(value)
+    choices = ", ".join(p.value for p in CpuKVPacking)
+    raise InvalidInputError(f"cpu_packing: expected one of {choices}, got {value!r:.40}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +171,9 @@ class KVLayout:
     hnd: bool = False
     tp_world_size: int = 1
     tp_rank: int = 0
+    cpu_packing: CpuKVPacking | None = None
+    """The vLLM CPU layout's packing (:attr:`CpuKVPacking.KEYS_TRANSPOSED` when not given);
+    ``None`` for every other kind."""
 
     def __post_init__(self) -> None:
         kind: object = self.kind
@@ -133,6 +206,30 @@ class KVLayout:
             raise InvalidInputError(
                 f"num_kv_heads: must be 1 for the mla layout, got {self.num_kv_heads}"
             )
+        self._check_cpu_packing()
+
+    def _check_cpu_packing(self) -> None:
+        packing: object = self.cpu_packing
+        if self.kind is not LayoutKind.VLLM_CPU:
+            if packing is not None:
+                raise InvalidInputError(
+                    f"cpu_packing: only meaningful for {LayoutKind.VLLM_CPU.value}, "
+                    f"not {self.kind.value}"
+                )
+            return
+        packing = CpuKVPacking.KEYS_TRANSPOSED if packing is None else _cpu_packing(packing)
+        object.__setattr__(self, "cpu_packing", packing)
+        if packing is CpuKVPacking.AMX:
+            if self.dtype != torch.bfloat16:
+                raise InvalidInputError(
+                    f"cpu_packing: the amx packing holds bfloat16, got {_dtype_name(self.dtype)}"
+                )
+            for name in ("block_size", "head_size"):
+                if getattr(self, name) % _AMX_ALIGNMENT:
+                    raise InvalidInputError(
+                        f"{name}: the amx packing needs a multiple of {_AMX_ALIGNMENT}, "
+                        f"got {getattr(self, name)}"
+                    )
 
     # ------------------------------------------------------------------ constructors
 
@@ -225,8 +322,17 @@ class KVLayout:
         block_size: int = DEFAULT_VLLM_CPU_BLOCK_SIZE,
         tp_world_size: int = 1,
         tp_rank: int = 0,
+        packing: CpuKVPacking | str = CpuKVPacking.KEYS_TRANSPOSED,
     ) -> KVLayout:
-        """vLLM CPU attention layout, per layer ``[num_blocks, H, block_size, 2 * D]``."""
+        """vLLM CPU attention layout, per layer ``[num_blocks, H, block_size, 2 * D]``.
+
+        ``packing`` says how vLLM packs each block and head; it depends on the attention
+        kernel vLLM picks (:meth:`CpuKVPacking.for_vllm_isa`). The default is what vLLM
+        writes on CPUs without AMX, for every dtype.
+
+        Raises:
+            InvalidInputError: an unknown packing, or one the dtype or sizes do not fit.
+        """
         return cls(
             LayoutKind.VLLM_CPU,
             num_layers,
@@ -237,6 +343,7 @@ class KVLayout:
             False,
             tp_world_size,
             tp_rank,
+            _cpu_packing(packing),
         )
 
     # ------------------------------------------------------------------ payload geometry
@@ -264,9 +371,10 @@ class KVLayout:
     def fingerprint(self) -> str:
         """Stable text naming everything that defines the payload bytes.
 
-        Block size, NHD/HND and the engine-side kind are left out on purpose: they change
-        where tokens live in the engine, not the payload, so payloads stored through one
-        are valid for the others.
+        Block size, NHD/HND, the vLLM CPU packing and the engine-side kind are left out on
+        purpose: they change where tokens live in the engine, not the payload (always the
+        logical, token-major K and V), so payloads stored through one are valid for the
+        others.
         """
         return (
             f"fmt={self.fmt.value};dtype={_dtype_name(self.dtype)};layers={self.num_layers};"
@@ -287,12 +395,13 @@ class KVLayout:
             "hnd": self.hnd,
             "tp_world_size": self.tp_world_size,
             "tp_rank": self.tp_rank,
+            **({} if self.cpu_packing is None else {"cpu_packing": self.cpu_packing.value}),
         }
 
     @classmethod
     def from_dict(cls, data: object) -> KVLayout:
-        """The layout described by a :meth:`to_dict` mapping (``hnd``, ``tp_world_size``
-        and ``tp_rank`` may be left out).
+        """The layout described by a :meth:`to_dict` mapping (``hnd``, ``tp_world_size``,
+        ``tp_rank`` and ``cpu_packing`` may be left out).
 
         Raises:
             InvalidInputError: ``data`` is not a mapping, lacks a field, has an unknown
@@ -301,7 +410,7 @@ class KVLayout:
         if not isinstance(data, Mapping):
             raise InvalidInputError(f"layout: expected a mapping, got {type(data).__name__}")
         required = ("kind", "num_layers", "block_size", "num_kv_heads", "head_size", "dtype")
-        known = (*required, "hnd", "tp_world_size", "tp_rank")
+        known = (*required, "hnd", "tp_world_size", "tp_rank", "cpu_packing")
         unknown = sorted(str(key) for key in data if key not in known)
         if unknown:
             raise InvalidInputError(f"layout: unknown keys {unknown}; expected {list(known)}")
@@ -324,6 +433,7 @@ class KVLayout:
             data.get("hnd", False),
             data.get("tp_world_size", 1),
             data.get("tp_rank", 0),
+            data.get("cpu_packing"),
         )
 
     def payload_shape(self, num_tokens: int) -> tuple[int, ...]:
@@ -570,19 +680,19 @@ class KVLayout:
                     self.check_kv_caches(kv_caches)
                 views.append(memory.view(rows_shape))
             return views
-        w = self.head_size if self.kind is LayoutKind.VLLM_CPU else self.width
         for layer in kv_caches:
             if layer.shape != shape or layer.dtype != dtype or not layer.is_contiguous():
                 self.check_kv_caches(kv_caches)
-            views.append(layer.view(-1, w))
+            views.append(layer.view(-1, self.width))
         return views
 
     def _rows(self, slots: torch.Tensor, num_blocks: int) -> tuple[list[torch.Tensor], int]:
         """Row indices into the row views for each payload part (K, V or the MLA latent).
 
         ``slots`` is int64 with no negative entries. Returns the index tensors and the row
-        width; for HND and vLLM CPU a token spans ``num_kv_heads`` rows of ``head_size``,
-        listed token-major so they line up with a payload part viewed as rows.
+        width; for HND a token spans ``num_kv_heads`` rows of ``head_size``, listed
+        token-major so they line up with a payload part viewed as rows. (vLLM CPU: see
+        :meth:`_cpu_parts`.)
         """
         bs = self.block_size
         kind = self.kind
@@ -595,17 +705,70 @@ class KVLayout:
             # [nb, 2, bs] rows: block b's K rows start at 2*b*bs, its V rows bs later.
             rows_k = slots + blocks * bs
             return [rows_k, rows_k + bs], self.width
+        # HND: [2, nb, H, bs] rows of head_size.
         h = self.num_kv_heads
-        if self.hnd:
-            # [2, nb, H, bs] rows of head_size.
-            block_stride, head_stride, v_offset = h * bs, bs, num_blocks * h * bs
-        else:
-            # vLLM CPU: [nb, H, 2, bs] rows of head_size.
-            block_stride, head_stride, v_offset = 2 * h * bs, 2 * bs, bs
-        base = slots + blocks * (block_stride - bs)
-        heads = torch.arange(0, h * head_stride, head_stride, device=slots.device)
+        base = slots + blocks * (h * bs - bs)
+        heads = torch.arange(0, h * bs, bs, device=slots.device)
         rows_k = (base.unsqueeze(1) + heads).view(-1)
-        return [rows_k, rows_k + v_offset], self.head_size
+        return [rows_k, rows_k + num_blocks * h * bs], self.head_size
+
+    def _cpu_parts(
+        self, kv_caches: Sequence[torch.Tensor], slots: torch.Tensor, num_blocks: int
+    ) -> list[PlanPart]:
+        """K and V of vLLM's CPU layout as one row per token of strided views of each layer.
+
+        Per block and head a layer holds ``block_size * D`` key elements, then as many
+        value elements, packed as :attr:`cpu_packing` says. All of a token's K (or V)
+        values sit at fixed strides from the element where its head-0 values start, so a
+        view of the flat layer sized ``[rows, H, *dims]`` with strides ``[1, head_stride,
+        *dim_strides]`` holds the token's values, in payload order, as row ``start``. The
+        rows overlap; a transfer touches only the rows of distinct slots, whose elements
+        are distinct.
+
+        Raises:
+            InvalidInputError: a layer does not match this layout.
+        """
+        shape = torch.Size(self.kv_cache_shape(num_blocks))
+        flats: list[torch.Tensor] = []
+        for layer in kv_caches:
+            if layer.shape != shape or layer.dtype != self.dtype or not layer.is_contiguous():
+                self.check_kv_caches(kv_caches)
+            flats.append(layer.view(-1))
+        bs, h, d = self.block_size, self.num_kv_heads, self.head_size
+        region = bs * d  # one head's keys (or values) in one block
+        head_stride = 2 * region
+        blocks = torch.div(slots, bs, rounding_mode="floor")
+        offsets = slots - blocks * bs
+        keys = blocks * (h * head_stride)
+        values = keys + region
+        specs: list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]
+        if self.cpu_packing is CpuKVPacking.AMX:
+            # Keys [bs/16, D/2, 16, 2]: token t in group t // 16, at word t % 16 of each
+            # group row; a row holds one pair of dimensions of 16 tokens.
+            tokens, pair = _AMX_KEY_TOKENS, _AMX_PAIR
+            group = torch.div(offsets, tokens, rounding_mode="floor")
+            keys = keys + group * (tokens * d) + (offsets - group * tokens) * pair
+            # Values [D/16, bs/2, 16, 2]: a pair of tokens per 16 dimensions of a group.
+            dims = _AMX_VALUE_DIMS
+            pairs = torch.div(offsets, pair, rounding_mode="floor")
+            values = values + pairs * (dims * pair) + (offsets - pairs * pair)
+            specs = [
+                (keys, (h, d // pair, pair), (head_stride, tokens * pair, 1)),
+                (values, (h, d // dims, dims), (head_stride, dims * bs, pair)),
+            ]
+        else:
+            # Keys [D, bs] (a token is a column), values [bs, D] (a token is a row).
+            specs = [
+                (keys + offsets, (h, d), (head_stride, bs)),
+                (values + offsets * d, (h, d), (head_stride, 1)),
+            ]
+        numel = num_blocks * h * head_stride
+        parts: list[PlanPart] = []
+        for index, dims_shape, strides in specs:
+            extent = sum((n - 1) * stride for n, stride in zip(dims_shape, strides, strict=True))
+            size, stride = (numel - extent, *dims_shape), (1, *strides)
+            parts.append(PlanPart([f.as_strided(size, stride) for f in flats], index, dims_shape))
+        return parts
 
     def _check_payload(self, name: str, payload: object, num_tokens: int) -> torch.Tensor:
         if not isinstance(payload, torch.Tensor):
@@ -658,13 +821,17 @@ class KVLayout:
         slots = slots.to(device=device, dtype=torch.int64, non_blocking=True)
         if negative:
             slots = slots.clamp(min=0)  # keeps the row arithmetic in range; never copied
-        rows, width = self._rows(slots, num_blocks)
+        parts: list[PlanPart]
+        if self.kind is LayoutKind.VLLM_CPU:
+            parts = self._cpu_parts(kv_caches, slots, num_blocks)
+        else:
+            rows, width = self._rows(slots, num_blocks)
+            views = self._row_views(kv_caches, num_blocks)
+            parts = [PlanPart(views, index, (width,)) for index in rows]
         return TransferPlan(
             self,
-            views=self._row_views(kv_caches, num_blocks),
-            rows=rows,
-            width=width,
-            rows_per_token=rows[0].shape[0] // max(int(slots.shape[0]), 1),
+            parts=parts,
+            rows_per_token=parts[0].index.shape[0] // max(int(slots.shape[0]), 1),
             negative=negative,
             device=device,
         )

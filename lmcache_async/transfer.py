@@ -1,14 +1,17 @@
 """Transfer plans: one request's prepared copies between engine memory and chunk payloads.
 
 :meth:`KVLayout.plan <lmcache_async.layouts.KVLayout.plan>` validates the caches and slots
-once and computes the row views and row indices; a :class:`TransferPlan` then moves any
-chunk's tokens with a few ``index_select`` / ``index_copy_`` calls and no further checks.
+once and computes, for each payload part (K, V or the MLA latent), a row view of every layer
+and the rows of every token (:class:`PlanPart`); a :class:`TransferPlan` then moves any
+chunk's tokens with one ``index_select`` / ``index_copy_`` per layer and part and no further
+checks.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +22,24 @@ if TYPE_CHECKING:
     # Only for the annotation: layouts imports this module to build plans.
     from lmcache_async.layouts import KVLayout
 
-__all__ = ["TransferPlan"]
+__all__ = ["PlanPart", "TransferPlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanPart:
+    """Where one payload part (K, V or the MLA latent) of a request lives in engine memory.
+
+    ``views`` holds, per layer, a view of the layer's memory shaped ``[rows, *row_shape]``;
+    ``index`` (int64, on the caches' device) lists the rows of every token of the request,
+    ``rows_per_token`` consecutive entries per token, token-major. A token's values in the
+    payload (``H * D`` elements) are its rows, in order, flattened. Parts that share one
+    ``views`` list and ``row_shape`` are moved together by the per-layer transfers; parts
+    with views of their own must have one row per token.
+    """
+
+    views: list[torch.Tensor]
+    index: torch.Tensor
+    row_shape: tuple[int, ...]
 
 
 class TransferPlan:
@@ -33,12 +53,12 @@ class TransferPlan:
 
     __slots__ = (
         "_device",
+        "_fused",
         "_layer_index",
         "_layout",
         "_negative",
-        "_rows",
+        "_parts",
         "_rpt",
-        "_views",
         "_width",
     )
 
@@ -46,20 +66,20 @@ class TransferPlan:
         self,
         layout: KVLayout,
         *,
-        views: list[torch.Tensor],
-        rows: list[torch.Tensor],
-        width: int,
+        parts: Sequence[PlanPart],
         rows_per_token: int,
         negative: list[int],
         device: torch.device,
     ) -> None:
+        first = parts[0]
         self._layout = layout
-        self._views = views
-        self._rows = rows
-        self._width = width
+        self._parts = tuple(parts)
+        self._width = layout.width
         self._rpt = rows_per_token
         self._negative = negative
         self._device = device
+        # Parts on one row view move together, one index per layer, in per-layer transfers.
+        self._fused = all(p.views is first.views and p.row_shape == first.row_shape for p in parts)
         self._layer_index: torch.Tensor | None = None  # built on first per-layer transfer
 
     @property
@@ -78,6 +98,20 @@ class TransferPlan:
         if not negative:
             return []
         return negative[bisect.bisect_left(negative, start) : bisect.bisect_left(negative, end)]
+
+    def _kept(self, start: int, end: int) -> torch.Tensor | None:
+        """Positions (within ``[start, end)``) of the tokens whose slot is not negative, or
+        ``None`` when no token of the range is skipped."""
+        skipped = self._negatives_in(start, end)
+        if not skipped:
+            return None
+        keep = sorted(set(range(end - start)) - {p - start for p in skipped})
+        return torch.tensor(keep, dtype=torch.int64, device=self._device)
+
+    def _keep_rows(self, keep: torch.Tensor, step: int) -> torch.Tensor:
+        """Entries of a token-major index with ``step`` entries per token for tokens ``keep``."""
+        per_token = torch.arange(step, device=self._device)
+        return (keep.unsqueeze(1) * step + per_token).view(-1)
 
     def gather(self, start: int, end: int, out: torch.Tensor) -> None:
         """Copy tokens ``[start, end)`` into ``out`` (``payload_shape(end - start)``).
@@ -100,7 +134,7 @@ class TransferPlan:
             InvalidInputError: a token in one of the ranges has a negative slot.
         """
         num_layers = self._layout.num_layers
-        parts = len(self._rows)
+        parts = self._parts
         staged: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for start, end, out in jobs:
@@ -110,12 +144,14 @@ class TransferPlan:
             if out.device != self._device:
                 dst = torch.empty_like(out, device=self._device)
                 copies.append((out, dst))
-            dst_rows = dst.view(parts * num_layers, -1, self._width).unbind(0)
-            staged.append((dst_rows, self._slice_rows(start, end)))
-        for layer, src in enumerate(self._views):
-            for part in range(parts):
-                for dst_rows, rows in staged:
-                    torch.index_select(src, 0, rows[part], out=dst_rows[part * num_layers + layer])
+            dst_parts = dst.view(len(parts) * num_layers, -1, self._width).unbind(0)
+            staged.append((dst_parts, self._slice_rows(start, end)))
+        for layer in range(num_layers):
+            for p, part in enumerate(parts):
+                src = part.views[layer]
+                for dst_parts, rows in staged:
+                    dst_rows = dst_parts[p * num_layers + layer].view(-1, *part.row_shape)
+                    torch.index_select(src, 0, rows[p], out=dst_rows)
         for out, dst in copies:
             out.copy_(dst, non_blocking=True)
 
@@ -131,53 +167,62 @@ class TransferPlan:
         """Scatter several chunks ``(start, end, payload)`` layer by layer (see
         :meth:`gather_chunks`); tokens with a negative slot are skipped."""
         num_layers = self._layout.num_layers
+        parts = self._parts
         staged: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
         for start, end, payload in jobs:
             rows = self._slice_rows(start, end)
             source = payload
             if payload.device != self._device:
                 source = payload.to(device=self._device, non_blocking=True)
-            skipped = self._negatives_in(start, end)
-            if skipped:
-                keep_list = sorted(set(range(end - start)) - {p - start for p in skipped})
-                if not keep_list:
+            keep = self._kept(start, end)
+            if keep is not None:
+                if not keep.numel():
                     continue
-                keep = torch.tensor(keep_list, dtype=torch.int64, device=self._device)
                 source = source.index_select(2, keep)
-                per_token = torch.arange(self._rpt, device=self._device)
-                keep_rows = (keep.unsqueeze(1) * self._rpt + per_token).view(-1)
+                keep_rows = self._keep_rows(keep, self._rpt)
                 rows = [index.index_select(0, keep_rows) for index in rows]
             if not source.is_contiguous():
                 source = source.contiguous()
-            staged.append((source.view(len(rows) * num_layers, -1, self._width).unbind(0), rows))
-        for layer, dst in enumerate(self._views):
-            for part in range(len(self._rows)):
-                for src_rows, rows in staged:
-                    dst.index_copy_(0, rows[part], src_rows[part * num_layers + layer])
+            staged.append((source.view(len(parts) * num_layers, -1, self._width).unbind(0), rows))
+        for layer in range(num_layers):
+            for p, part in enumerate(parts):
+                dst = part.views[layer]
+                for src_parts, rows in staged:
+                    src_rows = src_parts[p * num_layers + layer].view(-1, *part.row_shape)
+                    dst.index_copy_(0, rows[p], src_rows)
 
     def _slice_rows(self, start: int, end: int) -> list[torch.Tensor]:
         rpt = self._rpt
-        return [part[start * rpt : end * rpt] for part in self._rows]
+        return [part.index[start * rpt : end * rpt] for part in self._parts]
 
     # -- per layer (layerwise payloads) -----------------------------------------------------
 
     def _layer_rows(self, start: int, end: int) -> torch.Tensor:
-        """Row indices of tokens ``[start, end)`` in per-layer payload order.
+        """Row indices of tokens ``[start, end)`` in per-layer payload order (fused parts).
 
-        A per-layer payload ``[tokens, parts, width]`` seen as rows of the row width lists,
-        for each token, each part's rows in turn; the index for all tokens is built once
-        per plan and sliced per chunk.
+        A per-layer payload ``[tokens, parts, width]`` seen as rows of the shared row shape
+        lists, for each token, each part's rows in turn; the index for all tokens is built
+        once per plan and sliced per chunk.
         """
         index = self._layer_index
         if index is None:
-            rows = self._rows
+            rows = [part.index for part in self._parts]
             if len(rows) == 1 or rows[0].numel() == 0:
                 index = rows[0]
             else:
                 index = torch.stack([part.view(-1, self._rpt) for part in rows], dim=1).view(-1)
             self._layer_index = index
-        step = len(self._rows) * self._rpt
+        step = len(self._parts) * self._rpt
         return index[start * step : end * step]
+
+    def _part_rows(self, out: torch.Tensor, part: int) -> torch.Tensor:
+        """Part ``part`` of a per-layer payload ``out`` (``[tokens, parts, width]``) as rows
+        of that part's row shape: a view, strided when there are several parts."""
+        row_shape = self._parts[part].row_shape
+        if len(self._parts) == 1:
+            return out.view(-1, *row_shape)
+        # Unfused parts have one row per token (KVLayout.plan builds them so).
+        return out[:, part].view(out.shape[0], *row_shape)
 
     def gather_layer(self, layer: int, start: int, end: int, out: torch.Tensor) -> None:
         """Copy layer ``layer`` of tokens ``[start, end)`` into the per-layer payload ``out``.
@@ -201,15 +246,19 @@ class TransferPlan:
         Raises:
             InvalidInputError: a token in one of the ranges has a negative slot.
         """
-        src = self._views[layer]
-        width = self._width
         for start, end, _ in jobs:
             if self._negatives_in(start, end):
                 raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
+        if not self._fused:
+            self._gather_layer_parts(layer, jobs)
+            return
+        src = self._parts[0].views[layer]
+        row_shape = self._parts[0].row_shape
         remote = [job for job in jobs if job[2].device != self._device]
         for start, end, out in jobs:
             if out.device == self._device:
-                torch.index_select(src, 0, self._layer_rows(start, end), out=out.view(-1, width))
+                rows = self._layer_rows(start, end)
+                torch.index_select(src, 0, rows, out=out.view(-1, *row_shape))
         if not remote:
             return
         if all(remote[i][0] == remote[i - 1][1] for i in range(1, len(remote))):
@@ -219,10 +268,24 @@ class TransferPlan:
         staging = torch.index_select(src, 0, index)
         offset = 0
         for _, _, out in remote:
-            flat = out.view(-1, width)
+            flat = out.view(-1, *row_shape)
             count = flat.shape[0]
             flat.copy_(staging[offset : offset + count], non_blocking=True)
             offset += count
+
+    def _gather_layer_parts(
+        self, layer: int, jobs: Sequence[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        """Per-layer gather for parts on different row views: one ``index_select`` per part
+        and chunk, into that part's strided slice of the payload."""
+        rpt = self._rpt
+        for start, end, out in jobs:
+            dst = out if out.device == self._device else torch.empty_like(out, device=self._device)
+            for p, part in enumerate(self._parts):
+                rows = part.index[start * rpt : end * rpt]
+                torch.index_select(part.views[layer], 0, rows, out=self._part_rows(dst, p))
+            if dst is not out:
+                out.copy_(dst, non_blocking=True)
 
     def scatter_layer(self, layer: int, payload: torch.Tensor, start: int, end: int) -> None:
         """Write the per-layer ``payload`` (see :meth:`gather_layer`) into layer ``layer`` at
@@ -238,22 +301,44 @@ class TransferPlan:
     ) -> None:
         """Scatter one layer of several chunks ``(start, end, payload)`` (see
         :meth:`scatter_layer`)."""
-        dst = self._views[layer]
-        width = self._width
-        step = len(self._rows) * self._rpt
+        if not self._fused:
+            self._scatter_layer_parts(layer, jobs)
+            return
+        dst = self._parts[0].views[layer]
+        row_shape = self._parts[0].row_shape
+        step = len(self._parts) * self._rpt
         for start, end, payload in jobs:
             rows = self._layer_rows(start, end)
-            source = payload.reshape(-1, width)
+            source = payload.reshape(-1, *row_shape)
             if source.device != self._device:
                 source = source.to(device=self._device, non_blocking=True)
-            skipped = self._negatives_in(start, end)
-            if skipped:
-                keep_list = sorted(set(range(end - start)) - {p - start for p in skipped})
-                if not keep_list:
+            keep = self._kept(start, end)
+            if keep is not None:
+                if not keep.numel():
                     continue
-                keep = torch.tensor(keep_list, dtype=torch.int64, device=self._device)
-                per_token = torch.arange(step, device=self._device)
-                keep_rows = (keep.unsqueeze(1) * step + per_token).view(-1)
+                keep_rows = self._keep_rows(keep, step)
                 source = source.index_select(0, keep_rows)
                 rows = rows.index_select(0, keep_rows)
             dst.index_copy_(0, rows, source)
+
+    def _scatter_layer_parts(
+        self, layer: int, jobs: Sequence[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        """Per-layer scatter for parts on different row views (see :meth:`_gather_layer_parts`)."""
+        rpt = self._rpt
+        for start, end, payload in jobs:
+            source = payload
+            if source.device != self._device:
+                source = source.to(device=self._device, non_blocking=True)
+            keep = self._kept(start, end)
+            if keep is not None:
+                if not keep.numel():
+                    continue
+                source = source.index_select(0, keep)
+            if not source.is_contiguous():
+                source = source.contiguous()
+            for p, part in enumerate(self._parts):
+                rows = part.index[start * rpt : end * rpt]
+                if keep is not None:
+                    rows = rows.index_select(0, self._keep_rows(keep, rpt))
+                part.views[layer].index_copy_(0, rows, self._part_rows(source, p))

@@ -93,18 +93,27 @@ def documented_shape(kind: str) -> tuple[int, ...]:
     return (NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
 
 
-def token_view(kind: str, layer: torch.Tensor, slot: int) -> torch.Tensor:
-    """A view of everything one token owns in one layer tensor (written through)."""
+def token_views(kind: str, layer: torch.Tensor, slot: int) -> list[torch.Tensor]:
+    """Views of everything one token owns in one layer tensor (written through)."""
     block, offset = divmod(slot, BLOCK_SIZE)
     if kind in ("flash_nhd", "flash_hnd"):
-        return layer[:, block, offset]
+        return [layer[:, block, offset]]
     if kind == "flashinfer":
-        return layer[block, :, offset]
+        return [layer[block, :, offset]]
     if kind == "mla":
-        return layer[block, offset]
-    # vLLM CPU: memory [blocks, heads, 2 (K rows, then V rows), block_size, head_size].
-    rows = layer.view(layer.shape[0], NUM_HEADS, 2, BLOCK_SIZE, HEAD_SIZE)
-    return rows[block, :, :, offset]
+        return [layer[block, offset]]
+    # vLLM CPU: per block and head, keys [head_size, block_size] (a token is a column),
+    # then values [block_size, head_size] (a token is a row).
+    nb = layer.shape[0]
+    keys = layer.view(nb, NUM_HEADS, 2, HEAD_SIZE, BLOCK_SIZE)[block, :, 0, :, offset]
+    values = layer.view(nb, NUM_HEADS, 2, BLOCK_SIZE, HEAD_SIZE)[block, :, 1, offset]
+    return [keys, values]
+
+
+def same_token(kind: str, a: torch.Tensor, b: torch.Tensor, slot: int) -> bool:
+    """Whether the token at ``slot`` holds the same bits in layers ``a`` and ``b``."""
+    pairs = zip(token_views(kind, a, slot), token_views(kind, b, slot), strict=True)
+    return all(torch.equal(bits(x), bits(y)) for x, y in pairs)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -149,7 +158,11 @@ def expected_target(
             continue
         src = int(src_slots[i])
         for out_layer, src_layer in zip(out, source, strict=True):
-            token_view(kind, out_layer, dst).copy_(token_view(kind, src_layer, src))
+            dst_views = token_views(kind, out_layer, dst)
+            for out_view, src_view in zip(
+                dst_views, token_views(kind, src_layer, src), strict=True
+            ):
+                out_view.copy_(src_view)
     return out
 
 
@@ -163,11 +176,7 @@ def assert_same_caches(
         assert a.dtype == e.dtype
         if torch.equal(bits(a), bits(e)):
             continue
-        bad = [
-            s
-            for s in range(NUM_SLOTS)
-            if not torch.equal(bits(token_view(kind, a, s)), bits(token_view(kind, e, s)))
-        ]
+        bad = [s for s in range(NUM_SLOTS) if not same_token(kind, a, e, s)]
         raise AssertionError(f"layer {layer}: slots differ from expected: {bad[:20]}")
 
 

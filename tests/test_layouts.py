@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.layouts import (
     SUPPORTED_DTYPES,
+    CpuKVPacking,
     KVFormat,
     KVLayout,
     LayoutKind,
@@ -32,7 +34,7 @@ def make_layout(
     tp_world_size: int = 1,
     tp_rank: int = 0,
 ) -> KVLayout:
-    tp = {"tp_world_size": tp_world_size, "tp_rank": tp_rank}
+    tp: dict[str, Any] = {"tp_world_size": tp_world_size, "tp_rank": tp_rank}
     if kind in ("nhd", "hnd"):
         return KVLayout.vllm_flash_attn(
             num_layers=num_layers,
@@ -85,9 +87,17 @@ def token_view(layout: KVLayout, layer: torch.Tensor, part: int, slot: int) -> t
         return layer[block, part, offset]
     if layout.kind is LayoutKind.MLA:
         return layer[block, offset]
-    # vLLM CPU: viewed as [blocks, H, 2 * block_size, D], K rows first, then V rows.
+    # vLLM CPU: per block and head, a key region then a value region of bs * D elements.
     nb, h, d = layer.shape[0], layout.num_kv_heads, layout.head_size
-    return layer.view(nb, h, 2 * bs, d)[block, :, part * bs + offset]
+    if layout.cpu_packing is CpuKVPacking.AMX:
+        if part == 0:  # keys [bs/16, D/2, 16, 2]
+            keys = layer.view(nb, h, 2, bs // 16, d // 2, 16, 2)
+            return keys[block, :, 0, offset // 16, :, offset % 16, :]
+        values = layer.view(nb, h, 2, d // 16, bs // 2, 16, 2)  # values [D/16, bs/2, 16, 2]
+        return values[block, :, 1, :, offset // 2, :, offset % 2]
+    if part == 0:  # keys [D, bs]: a token is a column
+        return layer.view(nb, h, 2, d, bs)[block, :, 0, :, offset]
+    return layer.view(nb, h, 2, bs, d)[block, :, 1, offset]  # values [bs, D]
 
 
 def reference_gather(
@@ -322,21 +332,231 @@ def test_hnd_reads_the_permuted_memory() -> None:
                     assert torch.equal(got, m[part, block, head, offset])
 
 
-def test_vllm_cpu_reads_k_rows_then_v_rows() -> None:
-    layout = make_layout("vllm_cpu", heads=3, head_size=4, block_size=5)
-    nb, h, bs, d = 4, 3, 5, 4
-    memory = [torch.randn(nb, h, 2, bs, d, generator=gen(i)) for i in range(3)]
-    kv = [m.view(nb, h, bs, 2 * d) for m in memory]
-    slots = [13, 0, 19, 7]
-    out = torch.empty(layout.payload_shape(4))
-    layout.gather(kv, torch.tensor(slots), out)
-    for li, m in enumerate(memory):
+def vllm_cpu_offset(layout: KVLayout, block: int, head: int, *, part: int, t: int, d: int) -> int:
+    """Flat element offset of token ``t``, dimension ``d`` of K (part 0) or V (part 1) of
+    ``block`` and ``head`` in a vLLM CPU layer, from the index formulas vLLM's
+    ``cpu_attn_reshape_and_cache`` writes with."""
+    bs, h, dim = layout.block_size, layout.num_kv_heads, layout.head_size
+    region = bs * dim
+    start = (block * h + head) * 2 * region + part * region
+    if layout.cpu_packing is CpuKVPacking.AMX:
+        if part == 0:  # 4-byte words of two dims, 16 tokens per group row
+            return start + (t // 16) * 16 * dim + (d // 2) * 32 + (t % 16) * 2 + d % 2
+        return start + (d // 16) * 16 * bs + (t // 2) * 32 + (d % 16) * 2 + t % 2
+    if part == 0:
+        return start + d * bs + t
+    return start + t * dim + d
+
+
+def hand_written_caches(
+    layout: KVLayout, num_blocks: int, slots: list[int], payload: torch.Tensor
+) -> list[torch.Tensor]:
+    """Zeroed caches with ``payload``'s tokens written element by element at ``slots``."""
+    caches = []
+    for li in range(layout.num_layers):
+        flat = torch.zeros(num_blocks * layout.block_size * 2 * layout.width, dtype=layout.dtype)
         for t, slot in enumerate(slots):
-            block, offset = divmod(slot, bs)
+            block, offset = divmod(slot, layout.block_size)
             for part in range(2):
-                for head in range(h):
-                    got = out[part, li, t, head * d : (head + 1) * d]
-                    assert torch.equal(got, m[block, head, part, offset])
+                values = payload[part, li, t].view(layout.num_kv_heads, layout.head_size)
+                for head in range(layout.num_kv_heads):
+                    for d in range(layout.head_size):
+                        flat[vllm_cpu_offset(layout, block, head, part=part, t=offset, d=d)] = (
+                            values[head, d]
+                        )
+        caches.append(flat.view(layout.kv_cache_shape(num_blocks)))
+    return caches
+
+
+CPU_PACKINGS = [
+    pytest.param(CpuKVPacking.KEYS_TRANSPOSED, torch.float32, 5, 3, 4, id="transposed-fp32"),
+    pytest.param(CpuKVPacking.KEYS_TRANSPOSED, torch.float16, 8, 2, 6, id="transposed-fp16"),
+    pytest.param(CpuKVPacking.KEYS_TRANSPOSED, torch.bfloat16, 4, 1, 3, id="transposed-bf16"),
+    pytest.param(CpuKVPacking.AMX, torch.bfloat16, 32, 2, 32, id="amx-bf16"),
+    pytest.param(CpuKVPacking.AMX, torch.bfloat16, 64, 1, 64, id="amx-bf16-wide"),
+]
+
+
+@pytest.mark.parametrize(("packing", "dtype", "block_size", "heads", "head_size"), CPU_PACKINGS)
+def test_vllm_cpu_follows_vllm_index_formulas(
+    packing: CpuKVPacking, dtype: torch.dtype, block_size: int, heads: int, head_size: int
+) -> None:
+    layout = KVLayout.vllm_cpu(
+        num_layers=2,
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=dtype,
+        block_size=block_size,
+        packing=packing,
+    )
+    num_blocks = 4
+    # Partial blocks on both ends, a block in reverse order, one token alone in its block.
+    bs = block_size
+    slots = [*range(2 * bs + 1, 3 * bs - 1), *range(bs - 1, -1, -1), 3 * bs + bs // 2]
+    payload = torch.randn(layout.payload_shape(len(slots)), generator=gen(5)).to(dtype)
+    kv = hand_written_caches(layout, num_blocks, slots, payload)
+
+    out = torch.full_like(payload, float("nan"))
+    layout.gather(kv, torch.tensor(slots), out)
+    assert torch.equal(out, payload)
+
+    fresh = layout.allocate_kv_caches(num_blocks, random=False)
+    layout.scatter(payload, fresh, torch.tensor(slots))
+    assert_caches_equal(fresh, kv)
+
+    # Every token alone, the rest of its block untouched: one token's K is a column.
+    for t in (0, len(slots) - 1, bs // 2):
+        single = layout.allocate_kv_caches(num_blocks, random=False)
+        layout.scatter(payload[:, :, t : t + 1], single, torch.tensor(slots[t : t + 1]))
+        assert_caches_equal(
+            single, hand_written_caches(layout, num_blocks, [slots[t]], payload[:, :, t : t + 1])
+        )
+
+
+@pytest.mark.parametrize(("packing", "dtype", "block_size", "heads", "head_size"), CPU_PACKINGS)
+def test_vllm_cpu_layerwise_matches_whole_chunk(
+    packing: CpuKVPacking, dtype: torch.dtype, block_size: int, heads: int, head_size: int
+) -> None:
+    layout = KVLayout.vllm_cpu(
+        num_layers=3,
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=dtype,
+        block_size=block_size,
+        packing=packing,
+    )
+    kv = layout.allocate_kv_caches(3, generator=gen(6))
+    slots = torch.randperm(3 * block_size, generator=gen(7))[: 2 * block_size + 1]
+    n = int(slots.shape[0])
+    whole = torch.empty(layout.payload_shape(n), dtype=dtype)
+    layout.gather(kv, slots, whole)
+    plan = layout.plan(kv, slots)
+    fresh = layout.allocate_kv_caches(3, random=False)
+    fresh_plan = layout.plan(fresh, slots)
+    for li in range(3):
+        per_layer = torch.empty(layout.layer_payload_shape(n), dtype=dtype)
+        plan.gather_layer_chunks(li, [(0, 5, per_layer[:5]), (5, n, per_layer[5:])])
+        assert torch.equal(per_layer, whole[:, li].transpose(0, 1))
+        fresh_plan.scatter_layer(li, per_layer, 0, n)
+    back = torch.empty_like(whole)
+    layout.gather(fresh, slots, back)
+    assert torch.equal(back, whole)
+
+
+def test_vllm_cpu_scatter_skips_negative_slots_layer_by_layer() -> None:
+    layout = KVLayout.vllm_cpu(
+        num_layers=2, num_kv_heads=2, head_size=8, dtype=torch.float16, block_size=4
+    )
+    kv = layout.allocate_kv_caches(4, generator=gen(8))
+    before = [t.clone() for t in kv]
+    slots = torch.tensor([9, -1, 2, 3, -1, 15])
+    payload = torch.randn(layout.layer_payload_shape(6), generator=gen(9)).to(torch.float16)
+    plan = layout.plan(kv, layout.check_slot_mapping(slots, 6, 4))
+    plan.scatter_layer(1, payload, 0, 6)
+    assert_caches_equal(kv[:1], before[:1])
+    kept = [0, 2, 3, 5]
+    got = torch.empty(layout.payload_shape(4), dtype=torch.float16)
+    layout.gather(kv, slots[kept], got)
+    assert torch.equal(got[:, 1].transpose(0, 1), payload[kept])
+    want = [t.clone() for t in before]
+    whole = torch.zeros(layout.payload_shape(6), dtype=torch.float16)
+    layout.gather(before, slots.clamp(min=0), whole)
+    whole[:, 1] = payload.transpose(0, 1)
+    reference_scatter(layout, whole, want, slots.tolist())
+    assert_caches_equal(kv, want)
+
+
+VLLM_ISAS = [
+    pytest.param("vec", 64, 32, id="vec"),
+    pytest.param("vec", 128, 128, id="vec-128"),
+    pytest.param("vec16", 80, 16, id="vec16"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("isa", "head_size", "block_size"), VLLM_ISAS)
+def test_vllm_cpu_reads_what_vllms_kernel_writes(
+    isa: str, head_size: int, block_size: int, dtype: torch.dtype
+) -> None:
+    ops = pytest.importorskip("vllm._custom_ops")
+    heads, num_blocks, num_layers = 2, 4, 2
+    layout = KVLayout.vllm_cpu(
+        num_layers=num_layers,
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=dtype,
+        block_size=block_size,
+        packing=CpuKVPacking.for_vllm_isa(isa, dtype),
+    )
+    # One buffer for all layers, as vLLM may allocate: layers start at storage offsets.
+    kv = list(torch.zeros(num_layers, *layout.kv_cache_shape(num_blocks), dtype=dtype).unbind(0))
+    # Scattered slots, partial blocks included; three slots stay empty.
+    slots = torch.randperm(num_blocks * block_size, generator=gen(10))[:-3]
+    n = int(slots.shape[0])
+    keys = torch.randn(num_layers, n, heads, head_size, generator=gen(11)).to(dtype)
+    values = torch.randn(num_layers, n, heads, head_size, generator=gen(12)).to(dtype)
+    for li, layer in enumerate(kv):
+        memory = layer.view(num_blocks, heads, 2 * block_size, head_size)
+        key_cache, value_cache = memory.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys[li], values[li], key_cache, value_cache, slots, isa)
+
+    out = torch.empty(layout.payload_shape(n), dtype=dtype)
+    layout.gather(kv, slots, out)
+    assert torch.equal(out[0], keys.view(num_layers, n, -1))
+    assert torch.equal(out[1], values.view(num_layers, n, -1))
+    # A few tokens of one block: partial loads read the same values.
+    part = slots[5:9]
+    few = torch.empty(layout.payload_shape(4), dtype=dtype)
+    layout.gather(kv, part, few)
+    assert torch.equal(few, out[:, :, 5:9])
+
+    fresh = layout.allocate_kv_caches(num_blocks, random=False)
+    layout.scatter(out, fresh, slots)
+    assert_caches_equal(fresh, kv)
+
+
+def test_cpu_packing_for_vllm_isa() -> None:
+    transposed = CpuKVPacking.KEYS_TRANSPOSED
+    for isa in ("vec", "vec16", "vxe", "vsx", "rvv"):
+        for dtype in DTYPES:
+            assert CpuKVPacking.for_vllm_isa(isa, dtype) is transposed
+    assert CpuKVPacking.for_vllm_isa("neon", torch.float16) is transposed
+    assert CpuKVPacking.for_vllm_isa("amx", torch.bfloat16) is CpuKVPacking.AMX
+    for isa, dtype in (("neon", torch.bfloat16), ("amx", torch.float32), ("sve", torch.float16)):
+        with pytest.raises(InvalidInputError, match=rf"^isa: .*{isa}.* does not describe"):
+            CpuKVPacking.for_vllm_isa(isa, dtype)
+
+
+def test_cpu_packing_is_validated_and_kept() -> None:
+    base: dict[str, Any] = {"num_layers": 2, "num_kv_heads": 2, "block_size": 32, "head_size": 64}
+    default = KVLayout.vllm_cpu(dtype=torch.float32, **base)
+    assert default.cpu_packing is CpuKVPacking.KEYS_TRANSPOSED
+    amx = KVLayout.vllm_cpu(dtype=torch.bfloat16, packing="amx", **base)
+    assert amx.cpu_packing is CpuKVPacking.AMX
+    assert amx != KVLayout.vllm_cpu(dtype=torch.bfloat16, **base)
+    # The payload is the logical K and V whatever the packing: one fingerprint.
+    assert amx.fingerprint == KVLayout.vllm_cpu(dtype=torch.bfloat16, **base).fingerprint
+    assert KVLayout.from_dict(amx.to_dict()) == amx
+    assert amx.to_dict()["cpu_packing"] == "amx"
+    assert "cpu_packing" not in make_layout("nhd").to_dict()
+    flash = make_layout("nhd")
+    assert flash.cpu_packing is None
+    assert KVLayout.from_dict(flash.to_dict()) == flash
+    with pytest.raises(InvalidInputError, match=r"^cpu_packing: expected one of"):
+        KVLayout.vllm_cpu(dtype=torch.float32, packing="rows", **base)
+    with pytest.raises(InvalidInputError, match=r"^cpu_packing: the amx packing holds bfloat16"):
+        KVLayout.vllm_cpu(dtype=torch.float16, packing=CpuKVPacking.AMX, **base)
+    with pytest.raises(InvalidInputError, match=r"^block_size: the amx packing needs"):
+        KVLayout.vllm_cpu(dtype=torch.bfloat16, packing="amx", **{**base, "block_size": 16})
+    with pytest.raises(InvalidInputError, match=r"^head_size: the amx packing needs"):
+        KVLayout.vllm_cpu(dtype=torch.bfloat16, packing="amx", **{**base, "head_size": 80})
+    flashinfer: dict[str, Any] = {**flash.to_dict(), "kind": "flashinfer", "dtype": torch.float16}
+    with pytest.raises(
+        InvalidInputError, match=r"^cpu_packing: only meaningful for vllm_cpu, not flashinfer"
+    ):
+        KVLayout(**{**flashinfer, "cpu_packing": "keys_transposed"})
+    with pytest.raises(InvalidInputError, match=r"^cpu_packing: expected one of"):
+        KVLayout.from_dict({**default.to_dict(), "cpu_packing": 3})
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -263,7 +263,7 @@ def detect_layout(
         if first.device.type != "cpu":
             raise InvalidInputError(
                 f"unsupported KV cache layout: {seen}; [num_blocks, H, block_size, 2 * D] "
-                "is only known for vLLM's CPU attention backend (K rows, then V rows)"
+                "is only known for vLLM's CPU attention backend, which keeps it on the CPU"
             )
         isa = cpu_isa or _vllm_cpu_isa(first.dtype, shape[2], head_size)
         layout = KVLayout.vllm_cpu(

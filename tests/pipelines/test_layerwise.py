@@ -73,17 +73,21 @@ def make_layout(kind: str, dtype: torch.dtype) -> KVLayout:
     )
 
 
-def token_view(kind: str, layer: torch.Tensor, slot: int) -> torch.Tensor:
-    """Everything one token owns in one layer tensor (a view, written through)."""
+def token_views(kind: str, layer: torch.Tensor, slot: int) -> list[torch.Tensor]:
+    """Everything one token owns in one layer tensor (views, written through)."""
     block, offset = divmod(slot, BLOCK_SIZE)
     if kind in ("flash_nhd", "flash_hnd"):
-        return layer[:, block, offset]
+        return [layer[:, block, offset]]
     if kind == "flashinfer":
-        return layer[block, :, offset]
+        return [layer[block, :, offset]]
     if kind == "mla":
-        return layer[block, offset]
-    rows = layer.view(layer.shape[0], NUM_HEADS, 2, BLOCK_SIZE, HEAD_SIZE)
-    return rows[block, :, :, offset]
+        return [layer[block, offset]]
+    # vLLM CPU: per block and head, keys [head_size, block_size] (a token is a column),
+    # then values [block_size, head_size] (a token is a row).
+    nb = layer.shape[0]
+    keys = layer.view(nb, NUM_HEADS, 2, HEAD_SIZE, BLOCK_SIZE)[block, :, 0, :, offset]
+    values = layer.view(nb, NUM_HEADS, 2, BLOCK_SIZE, HEAD_SIZE)[block, :, 1, offset]
+    return [keys, values]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -119,9 +123,13 @@ def expected_layer(
     out = before.clone()
     for i in torch.nonzero(loaded).view(-1).tolist():
         if int(dst_slots[i]) >= 0:
-            token_view(kind, out, int(dst_slots[i])).copy_(
-                token_view(kind, source, int(src_slots[i]))
+            views = zip(
+                token_views(kind, out, int(dst_slots[i])),
+                token_views(kind, source, int(src_slots[i])),
+                strict=True,
             )
+            for out_view, src_view in views:
+                out_view.copy_(src_view)
     return out
 
 
