@@ -544,9 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_level = (
             _DEFAULT_SERVE_LOG_LEVEL if args.command == "serve" else _DEFAULT_BENCH_LOG_LEVEL
         )
-        configure_logging(
-            level=args.log_level or default_level, fmt=args.log_format, stream=sys.stderr
-        )
+        configure_logging(level=args.log_level or default_level, fmt=args.log_format)
         if args.command == "check-config":
             return _check_config(args)
         if args.command == "serve":

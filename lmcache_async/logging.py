@@ -84,7 +84,7 @@ def configure_logging(
     if fmt not in LOG_FORMATS:
         allowed = ", ".join(repr(name) for name in LOG_FORMATS)
         raise ConfigError("log_format", f"expected one of {allowed}, got {fmt!r}")
-    out = sys.stderr if stream is None else stream
+    out: TextIO = _CurrentStderr() if stream is None else stream  # type: ignore[assignment]
 
     stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
     render: list[Processor]
@@ -135,6 +135,21 @@ def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
     """A structlog logger named ``name`` (pass ``__name__``), typed as configured here."""
     logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
     return logger
+
+
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time of the write, so that replacing it
+    (a test harness capturing output, a daemon redirecting it) never leaves logging bound
+    to a closed stream."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
 
 
 def _is_tty(stream: TextIO) -> bool:

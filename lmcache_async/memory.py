@@ -86,7 +86,6 @@ class MemoryObj:
 
     __slots__ = (
         "_dtype",
-        "checksum",
         "_nbytes",
         "_npages",
         "_page",
@@ -95,6 +94,7 @@ class MemoryObj:
         "_ref",
         "_shape",
         "_tensor",
+        "checksum",
     )
 
     def __init__(
