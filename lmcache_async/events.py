@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import collections
 import enum
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import anyio
 
 __all__ = ["EventBuffer", "EventKind", "KVEvent"]
 
@@ -27,7 +30,8 @@ class KVEvent:
     ``block_hashes`` are the chunk key digests in prefix order; ``parent_block_hash`` is the
     digest of the chunk before the first one (None at the start of a prompt or when unknown);
     ``token_ids`` are the tokens the chunks cover (empty for ``removed``); ``block_size`` is
-    the chunk size in tokens; ``medium`` names the tier (``"cpu"``).
+    the chunk size in tokens; ``medium`` names the tier (``"cpu"``); ``ts`` is when the event
+    was recorded (seconds since the epoch; not part of equality).
     """
 
     kind: EventKind
@@ -36,16 +40,22 @@ class KVEvent:
     token_ids: tuple[int, ...]
     block_size: int
     medium: str
+    ts: float = field(default_factory=time.time, compare=False)
 
 
 class EventBuffer:
-    """A bounded FIFO of :class:`KVEvent`; when full, the oldest event is dropped."""
+    """A bounded FIFO of :class:`KVEvent`; when full, the oldest event is dropped.
+
+    A consumer (the KV event publisher) awaits :meth:`wait` instead of polling; events are
+    added and awaited on the event loop's thread.
+    """
 
     def __init__(self, capacity: int, *, enabled: bool = True) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self._events: collections.deque[KVEvent] = collections.deque(maxlen=capacity)
         self._enabled = enabled
+        self._waiter: anyio.Event | None = None
         self.dropped = 0
 
     @property
@@ -58,6 +68,9 @@ class EventBuffer:
         if len(self._events) == self._events.maxlen:
             self.dropped += 1
         self._events.append(event)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.set()
 
     def extend(self, events: Iterable[KVEvent]) -> None:
         for event in events:
@@ -68,6 +81,16 @@ class EventBuffer:
         events = list(self._events)
         self._events.clear()
         return events
+
+    async def wait(self) -> None:
+        """Return once at least one event is buffered (at once if one already is).
+
+        Never returns while recording is disabled; bound it with a cancel scope.
+        """
+        while not self._events:
+            if self._waiter is None:
+                self._waiter = anyio.Event()
+            await self._waiter.wait()
 
     def __len__(self) -> int:
         return len(self._events)

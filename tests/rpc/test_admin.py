@@ -1,0 +1,370 @@
+"""Administration of a running sidecar: the stats table, ``AdminClient`` and ``lmcache-async
+ctl`` / ``stats`` against a sidecar in this process and against ``lmcache-async serve``
+(with its KV events and Prometheus endpoint) as a real process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+import torch
+
+from lmcache_async import EngineConfig, KVLayout, RemoteCacheEngine
+from lmcache_async.cli import main
+from lmcache_async.errors import (
+    ConfigError,
+    EngineClosedError,
+    InvalidInputError,
+    TierUnavailableError,
+)
+from lmcache_async.events import EventKind
+from lmcache_async.rpc.admin import AdminClient, format_health, format_stats
+from lmcache_async.rpc.events import EventSubscriber
+from lmcache_async.rpc.server import SidecarServer, SidecarSettings, serve
+
+CHUNK = 16
+TIMEOUT = 60
+MODEL = "admin-test"
+LAYOUT = KVLayout.vllm_flash_attn(
+    num_layers=2, num_kv_heads=2, head_size=8, block_size=CHUNK, dtype=torch.float16
+)
+
+
+def prompt(length: int, salt: int = 0) -> list[int]:
+    return [(i * 7919 + 13 + salt) % 50_000 for i in range(length)]
+
+
+def kv_for(num_tokens: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    blocks = -(-num_tokens // CHUNK)
+    return LAYOUT.allocate_kv_caches(blocks, generator=generator), torch.arange(num_tokens)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A short directory for ipc sockets (unix socket paths hold at most 107 bytes)."""
+    with tempfile.TemporaryDirectory(prefix="lmc-adm-", dir="/tmp") as path:
+        yield Path(path)
+
+
+# -- the table --------------------------------------------------------------------------------
+
+
+def _reply() -> dict[str, Any]:
+    return {
+        "uptime_s": 10.0,
+        "server": {"endpoint": "ipc:///tmp/s.sock", "pid": 42, "sessions": 2},
+        "stats": {
+            "healthy": True,
+            "frozen": False,
+            "hot_cache": True,
+            "pool": {"capacity_bytes": 4 << 20, "used_bytes": 1 << 20, "num_objects": 3},
+            "store_requests": 4,
+            "retrieve_requests": 2,
+            "lookup_requests": 8,
+            "stored_tokens": 2000,
+            "retrieved_tokens": 1000,
+            "lookup_tokens": 4000,
+            "lookup_hit_tokens": 1000,
+            "tiers": {
+                "cpu": {"chunks": 12, "bytes": 3 << 20, "hits": 5, "misses": 1, "puts": 12},
+                "disk": {"chunks": 30, "bytes": 1536, "hits": 0, "misses": 2, "puts": 30},
+            },
+            "tier_health": {"cpu": True, "disk": False},
+            "events_dropped": 7,
+        },
+        "latency": {
+            "lookup": {
+                "count": 8,
+                "window": 8,
+                "p50": 0.0002,
+                "p90": 0.0005,
+                "p99": 0.001,
+                "max": 0.002,
+            },
+            "store": {"count": 0, "window": 0, "p50": 0, "p90": 0, "p99": 0, "max": 0},
+        },
+        "events": {"endpoint": "ipc:///tmp/e.sock", "published": 9, "subscribers": 1},
+    }
+
+
+def test_the_stats_table_shows_usage_hit_rate_throughput_tiers_and_latency() -> None:
+    lines = format_stats(_reply()).splitlines()
+    text = "\n".join(lines)
+    assert lines[0].split() == [
+        "sidecar", "ipc:///tmp/s.sock", "pid", "42", "up", "10.0", "s", "sessions", "2", "model",
+        "-",
+    ]  # fmt: skip
+    assert "engine      healthy  frozen off  hot cache on" in lines
+    assert "pool        1.0 MiB / 4.0 MiB used (25.0%)  objects 3  pinned 0  waiters 0" in lines
+    assert "lookup hits 1000 / 4000  hit rate 25.0%" in text
+    assert (
+        "throughput  stored 200 tok/s  retrieved 100 tok/s  looked up 400 tok/s  (since start)"
+        in lines
+    )
+    tiers = lines.index("tiers")
+    assert lines[tiers + 1].split() == [
+        "TIER", "HEALTH", "CHUNKS", "BYTES", "HITS", "MISSES", "PUTS", "EVICTED", "CORRUPT",
+        "ERRORS",
+    ]  # fmt: skip
+    assert lines[tiers + 2].split() == [
+        "cpu",
+        "up",
+        "12",
+        "3.0",
+        "MiB",
+        "5",
+        "1",
+        "12",
+        "0",
+        "0",
+        "0",
+    ]
+    assert lines[tiers + 3].split() == [
+        "disk",
+        "DOWN",
+        "30",
+        "1.5",
+        "KiB",
+        "0",
+        "2",
+        "30",
+        "0",
+        "0",
+        "0",
+    ]
+    assert "latency (ms, latest 8 requests per operation)" in lines
+    latency = lines.index("latency (ms, latest 8 requests per operation)")
+    assert lines[latency + 2].split() == ["lookup", "8", "0.200", "0.500", "1.000", "2.000"]
+    assert not any(line.split()[:1] == ["store"] for line in lines[latency + 1 :])
+    assert lines[-1].split() == [
+        "kv", "events", "ipc:///tmp/e.sock", "published", "9", "subscribers", "1", "buffer",
+        "drops", "7",
+    ]  # fmt: skip
+
+
+def test_throughput_over_an_interval_uses_the_difference() -> None:
+    before, after = _reply(), _reply()
+    after["stats"]["stored_tokens"] = 2000 + 500
+    text = format_stats(after, previous=before, interval=2.0)
+    assert "stored 250 tok/s  retrieved 0 tok/s  looked up 0 tok/s  (over the last 2 s)" in text
+
+
+def test_a_server_without_engine_or_tracking_says_so() -> None:
+    text = format_stats({"server": {"endpoint": "ipc:///x", "pid": 1}, "stats": None})
+    assert "engine      not open (no client has said hello yet)" in text
+    assert "latency     not tracked by this server" in text
+    assert "kv events   not published" in text
+    assert format_health({"healthy": True, "tiers": {}, "engine": False}).splitlines() == [
+        "healthy     yes",
+        "engine      not open (no client has said hello yet)",
+    ]
+    assert format_health({"healthy": False, "tiers": {"cpu": True, "redis": False}}) == (
+        "healthy     NO\n  cpu       up\n  redis     DOWN"
+    )
+
+
+# -- no server --------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_no_answer_within_the_timeout_is_a_clear_error(short_dir: Path) -> None:
+    url = f"ipc://{short_dir}/nobody.sock"
+    with anyio.fail_after(10):
+        with (
+            AdminClient(url, timeout=0.2) as client,
+            pytest.raises(TierUnavailableError, match=r"did not answer STATS within 0.2 s"),
+        ):
+            await client.stats()
+    with pytest.raises(InvalidInputError, match="url"):
+        AdminClient("http://x")
+    with pytest.raises(InvalidInputError, match="timeout"):
+        AdminClient(url, timeout=0)
+
+
+def test_ctl_and_stats_exit_1_when_the_server_does_not_answer(
+    short_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"ipc://{short_dir}/nobody.sock"
+    assert main(["ctl", "health", "--url", url, "--timeout", "0.2"]) == 1
+    assert "error: the sidecar at" in capsys.readouterr().err
+    assert main(["stats", "--url", url, "--timeout", "0.2"]) == 1
+    assert "did not answer STATS within 0.2 s" in capsys.readouterr().err
+    assert main(["ctl", "freeze", "--url", url]) == 2  # freeze needs on|off
+    assert main(["ctl", "clear", "on", "--url", url]) == 2
+    assert "takes no state" in capsys.readouterr().err
+
+
+def test_event_and_metrics_settings_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="beyond loopback") as refused:
+        SidecarSettings(listen="ipc:///tmp/x.sock", events="tcp://0.0.0.0:5000")
+    assert refused.value.field == "events"
+    assert SidecarSettings(events="tcp://0.0.0.0:5000", allow_remote=True).events is not None
+    for port in (-1, 65536, True):
+        with pytest.raises(ConfigError) as refused:
+            SidecarSettings(metrics_port=port)
+        assert refused.value.field == "metrics_port"
+    assert main(["serve", "--listen", "ipc:///tmp/x.sock", "--events", "http://x"]) == 2
+    assert "error: events:" in capsys.readouterr().err
+
+
+# -- a sidecar in this process ----------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_admin_requests_switch_and_report_a_live_sidecar(
+    short_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"ipc://{short_dir}/side.sock"
+    events_url = f"ipc://{short_dir}/ev.sock"
+    settings = SidecarSettings(
+        listen=url,
+        config=EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.01),
+        events=events_url,
+        metrics_port=0,
+    )
+    servers: list[SidecarServer] = []
+    ready = anyio.Event()
+
+    def on_ready(server: SidecarServer) -> None:
+        servers.append(server)
+        ready.set()
+
+    tokens = prompt(4 * CHUNK)
+    kv, slots = kv_for(4 * CHUNK, 1)
+    cli_out: dict[str, str] = {}
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: serve(settings, on_ready=on_ready, handle_signals=False))
+            await ready.wait()
+            server = servers[0]
+            with AdminClient(url, timeout=10) as admin, EventSubscriber(events_url) as sub:
+                before = await admin.stats()
+                assert before["stats"] is None
+                with pytest.raises(EngineClosedError, match="no engine yet"):
+                    await admin.freeze(True)
+                assert server.publisher is not None
+                await server.publisher.wait_subscribed()
+                async with RemoteCacheEngine.connect(url, LAYOUT, model_name=MODEL) as engine:
+                    assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == 64
+                    assert await engine.lookup(tokens) == 64
+                    stored = await sub.receive()
+                    assert await admin.freeze(True) is True
+                    assert (
+                        await engine.store(
+                            prompt(CHUNK, 1), kv_caches=kv, slot_mapping=slots[:CHUNK]
+                        )
+                        == 0
+                    )
+                    assert await admin.freeze(False) is False
+                    assert await admin.set_hot_cache(False) is False
+                    assert server.engine is not None and not server.engine.stats().hot_cache
+                    assert await admin.set_hot_cache(True) is True
+                    health = await admin.health()
+                    stats = await admin.stats()
+                    scrape = await _scrape(server)
+                    for argv in (["stats"], ["ctl", "health"]):
+                        assert await anyio.to_thread.run_sync(main, [*argv, "--url", url]) == 0
+                        cli_out[argv[-1]] = capsys.readouterr().out
+                    assert await admin.clear() == 4
+                    removed = await sub.receive()
+            server.stopping.set()
+    assert stored.event.kind is EventKind.STORED and list(stored.event.token_ids) == tokens
+    assert removed.event.kind is EventKind.REMOVED
+    assert set(removed.event.block_hashes) == set(stored.event.block_hashes)
+    assert health == {"healthy": True, "tiers": {"cpu": True}}
+    engine_stats = stats["stats"]
+    assert (engine_stats["stored_tokens"], engine_stats["lookup_hit_tokens"]) == (64, 64)
+    assert stats["latency"]["lookup"]["count"] == 1
+    assert stats["latency"]["store"]["count"] == 2  # the frozen store is timed too
+    assert stats["events"]["subscribers"] == 1 and stats["events"]["published"] >= 1
+    assert stats["uptime_s"] > 0
+    assert "lmcache_async_stored_tokens_total 64.0" in scrape
+    assert 'lmcache_async_request_latency_seconds_count{op="lookup"} 1.0' in scrape
+    assert 'lmcache_async_tier_healthy{tier="cpu"} 1.0' in scrape
+    assert "lmcache_async_sidecar_sessions 1.0" in scrape
+    assert "hit rate 100.0%" in cli_out["stats"] and "tiers" in cli_out["stats"]
+    assert cli_out["health"].splitlines() == ["healthy     yes", "  cpu       up"]
+
+
+async def _scrape(server: SidecarServer) -> str:
+    assert server.metrics is not None
+    async with await anyio.connect_tcp("127.0.0.1", server.metrics.port) as stream:
+        await stream.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        try:
+            while True:
+                data += await stream.receive()
+        except anyio.EndOfStream:
+            pass
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    return body.decode()
+
+
+# -- lmcache-async serve as a real process ----------------------------------------------------
+
+
+def _command(*args: str) -> list[str]:
+    script = Path(sys.executable).with_name("lmcache-async")
+    base = [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_async.cli"]
+    return [*base, *args]
+
+
+@pytest.mark.anyio
+@pytest.mark.subprocess
+@pytest.mark.slow
+async def test_serve_publishes_events_and_serves_metrics_and_admin(short_dir: Path) -> None:
+    url = f"ipc://{short_dir}/serve.sock"
+    events_url = f"ipc://{short_dir}/serve-ev.sock"
+    layout = json.dumps(LAYOUT.to_dict())
+    serve_args = ["serve", "--listen", url, "--events", events_url, "--metrics-port", "0"]
+    serve_args += ["--chunk-size", str(CHUNK), "--max-local-cpu-size", "0.02"]
+    serve_args += ["--model-name", MODEL, "--layout", layout]
+    tokens = prompt(3 * CHUNK, 5)
+    kv, slots = kv_for(3 * CHUNK, 2)
+    log_path = short_dir / "serve.log"
+    with log_path.open("wb") as log_file, anyio.fail_after(TIMEOUT):
+        sidecar = await anyio.open_process(
+            _command(*serve_args), stdout=log_file, stderr=subprocess.STDOUT
+        )
+        try:
+            tail_command = _command("events", "--connect", events_url, "--json", "--count", "1")
+            with AdminClient(url, timeout=1) as admin:
+                async with await anyio.open_process(tail_command) as tail:
+                    while True:  # the server and the tail start together; wait for both
+                        try:
+                            stats = await admin.stats()
+                        except TierUnavailableError:
+                            assert sidecar.returncode is None, log_path.read_text()
+                            continue
+                        if stats["events"]["subscribers"]:
+                            break
+                        await anyio.sleep(0.05)
+                    async with RemoteCacheEngine.connect(url, LAYOUT, model_name=MODEL) as engine:
+                        assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == 48
+                    assert tail.stdout is not None
+                    line = b""
+                    async for chunk in tail.stdout:
+                        line += chunk
+                    assert await tail.wait() == 0
+                    stats = await admin.stats()
+                    assert await admin.freeze(True) is True
+        finally:
+            sidecar.terminate()
+            returncode = await sidecar.wait()
+    assert returncode == 0, log_path.read_text()
+    event = json.loads(line)
+    assert event["kind"] == "stored" and event["token_ids"] == tokens
+    assert event["medium"] == "cpu" and event["block_size"] == CHUNK
+    assert len(event["block_hashes"]) == 3
+    assert stats["metrics"].startswith("http://127.0.0.1:")
+    assert stats["stats"]["stored_tokens"] == 48
