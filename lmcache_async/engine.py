@@ -1053,6 +1053,11 @@ class CacheEngine:
         """Return and forget the KV events (chunks stored / removed) recorded so far."""
         return self._events.take()
 
+    async def wait_events(self) -> None:
+        """Return once at least one KV event is waiting for :meth:`take_events` (never
+        while events are disabled: bound it with a cancel scope)."""
+        await self._events.wait()
+
     def is_healthy(self) -> bool:
         """True while the engine is open, its pipelines run and its tiers can serve."""
         return (

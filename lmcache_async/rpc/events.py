@@ -100,7 +100,7 @@ class _EngineEvents:
         return self._engine.take_events()
 
     async def wait_events(self) -> None:
-        await self._engine._events.wait()
+        await self._engine.wait_events()
 
 
 def engine_event_source(engine: CacheEngine) -> EventSource:
