@@ -30,7 +30,7 @@ from .backends.base import StorageBackend
 from .backends.codec import Codec
 from .backends.cpu import CPUBackend
 from .backends.disk import DiskBackend
-from .backends.manager import StorageManager
+from .backends.manager import StorageManager, chunk_keys
 from .backends.record import RecordSpec
 from .config import EngineConfig
 from .cuda import Transfers
@@ -804,9 +804,9 @@ class CacheEngine:
         try:
             with anyio.move_on_after(self.config.retrieve_timeout):
                 step = self.config.pipeline_batch_chunks
-                chunk_keys = [k if isinstance(k, ChunkKey) else ChunkKey(k) for k in keys]
-                for start in range(0, len(chunk_keys), step):
-                    batch = chunk_keys[start : start + step]
+                as_keys = chunk_keys(keys)
+                for start in range(0, len(as_keys), step):
+                    batch = as_keys[start : start + step]
                     got = await self._manager.fetch_prefix(batch, locations)
                     objs.extend(got)
                     if len(got) < len(batch):
@@ -862,13 +862,13 @@ class CacheEngine:
         if tier.name == self._cpu.name:
             raise InvalidInputError("compress works on the disk or redis tier, not on cpu")
         keys, _, _ = await self._lookup_keys(tokens, hashes, offsets)
-        chunk_keys = [k if isinstance(k, ChunkKey) else ChunkKey(k) for k in keys]
-        hits = await tier.contains_prefix(chunk_keys)
+        as_keys = chunk_keys(keys)
+        hits = await tier.contains_prefix(as_keys)
         spec = self.record_spec(codec)
         done = 0
         step = self.config.pipeline_batch_chunks
         for start in range(0, hits, step):
-            batch = chunk_keys[start : min(start + step, hits)]
+            batch = as_keys[start : min(start + step, hits)]
             got = await tier.get(batch)
             objs = [obj for obj in got if obj is not None]
             try:

@@ -31,7 +31,7 @@ from ..memory import MemoryObj
 from .base import StorageBackend, TierStats
 from .cpu import CPUBackend
 
-__all__ = ["StorageManager"]
+__all__ = ["StorageManager", "chunk_keys"]
 
 log = structlog.get_logger(__name__)
 
@@ -139,7 +139,7 @@ class _TierWriter:
             self.pending -= 1
 
 
-def _chunk_keys(keys: Sequence[bytes]) -> list[ChunkKey]:
+def chunk_keys(keys: Sequence[bytes]) -> list[ChunkKey]:
     """Keys as :class:`ChunkKey` (a lookup may probe with bare whole-chunk digests)."""
     return [key if isinstance(key, ChunkKey) else ChunkKey(key) for key in keys]
 
@@ -325,7 +325,7 @@ class StorageManager:
                 if hits == len(keys):
                     break
                 try:
-                    more = await tier.contains_prefix(_chunk_keys(keys[hits:]))
+                    more = await tier.contains_prefix(chunk_keys(keys[hits:]))
                 except TierError as exc:
                     self._read_failed(tier, exc)
                     continue
