@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 TORCH_SPEC ?= torch==$(TORCH_VERSION)
 
-.PHONY: run test test-fast lint bench venv dev redis clean
+.PHONY: run test test-fast lint bench venv dev redis clean gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,3 +56,13 @@ lint: dev
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# Wheels for scripts/gpu_check.sh on a GPU machine without network (CPython 3.12, x86_64,
+# CUDA torch already there): the dependencies it lacks, pinned to this venv's versions.
+GPU_WHEELS ?= pyzmq==27.3.0 structlog==26.1.0 blake3==1.0.11 zstandard==0.25.0 lz4==4.4.5 \
+	pytest-timeout==2.4.0
+gpu-wheels:
+	rm -rf .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)

@@ -3,7 +3,8 @@
 Subcommands:
 
 - ``bench`` — the embedded multi-round chat load run on an in-process engine (default),
-  or with ``--micro`` the copy / lookup / hashing micro-benchmarks;
+  or with ``--micro`` the copy / lookup / hashing micro-benchmarks, with ``--gpu`` the
+  GPU copy and layerwise-overlap benchmark;
 - ``check-config [FILE]`` — load the engine configuration (file, then
   ``LMCACHE_ASYNC_*`` environment variables) and print the effective settings as YAML;
 - ``serve --listen URL [--config FILE.yaml] [--KEY VALUE ...]`` — run the sidecar cache
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="store/retrieve GB/s through a sidecar next to in-process, lookup round trips",
     )
     bench.add_argument(
+        "--gpu",
+        action="store_true",
+        help="store/retrieve D2H and H2D GB/s with KV caches on the GPU next to a plain pinned "
+        "copy_, and layerwise retrieve overlapped with a simulated compute",
+    )
+    bench.add_argument(
         "--redis-url", default=None, help="--tiers: this Redis (default: start a redis-server)"
     )
     bench.add_argument("--config", metavar="FILE.yaml", help="engine configuration file")
@@ -150,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     micro.add_argument("--tokens", type=int, default=mic.tokens, help="tokens per copy")
     micro.add_argument("--lookup-tokens", type=int, default=mic.lookup_tokens)
     micro.add_argument("--repeat", type=int, default=mic.repeat, help="measured copy runs")
+
+    gpu = bench.add_argument_group("GPU benchmark (--gpu; also takes --tokens and --repeat)")
+    gpu.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when available, else the CPU path), cuda, cuda:N or cpu",
+    )
 
     check = sub.add_parser(
         "check-config",
@@ -449,6 +463,24 @@ def _bench(args: argparse.Namespace) -> int:
         results = _run_sidecar_bench(run_sidecar_bench, config)
         summary = format_sidecar(results)
         failed = bool(results.get("problems"))
+    elif args.gpu:
+        from lmcache_async.bench.gpu import GpuOptions, format_gpu, run_gpu_bench  # noqa: PLC0415
+
+        gpu = GpuOptions(
+            seed=args.seed,
+            tokens=args.tokens,
+            repeat=args.repeat,
+            num_layers=args.layers,
+            num_kv_heads=args.kv_heads,
+            head_size=args.head_size,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            device=args.device,
+        )
+        gpu.validate()
+        results = run_gpu_bench(gpu, config)
+        summary = format_gpu(results)
+        failed = bool(results["problems"])
     elif args.micro:
         from lmcache_async.bench.micro import MicroOptions, format_micro, run_micro  # noqa: PLC0415
 

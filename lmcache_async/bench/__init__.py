@@ -1,13 +1,20 @@
 """Benchmarks behind ``lmcache-async bench``.
 
-Two jobs live here, each in its own module so that importing this package stays cheap:
+Each job lives in its own module so that importing this package stays cheap:
 
-- :mod:`lmcache_async.bench.embedded` — a multi-round chat workload on an embedded
-  :class:`~lmcache_async.CacheEngine` with real KV tensors (``make run``);
+- :mod:`lmcache_async.bench.loadgen` (with :mod:`~lmcache_async.bench.workloads`) — the
+  load generator: multi-round chat, long-document QA and random workloads against an
+  embedded engine, a sidecar or vLLM (``make run``);
 - :mod:`lmcache_async.bench.micro` — copy, lookup and hashing micro-benchmarks measured
-  next to plain-torch baselines (``make bench``).
+  next to plain-torch baselines;
+- :mod:`lmcache_async.bench.tiers` — disk and Redis tier throughput next to plain file
+  writes and pipelined redis-py;
+- :mod:`lmcache_async.bench.sidecar` — store/retrieve through a sidecar next to
+  in-process, and lookup round trips over ipc;
+- :mod:`lmcache_async.bench.gpu` — D2H/H2D copies next to a plain pinned copy, and the
+  layerwise overlap (``scripts/gpu_check.sh`` on a GPU machine).
 
-This module holds the small helpers both share: dtype names, latency percentiles, plain
+This module holds the small helpers they share: dtype names, latency percentiles, plain
 text tables, progress display and JSON output.
 """
 

@@ -1,0 +1,254 @@
+"""The GPU benchmark: its CPU path end to end, option checks, the table, and (on a GPU) the
+CUDA path at small sizes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import torch
+
+from lmcache_async import EngineConfig
+from lmcache_async.bench.gpu import (
+    CPU_NOTE,
+    TARGETS,
+    GpuOptions,
+    format_gpu,
+    run_gpu_bench_async,
+)
+from lmcache_async.cli import main
+from lmcache_async.errors import InvalidInputError
+
+TINY = ["--layers", "2", "--kv-heads", "2", "--head-size", "16", "--chunk-size", "64"]
+NUMBER = r"(-?[0-9.]+)"
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """``main`` configures logging onto the captured stderr; undo it after each test."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    saved = structlog.get_config()
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(level)
+    structlog.configure(**saved)
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+def test_cpu_path_prints_consistent_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_path = tmp_path / "gpu.json"
+    argv = ["bench", "--gpu", "--device", "cpu", *TINY, "--tokens", "512", "--repeat", "2"]
+
+    assert main([*argv, "--json", str(out_path)]) == 0
+
+    results: dict[str, Any] = json.loads(out_path.read_text())
+    assert results["cuda"] is False
+    assert results["device"] == "cpu"
+    assert results["note"] == CPU_NOTE
+    assert results["problems"] == []
+    assert results["token_bytes"] == 2 * 2 * 2 * 16 * 2
+    copy = results["copy"]
+    assert (copy["tokens"], copy["bytes"], copy["runs"]) == (512, 512 * 256, 2)
+    for key in ("d2h", "h2d"):
+        entry = copy[key]
+        for name in ("engine_gbps", "raw_gbps", "ratio", "engine_best_gbps", "raw_best_gbps"):
+            assert _positive(entry[name]), (key, name)
+        assert math.isclose(entry["ratio"], entry["engine_gbps"] / entry["raw_gbps"])
+        assert entry["target_ratio"] == TARGETS["copy_ratio"] == 0.8
+        assert entry["ok"] == (entry["ratio"] >= 0.8)
+    assert _positive(copy["memcpy_d2h_gbps"])
+    assert _positive(copy["memcpy_h2d_gbps"])
+    assert copy["verified_bit_exact"] is True
+
+    lw = results["layerwise"]
+    assert (lw["tokens"], lw["layers"], lw["bytes"], lw["runs"]) == (512, 2, 512 * 256, 2)
+    for name in ("transfer_ms", "compute_ms", "serial_ms", "overlap_ms", "matmul_ms"):
+        assert _positive(lw[name]), name
+    assert isinstance(lw["matmuls_per_layer"], int)
+    assert lw["matmuls_per_layer"] >= 1
+    hidden = (lw["serial_ms"] - lw["overlap_ms"]) / lw["transfer_ms"]
+    assert math.isclose(lw["hidden_fraction"], hidden)
+    assert math.isclose(lw["transfer_gbps"], lw["bytes"] / lw["transfer_ms"] / 1e6)
+    assert lw["hideable_fraction"] == min(1.0, lw["compute_ms"] / lw["transfer_ms"])
+    assert lw["target_hidden"] == TARGETS["hidden_fraction"] == 0.7
+    assert lw["ok"] == (hidden >= 0.7)
+    assert lw["verified_bit_exact"] is True
+
+    # The table prints the same numbers, and says the targets do not apply on the CPU.
+    table = capsys.readouterr().out
+    assert "NOTE: no CUDA device" in table
+    assert "need a GPU" in table
+    for key, name in (("d2h", "D2H store"), ("h2d", "H2D retrieve")):
+        match = re.search(
+            rf"{name} 512 tok .*?{NUMBER} GB/s\s+pinned copy_ {NUMBER} GB/s\s+{NUMBER}x"
+            r"\s+>= 0\.8x\s+n/a \(cpu\)",
+            table,
+        )
+        assert match is not None, table
+        entry = copy[key]
+        assert match.groups() == (
+            f"{entry['engine_gbps']:.2f}",
+            f"{entry['raw_gbps']:.2f}",
+            f"{entry['ratio']:.2f}",
+        )
+    match = re.search(
+        rf"layerwise retrieve 2 layers\s+{NUMBER}% hidden\s+serial {NUMBER} ms, "
+        rf"overlap {NUMBER} ms\s+>= 70%\s+n/a \(cpu\)",
+        table,
+    )
+    assert match is not None, table
+    assert match.groups() == (
+        f"{lw['hidden_fraction'] * 100:.1f}",
+        f"{lw['serial_ms']:.2f}",
+        f"{lw['overlap_ms']:.2f}",
+    )
+    assert "bit-exact: retrieve yes, layerwise retrieve yes" in table
+
+
+def _fake_results(*, cuda: bool, d2h_ratio: float, hidden: float) -> dict[str, Any]:
+    def entry(ratio: float) -> dict[str, Any]:
+        return {
+            "engine_gbps": 40.0 * ratio,
+            "raw_gbps": 40.0,
+            "ratio": ratio,
+            "target_ratio": 0.8,
+            "ok": ratio >= 0.8,
+        }
+
+    return {
+        "cuda": cuda,
+        "note": None if cuda else CPU_NOTE,
+        "device": "cuda:0" if cuda else "cpu",
+        "device_name": "Test GPU" if cuda else "cpu",
+        "torch_version": "2.x",
+        "torch_cuda": "13.0" if cuda else None,
+        "options": {
+            "num_layers": 32,
+            "num_kv_heads": 8,
+            "head_size": 128,
+            "dtype": "bfloat16",
+            "block_size": 16,
+        },
+        "token_bytes": 131072,
+        "method": "median",
+        "copy": {
+            "tokens": 8192,
+            "bytes": 8192 * 131072,
+            "d2h": entry(d2h_ratio),
+            "h2d": entry(0.95),
+            "memcpy_d2h_gbps": 50.0,
+            "memcpy_h2d_gbps": 55.0,
+            "verified_bit_exact": True,
+        },
+        "layerwise": {
+            "layers": 32,
+            "hidden_fraction": hidden,
+            "serial_ms": 40.0,
+            "overlap_ms": 40.0 - 20.0 * hidden,
+            "transfer_ms": 20.0,
+            "transfer_gbps": 53.7,
+            "compute_ms": 20.0,
+            "matmuls_per_layer": 12,
+            "matmul_dim": 2048,
+            "matmul_dtype": "bfloat16",
+            "hideable_fraction": 1.0,
+            "target_hidden": 0.7,
+            "ok": hidden >= 0.7,
+            "verified_bit_exact": False,
+        },
+        "problems": ["layerwise retrieved KV differs from the stored KV"],
+        "seconds": 12.0,
+    }
+
+
+def test_table_judges_cuda_figures_against_the_targets() -> None:
+    text = format_gpu(_fake_results(cuda=True, d2h_ratio=0.5, hidden=0.75))
+    lines = text.splitlines()
+    assert not any(line.startswith("NOTE") for line in lines)
+    assert "device: cuda:0 (Test GPU), torch 2.x, CUDA 13.0" in lines
+    d2h = next(line for line in lines if line.startswith("D2H store 8192 tok (1024 MiB)"))
+    assert re.search(
+        r"20\.00 GB/s\s+pinned copy_ 40\.00 GB/s\s+0\.50x\s+>= 0\.8x\s+below target$", d2h
+    )
+    h2d = next(line for line in lines if line.startswith("H2D retrieve"))
+    assert re.search(r"38\.00 GB/s\s+pinned copy_ 40\.00 GB/s\s+0\.95x\s+>= 0\.8x\s+ok$", h2d)
+    overlap = next(line for line in lines if line.startswith("layerwise retrieve 32 layers"))
+    assert re.search(r"75\.0% hidden\s+serial 40\.00 ms, overlap 25\.00 ms\s+>= 70%\s+ok$", overlap)
+    assert "bit-exact: retrieve yes, layerwise retrieve NO" in lines
+    assert "problems: layerwise retrieved KV differs from the stored KV" in lines
+
+
+def test_table_on_cpu_says_the_targets_need_a_gpu() -> None:
+    text = format_gpu(_fake_results(cuda=False, d2h_ratio=2.0, hidden=0.0))
+    assert text.splitlines()[1] == "NOTE: " + CPU_NOTE
+    assert "below target" not in text
+    assert text.count("n/a (cpu)") == 3
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"tokens": 0}, "tokens must be > 0"),
+        ({"num_layers": -1}, "num_layers must be > 0"),
+        ({"compute_ratio": 0.0}, "compute_ratio must be > 0"),
+        ({"dtype": "int8"}, "unknown dtype"),
+        ({"device": "tpu"}, "unknown device 'tpu'"),
+    ],
+)
+def test_options_are_checked(changes: dict[str, Any], match: str) -> None:
+    options = GpuOptions(**changes)
+    with pytest.raises(InvalidInputError, match=match):
+        options.validate()
+
+
+def test_default_model_is_a_realistic_vllm_layout() -> None:
+    layout = GpuOptions().layout()
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_size) == (32, 8, 128)
+    assert layout.dtype is torch.bfloat16
+    assert layout.block_size == 16
+    assert layout.token_bytes == 128 * 1024
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_asking_for_cuda_without_a_gpu_is_a_clear_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(InvalidInputError, match="no CUDA device"):
+        GpuOptions(device="cuda").torch_device()
+    assert GpuOptions(device="auto").torch_device() == torch.device("cpu")
+    assert main(["bench", "--gpu", "--device", "cuda", *TINY, "--tokens", "64"]) == 2
+    assert "error: device 'cuda': no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.anyio
+async def test_cuda_path_at_small_sizes() -> None:
+    options = GpuOptions(
+        tokens=1024, repeat=2, num_layers=4, num_kv_heads=2, head_size=64, device="cuda"
+    )
+    results = await run_gpu_bench_async(options, EngineConfig(chunk_size=256))
+    assert results["cuda"] is True
+    assert results["note"] is None
+    assert results["problems"] == []
+    assert results["copy"]["verified_bit_exact"] is True
+    assert results["layerwise"]["verified_bit_exact"] is True
+    for key in ("d2h", "h2d"):
+        assert _positive(results["copy"][key]["engine_gbps"])
+        assert _positive(results["copy"][key]["raw_gbps"])
+    assert _positive(results["layerwise"]["overlap_ms"])
