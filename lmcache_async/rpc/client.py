@@ -45,6 +45,7 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
 
+from lmcache_async.backends.record import tensor_bytes
 from lmcache_async.config import DEFAULT_INLINE_COPY_BYTES
 from lmcache_async.cuda import Direction, Transfers
 from lmcache_async.errors import (
@@ -65,6 +66,7 @@ from lmcache_async.rpc.protocol import (
     hashes_to_wire,
     tokens_payload,
 )
+from lmcache_async.rpc.transport import LoopSocket
 from lmcache_async.tokens import Tokens, check_mask, is_strict_int
 from lmcache_async.transfer import TransferPlan
 
@@ -73,6 +75,7 @@ __all__ = [
     "DEFAULT_RECONNECT_INTERVAL",
     "DEFAULT_TIMEOUT",
     "RemoteCacheEngine",
+    "check_move_target",
 ]
 
 log = structlog.get_logger(__name__)
@@ -88,6 +91,8 @@ _RECONNECT_IVL_MS: Final = 100
 _PROBE_TIMEOUT_FLOOR: Final = 0.05
 _ZERO_COPY_BYTES: Final = 4 << 20
 _LATE_SEND: Final = 1.0  # seconds to hand back a transaction whose request timed out
+_MOVE_WAIT_FACTOR: Final = 10  # a move's default wait, in request timeouts
+_CHECKSUM_LIMIT: Final = 1 << 64
 
 
 class _Unavailable(Exception):
@@ -204,8 +209,9 @@ class _Welcome:
 class _Link:
     """One DEALER socket and the session it holds with the server.
 
-    :meth:`run` is the receive loop: every reply goes to the future of the request with its
-    id; a reply nobody waits for (it came after its request timed out) is dropped.
+    Replies are read in the event loop's reader callback (:class:`LoopSocket`): each goes
+    straight to the future of the request with its id; a reply nobody waits for (it came
+    after its request timed out) is dropped, its transaction given back.
     """
 
     def __init__(
@@ -219,62 +225,58 @@ class _Link:
         self.identity = identity
         self.url = url
         self._limits = limits
-        self._socket = context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.IMMEDIATE, 1)
-        self._socket.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
-        self._socket.setsockopt(zmq.IDENTITY, identity)
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
+        socket.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+        socket.setsockopt(zmq.IDENTITY, identity)
         if server_public_key is not None:
             public, secret = zmq.curve_keypair()
-            self._socket.curve_serverkey = server_public_key
-            self._socket.curve_publickey = public
-            self._socket.curve_secretkey = secret
-        self._socket.connect(url)
+            socket.curve_serverkey = server_public_key
+            socket.curve_publickey = public
+            socket.curve_secretkey = secret
+        socket.connect(url)
+        self._socket = LoopSocket(socket, self._on_message)
         self._ids = itertools.count(1)
         # A future resolves to the reply, or to None when the link is closed.
         self._pending: dict[int, asyncio.Future[Message | None]] = {}
-        self._scope = anyio.CancelScope()
         self.dead = False
         self.welcome: _Welcome | None = None
         self.segment: _Segment | None = None
 
-    async def run(self) -> None:
-        with self._scope:
-            while True:
-                try:
-                    frames = await self._socket.recv_multipart(copy=False)
-                except zmq.ZMQError as exc:
-                    if self._socket.closed:
-                        return
-                    log.warning("sidecar_receive_failed", error=str(exc))
-                    continue
-                try:
-                    message = decode(
-                        frames,
-                        max_header_bytes=self._limits.max_header_bytes,
-                        max_payload_bytes=self._limits.max_payload_bytes,
-                    )
-                except ProtocolError as exc:
-                    log.warning("sidecar_bad_reply", reason=str(exc))
-                    continue
-                request_id = message.request_id
-                if not isinstance(request_id, int):
-                    continue
-                future = self._pending.pop(request_id, None)
-                if future is not None and not future.done():
-                    future.set_result(message)
-                elif "txn" in message.header:
-                    await self._give_back(message)
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        try:
+            message = decode(
+                frames,
+                max_header_bytes=self._limits.max_header_bytes,
+                max_payload_bytes=self._limits.max_payload_bytes,
+            )
+        except ProtocolError as exc:
+            log.warning("sidecar_bad_reply", reason=str(exc))
+            return
+        request_id = message.request_id
+        if not isinstance(request_id, int):
+            return
+        future = self._pending.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result(message)
+        elif "txn" in message.header:
+            self._give_back(message)
 
-    async def _give_back(self, reply: Message) -> None:
+    def _give_back(self, reply: Message) -> None:
         """End the transaction of a reply that came after its request timed out, so the
-        server does not hold its memory until the transaction's deadline."""
+        server does not hold its memory until the transaction's deadline (best effort: a
+        message the socket cannot take now is left to that deadline)."""
         txn = reply.header["txn"]
         if reply.type is MessageType.STORE:
-            await self.notify(MessageType.COMMIT, {"txn": txn, "abort": True}, _LATE_SEND)
+            frames = encode(MessageType.COMMIT, {"txn": txn, "abort": True})
         elif reply.type is MessageType.RETRIEVE:
-            await self.notify(MessageType.RELEASE, {"txn": txn, "loaded": 0}, _LATE_SEND)
+            frames = encode(MessageType.RELEASE, {"txn": txn, "loaded": 0})
+        else:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self._socket.send_nowait(frames)
 
     async def request(
         self,
@@ -300,16 +302,14 @@ class _Link:
         self._pending[request_id] = future
         try:
             async with asyncio.timeout(timeout):
-                await self._socket.send_multipart(frames, copy=_copy_frames(frames))
+                copy = _copy_frames(frames)
+                if not self._socket.send_nowait(frames, copy=copy):
+                    await self._socket.send(frames, copy=copy)
                 reply = await future
         except TimeoutError:
             raise _Unavailable(f"no reply to {msg_type.name} within {timeout} s") from None
         except zmq.ZMQError as exc:
             raise _Unavailable(f"{msg_type.name} failed: {exc}") from None
-        except asyncio.CancelledError:
-            if _closed_under_us():
-                raise _Unavailable(f"{msg_type.name}: the link was closed") from None
-            raise
         finally:
             self._pending.pop(request_id, None)
         if reply is None:
@@ -326,24 +326,22 @@ class _Link:
         if self.dead:
             return
         frames = encode(msg_type, header)
-        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
-            try:
-                await self._socket.send_multipart(frames)
-            except zmq.ZMQError:
+        try:
+            if self._socket.send_nowait(frames):
                 return
-            except asyncio.CancelledError:
-                if not _closed_under_us():
-                    raise
+            with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+                await self._socket.send(frames)
+        except zmq.ZMQError:
+            return
 
     def close(self) -> None:
-        """Stop the receive loop and close the socket; waiting requests fail at once."""
+        """Close the socket; waiting requests fail at once."""
         self.dead = True
-        self._scope.cancel()
         for future in self._pending.values():
             if not future.done():
                 future.set_result(None)
         self._pending.clear()
-        self._socket.close(linger=0)
+        self._socket.close()
         if self.segment is not None:
             self.segment.retire()
 
@@ -352,13 +350,6 @@ def _copy_frames(frames: Sequence[bytes | memoryview]) -> bool:
     """Whether to let ZeroMQ copy a message: below a few MiB a copy is cheaper than the
     zero-copy hand-off (which hands each frame's release to pyzmq's garbage thread)."""
     return sum(len(frame) for frame in frames) < _ZERO_COPY_BYTES
-
-
-def _closed_under_us() -> bool:
-    """Whether a CancelledError came from closing the socket (zmq cancels the futures of a
-    closed socket) rather than from cancelling the caller's task."""
-    task = asyncio.current_task()
-    return task is not None and not task.cancelling()
 
 
 def _raise_error(msg_type: MessageType, reply: Message) -> None:
@@ -585,7 +576,6 @@ class RemoteCacheEngine:
         identity = f"{self._label}/{next(self._serial)}/{secrets.token_hex(4)}".encode()
         link = _Link(self._context, self.url, identity, self._server_key, self._limits)
         self._links.add(link)
-        self._task_group.start_soon(link.run, name="sidecar-receive")
         try:
             reply = await link.request(MessageType.HELLO, self._hello, timeout=self._timeout)
             welcome = _Welcome.parse(reply.header)
@@ -1112,6 +1102,123 @@ class RemoteCacheEngine:
         with contextlib.suppress(_Unavailable, ProtocolError):
             await self._ask(link, MessageType.UNPIN, header)
 
+    async def push_chunks(
+        self,
+        tokens: Tokens,
+        payloads: Sequence[torch.Tensor | bytes | bytearray | memoryview],
+        *,
+        checksums: Sequence[int],
+        start: int = 0,
+        location: str | None = None,
+    ) -> int:
+        """Cache chunk payloads in the sidecar as they are, each verified there against its
+        checksum: the receiving half of :meth:`CacheEngine.move
+        <lmcache_async.CacheEngine.move>`.
+
+        ``tokens``: the prompt up to the end of the last chunk pushed. ``payloads``: the
+        payload of each chunk from token ``start`` on (a multiple of the chunk size), as the
+        layout's ``payload_shape(num_tokens)`` in its dtype (a contiguous CPU tensor, or its
+        raw bytes). ``checksums``: the xxh3-64 of each payload's bytes
+        (:func:`~lmcache_async.backends.record.payload_checksum`). They travel inline; the
+        sidecar refuses a payload whose bytes or size do not match, and every chunk after
+        it. ``location``: the sidecar's tier to write (default: its ``store_location``);
+        queued disk or Redis writes are flushed before it answers.
+
+        Returns the tokens from ``start`` on whose chunks the sidecar took: a prefix of
+        those pushed, 0 when the sidecar is unreachable or too slow (logged).
+
+        Raises:
+            InvalidInputError: bad input, or a tier the sidecar does not have.
+            EngineClosedError: the client is closed.
+        """
+        self._check_open()
+        header, frames, _ = self._key_fields(tokens, None, None)
+        if not is_strict_int(start) or start < 0:
+            raise InvalidInputError(f"start must be an int >= 0, got {start!r:.40}")
+        sums = _check_checksums(checksums)
+        given: object = payloads
+        if isinstance(given, (torch.Tensor, bytes, bytearray, memoryview)) or not isinstance(
+            given, Sequence
+        ):
+            raise InvalidInputError("payloads must be a sequence of tensors or bytes")
+        if len(sums) != len(payloads):
+            raise InvalidInputError(
+                f"got {len(payloads)} payloads but {len(sums)} checksums; they must match"
+            )
+        frames.extend(_payload_bytes(payload, index) for index, payload in enumerate(payloads))
+        header["start"] = start
+        header["checksums"] = sums
+        header["timeout"] = self._timeout
+        if location is not None:
+            header["store_location"] = self._check_tiers([location], "location")
+        if not payloads:
+            return 0
+        link = await self._usable()
+        if link is None:
+            log.warning("sidecar_push_unreachable", url=self.url)
+            return 0
+        try:
+            return _count(await self._ask(link, MessageType.PUSH, header, frames), "stored")
+        except (_Unavailable, ProtocolError) as exc:
+            log.warning("sidecar_push_failed", url=self.url, error=str(exc))
+            return 0
+
+    async def move(
+        self,
+        tokens: Tokens,
+        old_position: str,
+        new_position: tuple[str, str] | Sequence[str],
+        copy: bool = True,
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Have the sidecar move a prefix to another sidecar: as :meth:`CacheEngine.move
+        <lmcache_async.CacheEngine.move>` run by the sidecar's engine.
+
+        ``old_position``: a tier of this sidecar; ``new_position``: ``(url, location)`` of
+        the target sidecar and its tier. The sidecar gives each request to the target this
+        client's timeout; ``timeout`` bounds the whole wait here (default: ten times the
+        client's timeout). Returns the prefix tokens now at the target; 0 when this sidecar
+        or the target is unreachable, or the wait ran out (logged; a move that ran out of
+        time here may still finish there).
+
+        Raises:
+            InvalidInputError: bad tokens, ``old_position`` is not a tier of this sidecar,
+                ``new_position`` is not a (URL, tier) pair, or the target refused it
+                (another namespace or chunk size, no such tier).
+            EngineClosedError: the client is closed.
+        """
+        self._check_open()
+        header, payloads, num_tokens = self._key_fields(tokens, None, None)
+        if not isinstance(old_position, str):
+            raise InvalidInputError(
+                f"old_position must be a tier name, got {type(old_position).__name__}"
+            )
+        self._check_tiers([old_position], "old_position")
+        url, location = check_move_target(new_position)
+        if not isinstance(copy, bool):
+            raise InvalidInputError(f"copy must be a bool, got {type(copy).__name__}")
+        wait = _MOVE_WAIT_FACTOR * self._timeout if timeout is None else timeout
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
+            raise InvalidInputError(f"timeout must be a positive number, got {timeout!r}")
+        header["old_position"] = old_position
+        header["new_position"] = [url, location]
+        header["copy"] = copy
+        header["timeout"] = self._timeout
+        link = await self._usable()
+        if link is None:
+            log.warning("sidecar_move_unreachable", url=self.url)
+            return 0
+        if num_tokens == 0:
+            return 0
+        self._counters.requests += 1
+        try:
+            reply = await link.request(MessageType.MOVE, header, payloads, timeout=float(wait))
+            return _count(reply, "moved")
+        except (_Unavailable, ProtocolError) as exc:
+            log.warning("sidecar_move_failed", url=self.url, target=url, error=str(exc))
+            return 0
+
     async def _admin(self, msg_type: MessageType, header: dict[str, Any]) -> Message | None:
         link = await self._usable()
         if link is None:
@@ -1208,6 +1315,66 @@ def _count(reply: Message, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ProtocolError(f"'{name}' in the reply is not an int >= 0")
     return int(value)
+
+
+def check_move_target(new_position: object) -> tuple[str, str]:
+    """The ``(url, location)`` a move goes to, checked: the target sidecar's ``ipc://`` or
+    ``tcp://`` URL and the name of its tier to write (whether it has that tier is known
+    only once it answers).
+
+    Raises:
+        InvalidInputError: not a pair of a sidecar URL and a tier name.
+    """
+    if (
+        isinstance(new_position, (str, bytes, bytearray))
+        or not isinstance(new_position, Sequence)
+        or len(new_position) != 2
+    ):
+        raise InvalidInputError(
+            "new_position must be a (url, location) pair such as ('ipc:///tmp/b.sock', 'cpu'),"
+            f" got {new_position!r:.80}"
+        )
+    url, location = new_position
+    if (
+        not isinstance(url, str)
+        or not url.startswith(("ipc://", "tcp://"))
+        or len(url) <= len("tcp://")
+    ):
+        raise InvalidInputError(
+            f"new_position's url must be ipc://PATH or tcp://HOST:PORT, got {url!r:.80}"
+        )
+    if not isinstance(location, str) or not location:
+        raise InvalidInputError(
+            f"new_position's location must be a tier name, got {location!r:.40}"
+        )
+    return url, location
+
+
+def _check_checksums(checksums: object) -> list[int]:
+    """Payload checksums as a list of unsigned 64-bit ints. Raises InvalidInputError."""
+    if isinstance(checksums, (str, bytes, bytearray)) or not isinstance(checksums, Sequence):
+        raise InvalidInputError(f"checksums must be a sequence, got {type(checksums).__name__}")
+    sums = list(checksums)
+    for index, value in enumerate(sums):
+        if not is_strict_int(value) or not 0 <= value < _CHECKSUM_LIMIT:
+            raise InvalidInputError(
+                f"checksums[{index}] must be an unsigned 64-bit int, got {value!r:.40}"
+            )
+    return sums
+
+
+def _payload_bytes(payload: object, index: int) -> memoryview:
+    """The raw bytes of one pushed payload (a view, no copy). Raises InvalidInputError."""
+    if isinstance(payload, torch.Tensor):
+        if payload.device.type != "cpu" or not payload.is_contiguous():
+            raise InvalidInputError(f"payloads[{index}] must be a contiguous CPU tensor")
+        return tensor_bytes(payload)
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        view = memoryview(payload)
+        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    raise InvalidInputError(
+        f"payloads[{index}] must be a tensor or bytes, got {type(payload).__name__}"
+    )
 
 
 def _check_lookup_id(lookup_id: object) -> int | str:

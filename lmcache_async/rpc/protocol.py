@@ -107,6 +107,12 @@ class MessageType(enum.IntEnum):
     """Ends a store transaction: the payloads are in place (or inline), cache them."""
     RELEASE = 16
     """Ends a retrieve transaction: the payloads were read, release them (no reply)."""
+    PUSH = 17
+    """Chunks pushed by another instance (a move): a token frame, then one inline payload
+    frame per chunk, each with its checksum in ``"checksums"``; the receiver verifies every
+    payload before caching it and replies the tokens it took."""
+    MOVE = 18
+    """Ask the server's engine to move (or copy) a prefix to another sidecar."""
 
 
 _TYPES: Final = {int(t): t for t in MessageType}

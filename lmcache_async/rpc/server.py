@@ -18,13 +18,23 @@ straight into and out of the payloads the server allocates or holds:
   RELEASE (no reply) → the server lets them go.
 
 A client on another host sends the payloads inline in the COMMIT and gets them inline in
-the RETRIEVE reply. Each client has a session, kept alive by its requests and heartbeats;
-a session silent for ``client_timeout`` seconds is dropped with its transactions and its
-lookup pins (lookup ids are scoped per session). Every request runs in a task of its own; a
-bad message or a failing request gets an ERROR reply and the server runs on. SIGTERM or
-SIGINT shut it down in order: requests in flight finish (bounded), transactions end, queued
-tier writes are flushed, the tiers close, the shared memory is unlinked and the ipc socket
-file removed.
+the RETRIEVE reply.
+
+Moves between instances (:meth:`CacheEngine.move <lmcache_async.CacheEngine.move>`):
+
+- PUSH (tokens, then one inline payload per chunk with its xxh3-64 checksum) → the server
+  copies each payload into its memory, checks the copy against the checksum, caches the
+  leading run that passes (refusing a corrupt or mis-sized chunk and the rest), flushes
+  queued tier writes and replies the tokens it took;
+- MOVE (tokens, ``old_position``, ``new_position``, ``copy``) → the server's engine moves
+  the prefix to the other sidecar (by PUSH) and replies the tokens moved.
+
+Each client has a session, kept alive by its requests and heartbeats; a session silent for
+``client_timeout`` seconds is dropped with its transactions and its lookup pins (lookup ids
+are scoped per session). Every request runs in a task of its own; a bad message or a
+failing request gets an ERROR reply and the server runs on. SIGTERM or SIGINT shut it down
+in order: requests in flight finish (bounded), transactions end, queued tier writes are
+flushed, the tiers close, the shared memory is unlinked and the ipc socket file removed.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
 
+from lmcache_async.backends.record import payload_checksum
 from lmcache_async.config import EngineConfig
 from lmcache_async.engine import CacheEngine
 from lmcache_async.errors import (
@@ -82,6 +93,7 @@ from lmcache_async.rpc.protocol import (
     to_wire,
     tokens_from_payload,
 )
+from lmcache_async.rpc.transport import LoopSocket
 from lmcache_async.stats import EngineStats
 from lmcache_async.tokens import is_strict_int
 
@@ -439,7 +451,8 @@ class SidecarServer:
         self._close_engine = anyio.Event()
         self._engine_closed = anyio.Event()
         self.stopping = anyio.Event()
-        self._slots = asyncio.Semaphore(settings.max_concurrency)
+        self._free_slots = settings.max_concurrency
+        self._io: LoopSocket | None = None
         self._inflight = 0
         self._idle = anyio.Event()
         self._idle.set()
@@ -466,6 +479,8 @@ class SidecarServer:
             MessageType.STATS: _Route(self._on_stats, False, False),
             MessageType.HEALTH: _Route(self._on_health, False, False),
             MessageType.SHUTDOWN: _Route(self._on_shutdown, False, False),
+            MessageType.PUSH: _Route(self._on_push, True, True),
+            MessageType.MOVE: _Route(self._on_move, False, True),
         }
 
     @property
@@ -645,42 +660,46 @@ class SidecarServer:
         """Read requests and serve each in a task of its own, until cancelled; then the
         requests still running are cancelled and waited for.
 
-        Requests run as plain asyncio tasks rather than in an anyio task group: on a small
-        machine ``start_soon`` costs about 50 us a task against 9 us for ``create_task``,
-        a large share of a lookup's round trip.
+        Requests are read in the event loop's reader callback (:class:`LoopSocket`) and run
+        as plain asyncio tasks rather than in an anyio task group: on a small machine
+        ``start_soon`` costs about 50 us a task against 9 us for ``create_task``, a large
+        share of a lookup's round trip. At ``max_concurrency`` requests in flight, reading
+        pauses (requests wait in ZeroMQ's bounded queue) until one finishes.
         """
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[None]] = set()
+
+        def on_message(frames: list[zmq.Frame]) -> None:
+            # A client whose requests wait for a slot is alive: keep its session, and
+            # let heartbeats and pings through without one, so a server busy with
+            # slow stores never lets its clients' sessions time out.
+            identity = frames[0].bytes
+            session = self._sessions.get(identity)
+            if session is not None:
+                session.last_seen = time.monotonic()
+            slot = not _is_probe(frames)
+            if slot:
+                self._free_slots -= 1
+                if self._free_slots <= 0:
+                    io.pause()
+            self._inflight += 1
+            self._idle = anyio.Event() if self._idle.is_set() else self._idle
+            task = loop.create_task(self._handle(identity, frames, slot))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        io = LoopSocket(self._socket, on_message)
+        self._io = io
         try:
-            while True:
-                try:
-                    frames = await self._socket.recv_multipart(copy=False)
-                except zmq.ZMQError as exc:
-                    if self._socket.closed:
-                        return
-                    log.warning("sidecar_receive_failed", error=str(exc))
-                    continue
-                # A client whose requests wait for a slot is alive: keep its session, and
-                # let heartbeats and pings through without one, so a server busy with
-                # slow stores never lets its clients' sessions time out.
-                identity = _frame_bytes(frames[0])
-                session = self._sessions.get(identity)
-                if session is not None:
-                    session.last_seen = time.monotonic()
-                slot = not _is_probe(frames)
-                if slot:
-                    await self._slots.acquire()
-                self._inflight += 1
-                self._idle = anyio.Event() if self._idle.is_set() else self._idle
-                task = loop.create_task(self._handle(identity, frames, slot))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+            await anyio.sleep_forever()
         finally:
+            io.detach()
             for task in tasks:
                 task.cancel()
             if tasks:
                 with anyio.CancelScope(shield=True):
                     await asyncio.wait(tasks)
+            self._io = None
 
     async def wait_idle(self) -> None:
         """Wait until no request is being served."""
@@ -690,18 +709,22 @@ class SidecarServer:
     async def _handle(self, identity: bytes, frames: Sequence[FrameLike], slot: bool) -> None:
         try:
             reply = await self._answer(identity, frames[1:])
-            if reply is None:
+            io = self._io
+            if reply is None or io is None:
                 return
             try:
-                await self._socket.send_multipart([frames[0], *reply], copy=False)
+                if not io.send_nowait([frames[0], *reply], copy=False):
+                    log.warning("sidecar_reply_dropped", reason="the client's queue is full")
             except zmq.ZMQError as exc:
-                if not self._socket.closed:
+                if not io.closed:
                     log.warning("sidecar_reply_failed", error=str(exc))
         except Exception:  # a plain task: nobody else would see it
             log.exception("sidecar_handler_failed")
         finally:
             if slot:
-                self._slots.release()
+                self._free_slots += 1
+                if self._io is not None:
+                    self._io.resume()
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
@@ -1050,6 +1073,117 @@ class SidecarServer:
         if is_strict_int(loaded) and loaded >= 0:
             self._need_engine().record_request("retrieve", loaded)
 
+    # -- handlers: moves between instances ------------------------------------------------
+
+    async def _on_push(self, session: _Session | None, message: Message) -> _Reply:
+        """Cache chunks another instance pushed inline, each verified against its checksum
+        first; the leading run that passes is cached, the rest refused and not counted."""
+        assert session is not None
+        engine = self._need_engine()
+        header = message.header
+        if "hashes" in header or not message.payloads:
+            raise ProtocolError("a push carries a token frame, then the chunk payloads")
+        frames = message.payloads[1:]
+        checksums = _checksums(header, len(frames))
+        locations = _locations(header, "store_location")
+        spans, tokens = await self._spans(engine, message)
+        if not engine.accepts_writes:
+            engine.record_request("store", 0)
+            return {"stored": 0, "chunks": 0, "refused": len(frames)}, ()
+        objs: list[MemoryObj] = []
+        try:
+            for index, (span, frame) in enumerate(zip(spans, frames, strict=False)):
+                try:
+                    obj = await engine.allocate_chunk(span.num_tokens)
+                except AllocationTimeoutError:
+                    log.warning("push_partial", client=session.label, taken_chunks=index)
+                    break
+                if frame.nbytes != obj.nbytes:
+                    obj.unref()
+                    log.warning(
+                        "push_chunk_refused",
+                        client=session.label,
+                        chunk=index,
+                        reason=f"{frame.nbytes} bytes, the chunk holds {obj.nbytes}",
+                    )
+                    break
+                objs.append(obj)
+            good = await self._verify(engine, objs, frames, checksums)
+            if good < len(objs):
+                log.warning(
+                    "push_chunk_refused", client=session.label, chunk=good, reason="bad checksum"
+                )
+                for obj in objs[good:]:
+                    obj.unref()
+                del objs[good:]
+            kept = 0
+            if objs:
+                kept = await engine.put_chunks(
+                    spans[: len(objs)], objs, tokens, store_location=locations
+                )
+            if kept:
+                await self._flush_push(engine, header)
+        finally:
+            for obj in objs:
+                obj.unref()
+        stored = spans[kept - 1].end - spans[0].start if kept else 0
+        engine.record_request("store", stored, partial=kept < len(frames))
+        return {"stored": stored, "chunks": kept, "refused": len(frames) - kept}, ()
+
+    async def _verify(
+        self,
+        engine: CacheEngine,
+        objs: list[MemoryObj],
+        frames: list[memoryview],
+        checksums: list[int],
+    ) -> int:
+        """Copy each frame into its payload and check the copy against its checksum (kept
+        on the object); returns how many leading payloads passed."""
+        arena = np.frombuffer(self._need_buffer(), dtype=np.uint8)
+        jobs = [
+            (
+                arena[engine.buffer_offset(obj) : engine.buffer_offset(obj) + obj.nbytes],
+                np.frombuffer(frame, dtype=np.uint8),
+            )
+            for obj, frame in zip(objs, frames, strict=False)
+        ]
+
+        def verify() -> int:
+            for index, ((dst, src), obj) in enumerate(zip(jobs, objs, strict=True)):
+                dst[:] = src
+                checksum = payload_checksum(dst.data)
+                if checksum != checksums[index]:
+                    return index
+                obj.checksum = checksum
+            return len(jobs)
+
+        if sum(obj.nbytes for obj in objs) < _INLINE_COPY_BYTES:
+            return verify()
+        return await anyio.to_thread.run_sync(verify)
+
+    async def _flush_push(self, engine: CacheEngine, header: dict[str, Any]) -> None:
+        """Wait for queued disk and Redis writes, within half the pusher's patience, so
+        what a push reports is written (a move may delete its source next)."""
+        wait = _seconds(header, "timeout")
+        limit = engine.config.store_timeout if wait is None else wait / 2
+        if not await engine.flush(limit):
+            log.warning("push_flush_timed_out", seconds=limit)
+
+    async def _on_move(self, session: _Session | None, message: Message) -> _Reply:
+        engine = self._need_engine()
+        header = message.header
+        if len(message.payloads) != 1:
+            raise ProtocolError("a move carries exactly one token frame")
+        tokens = tokens_from_payload(message.payloads[0])
+        # Both positions are checked by the engine, which names what is wrong.
+        old_position: Any = header.get("old_position")
+        new_position: Any = header.get("new_position")
+        copy = _flag(header, "copy", required=True)
+        moved = await engine.move(
+            tokens, old_position, new_position, copy, timeout=_seconds(header, "timeout")
+        )
+        return {"moved": moved}, ()
+
     # -- handlers: administration ---------------------------------------------------------
 
     async def _on_clear(self, session: _Session | None, message: Message) -> _Reply:
@@ -1136,6 +1270,32 @@ def _int(header: dict[str, Any], name: str, default: int) -> int:
     if not is_strict_int(value) or value < 0:
         raise ProtocolError(f"'{name}' must be an int >= 0")
     return int(value)
+
+
+def _seconds(header: dict[str, Any], name: str) -> float | None:
+    value = header.get(name)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ProtocolError(f"'{name}' must be a positive number of seconds")
+    return float(value)
+
+
+def _checksums(header: dict[str, Any], count: int) -> list[int]:
+    """The ``"checksums"`` of a push: one unsigned 64-bit int per payload frame."""
+    value = header.get("checksums")
+    if (
+        not isinstance(value, list)
+        or len(value) != count
+        or not all(is_strict_int(item) and 0 <= item < 1 << 64 for item in value)
+    ):
+        raise ProtocolError(f"'checksums' must list one unsigned 64-bit int per payload ({count})")
+    return value
 
 
 def _lookup_id(header: dict[str, Any], *, required: bool) -> int | str | None:

@@ -1,0 +1,134 @@
+"""A ZeroMQ socket driven straight from the event loop's reader callback.
+
+``zmq.asyncio`` makes every receive a future resolved by its own reader callback and then
+a task wake-up; a request/reply round trip pays that on both ends, plus the hop from the
+receive loop's task to the waiting caller. On a small machine that is most of a lookup's
+round trip. :class:`LoopSocket` reads the socket's file descriptor itself: when it turns
+readable, every waiting message is handed to a plain callback at once (which resolves the
+caller's future or starts the handler's task); sends are non-blocking and only wait, with
+a deadline, when the socket's queue is full or has no peer yet.
+
+ZeroMQ's descriptor is edge-triggered: it signals that the socket's events *may* have
+changed, and a send can consume that signal while messages are waiting. So the socket is
+drained after every send as well (on the next loop iteration, never re-entrantly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias, cast
+
+import structlog
+import zmq
+
+log = structlog.get_logger(__name__)
+
+FrameLike: TypeAlias = zmq.Frame | bytes | bytearray | memoryview
+OnMessage: TypeAlias = Callable[[list[zmq.Frame]], None]
+
+
+class LoopSocket:
+    """Wraps ``socket`` (any ZeroMQ socket, e.g. of a ``zmq.asyncio`` context: its async
+    methods must then not be used) for use on the running event loop.
+
+    Messages received are passed to ``on_message`` in the loop's reader callback, in order;
+    ``on_message`` must not block (it may start tasks). :meth:`pause` stops delivery (the
+    messages wait in ZeroMQ's bounded queue) until :meth:`resume`.
+    """
+
+    def __init__(self, socket: zmq.Socket[Any], on_message: OnMessage) -> None:
+        self.socket: zmq.Socket[Any] = zmq.Socket.shadow(socket.underlying)
+        self._owner = socket  # keeps the wrapped socket (and its close) alive
+        self._on_message = on_message
+        self._loop = asyncio.get_running_loop()
+        self._fd = cast(int, self.socket.getsockopt(zmq.FD))
+        self._writable: asyncio.Event | None = None
+        self._paused = False
+        self._drain_scheduled = False
+        self.closed = False
+        self._loop.add_reader(self._fd, self._on_readable)
+
+    def pause(self) -> None:
+        """Stop delivering messages until :meth:`resume`."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Deliver messages again (those that waited first, on the next loop iteration)."""
+        if self._paused:
+            self._paused = False
+            self._schedule_drain()
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled and not self.closed:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._on_readable)
+
+    def _on_readable(self) -> None:
+        self._drain_scheduled = False
+        try:
+            while not self.closed:
+                events = self._events()
+                if events & zmq.POLLOUT and self._writable is not None:
+                    self._writable.set()
+                if not events & zmq.POLLIN or self._paused:
+                    return
+                try:
+                    frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._on_message(frames)
+        except zmq.ZMQError as exc:
+            if not self.closed:
+                log.warning("zmq_receive_failed", error=str(exc))
+
+    def _events(self) -> int:
+        return cast(int, self.socket.getsockopt(zmq.EVENTS))
+
+    def send_nowait(self, frames: Sequence[FrameLike], *, copy: bool = True) -> bool:
+        """Queue a message without waiting; False when the socket cannot take it now (its
+        queue is full, or no peer is connected on an ``IMMEDIATE`` socket).
+
+        Raises:
+            zmq.ZMQError: the socket failed or is closed.
+        """
+        if self.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        try:
+            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            return False
+        self._schedule_drain()
+        return True
+
+    async def send(self, frames: Sequence[FrameLike], *, copy: bool = True) -> None:
+        """Queue a message, waiting while the socket cannot take it; the caller bounds the
+        wait (``asyncio.timeout``).
+
+        Raises:
+            zmq.ZMQError: the socket failed or is closed.
+        """
+        while not self.send_nowait(frames, copy=copy):
+            if self.closed:
+                raise zmq.ZMQError(zmq.ENOTSOCK)
+            if self._writable is None:
+                self._writable = asyncio.Event()
+            self._writable.clear()
+            # The descriptor only signals changes: look once more before sleeping on it.
+            if self._events() & zmq.POLLOUT:
+                continue
+            await self._writable.wait()
+
+    def detach(self) -> None:
+        """Stop reading and sending; the socket stays open for its owner. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self._fd)
+        if self._writable is not None:
+            self._writable.set()
+
+    def close(self) -> None:
+        """Stop reading and close the socket at once (``linger`` 0). Idempotent."""
+        self.detach()
+        self._owner.close(linger=0)
