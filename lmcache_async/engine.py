@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Hashable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -31,10 +31,10 @@ from .backends.codec import Codec
 from .backends.cpu import CPUBackend
 from .backends.disk import DiskBackend
 from .backends.manager import StorageManager, chunk_keys
-from .backends.record import RecordSpec
+from .backends.record import RecordSpec, object_checksum
 from .config import EngineConfig
 from .cuda import Transfers
-from .errors import ConfigError, EngineClosedError, InvalidInputError
+from .errors import ConfigError, EngineClosedError, InvalidInputError, TierUnavailableError
 from .events import EventBuffer, KVEvent
 from .health import HealthMonitor
 from .keys import (
@@ -55,6 +55,9 @@ from .pipelines.stage import Completion, Pipeline
 from .pipelines.store import StoreRequest, build_store_stages
 from .stats import Counters, EngineStats
 
+if TYPE_CHECKING:
+    from .rpc.client import RemoteCacheEngine
+
 __all__ = ["CacheEngine"]
 
 log = structlog.get_logger(__name__)
@@ -70,6 +73,11 @@ _DIGEST_MEMO_PROMPTS = 32
 # How long a retrieve that timed out waits for a copy already under way, so that the mask it
 # returns covers every slot that was written.
 _ABANDON_GRACE_SECONDS = 10.0
+
+# Payload bytes a move sends to its target in one message.
+_MOVE_BATCH_BYTES = 64 << 20
+# Below this many payload bytes a move's checksums are computed on the event loop.
+_MOVE_INLINE_CHECKSUM_BYTES = 4 << 20
 
 
 class CacheEngine:
@@ -894,6 +902,145 @@ class CacheEngine:
         :meth:`compress`; a lossy ``int8`` encoding stays as lossy as it was). Returns the
         number of chunks re-encoded."""
         return await self.compress(tokens, "none", location, hashes=hashes, offsets=offsets)
+
+    # -- moving between instances --------------------------------------------------------
+
+    async def move(
+        self,
+        tokens: Tokens,
+        old_position: str,
+        new_position: tuple[str, str] | Sequence[str],
+        copy: bool = True,
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Copy (or, with ``copy=False``, move) the stored chunks of a prefix of ``tokens``
+        from this engine's tier ``old_position`` to a sidecar's tier, over ZeroMQ.
+
+        ``old_position``: a tier of this engine (``"cpu"``, ``"disk"``, ``"redis"``).
+        ``new_position``: ``(url, location)``, the target sidecar's ``ipc://`` or ``tcp://``
+        URL and the name of its tier to write. The payloads travel as inline frames (the
+        target may be on another host), at most 64 MiB a message, each with the xxh3-64
+        checksum of its bytes; the target verifies every one before caching it and refuses
+        a corrupt one and the chunks after it. The leading run of chunks the tier holds is
+        sent, stopping at the first it does not hold or the target does not take; with
+        ``copy=False`` the chunks the target took are then removed from ``old_position``
+        (so moving onto this very instance's same tier drops them). The target flushes its
+        queued disk or Redis writes before it answers each message.
+
+        ``timeout``: seconds each request to the target may take, the hello included
+        (default ``remote_timeout``). Returns the number of prefix tokens (from token 0)
+        the target took: 0 when it is unreachable (logged, within ``timeout``), when this
+        engine is unhealthy, or when the tier lacks the first chunk. Runs on the asyncio
+        event loop (the target is reached through a
+        :class:`~lmcache_async.rpc.client.RemoteCacheEngine`).
+
+        Raises:
+            InvalidInputError: bad tokens, ``old_position`` is not an enabled tier of this
+                engine, ``new_position`` is not a (URL, tier) pair, or the target refused
+                it (another namespace or chunk size, or no tier ``location``).
+        """
+        # The wire layer builds on the engine: import it only where a move needs it.
+        from .rpc.client import RemoteCacheEngine, check_move_target  # noqa: PLC0415
+
+        self._check_open()
+        if not isinstance(old_position, str):
+            raise InvalidInputError(
+                f"old_position must be a tier name, got {type(old_position).__name__}"
+            )
+        source = self._manager.check_locations([old_position], "old_position")[0]
+        url, location = check_move_target(new_position)
+        if not isinstance(copy, bool):
+            raise InvalidInputError(f"copy must be a bool, got {type(copy).__name__}")
+        wait = self.config.remote_timeout if timeout is None else timeout
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
+            raise InvalidInputError(f"timeout must be a positive number, got {timeout!r}")
+        spans, array = await self.chunk_spans(tokens)
+        if not spans or array is None or not self.is_healthy():
+            return 0
+        try:
+            async with RemoteCacheEngine.connect(
+                url,
+                self.layout,
+                model_name=self.namespace.model_name,
+                revision=self.namespace.revision,
+                tenant=self.namespace.tenant_salt,
+                timeout=float(wait),
+                shared_memory=False,
+                name=f"move-from-{self.namespace.model_name}",
+            ) as target:
+                if target.chunk_size != self.config.chunk_size:
+                    raise InvalidInputError(
+                        f"the sidecar at {url} uses chunk_size {target.chunk_size}, "
+                        f"this engine {self.config.chunk_size}: their chunks do not match"
+                    )
+                moved = await self._push_prefix(
+                    target, spans, array, source=source, location=location, copy=copy
+                )
+        except TierUnavailableError as exc:
+            log.warning("move_target_unreachable", url=url, error=str(exc))
+            return 0
+        log.info(
+            "prefix_moved",
+            source=source,
+            url=url,
+            location=location,
+            copy=copy,
+            tokens=moved,
+            asked=int(array.shape[0]),
+        )
+        return moved
+
+    async def _push_prefix(
+        self,
+        target: RemoteCacheEngine,
+        spans: list[ChunkSpan],
+        tokens: np.ndarray,
+        *,
+        source: str,
+        location: str,
+        copy: bool,
+    ) -> int:
+        """Send the leading run of ``spans`` held by ``source`` to ``target``, batch by
+        batch; returns the prefix tokens it took (removed from ``source`` unless ``copy``)."""
+        keys = [span.key for span in spans]
+        itemsize = self.layout.dtype.itemsize
+        sizes = [math.prod(self.layout.payload_shape(s.num_tokens)) * itemsize for s in spans]
+        done = 0
+        while done < len(spans):
+            end, total = done + 1, sizes[done]
+            while end < len(spans) and total + sizes[end] <= _MOVE_BATCH_BYTES:
+                total += sizes[end]
+                end += 1
+            objs = await self._manager.fetch_prefix(keys[done:end], (source,))
+            try:
+                if not objs:
+                    break
+                checksums = await self._checksums(objs)
+                first, last = spans[done], spans[done + len(objs) - 1]
+                took = await target.push_chunks(
+                    tokens[: last.end],
+                    [obj.tensor for obj in objs],
+                    checksums=checksums,
+                    start=first.start,
+                    location=location,
+                )
+            finally:
+                for obj in objs:
+                    obj.unref()
+            accepted = sum(1 for s in spans[done : done + len(objs)] if s.end <= first.start + took)
+            if accepted and not copy:
+                await self._manager.remove(keys[done : done + accepted], (source,))
+            done += accepted
+            if accepted < end - (done - accepted):
+                break
+        return spans[done - 1].end if done else 0
+
+    async def _checksums(self, objs: Sequence[MemoryObj]) -> list[int]:
+        """The payload checksum of each object (kept on it), large batches off the loop."""
+        if sum(obj.nbytes for obj in objs) < _MOVE_INLINE_CHECKSUM_BYTES:
+            return [object_checksum(obj) for obj in objs]
+        return await anyio.to_thread.run_sync(lambda: [object_checksum(obj) for obj in objs])
 
     # -- chunk-level API (sidecar) --------------------------------------------------------
     # What a process that copies KV itself (the sidecar's clients) needs: the chunks of a
