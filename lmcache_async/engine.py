@@ -179,6 +179,7 @@ class CacheEngine:
             allocation_timeout=config.allocation_timeout,
             store_timeout=config.store_timeout,
             retrieve_timeout=config.retrieve_timeout,
+            remove_after_retrieve=config.remove_after_retrieve,
         )
         self._request_ids = itertools.count()
         self._pins_changed = anyio.Event()
@@ -602,8 +603,10 @@ class CacheEngine:
                 compute(layer)
             mask = result
 
-        Only chunks stored layerwise (:meth:`store_layer`) are found. Pins held for
-        ``lookup_id`` are released when the iterator ends. ``aclose()`` before the end
+        Only chunks stored layerwise (:meth:`store_layer`) are found (a :meth:`prefetch`
+        reads whole chunks, so it does not serve this). Pins held for ``lookup_id`` are
+        released when the iterator ends. With ``remove_after_retrieve`` every layer of the
+        chunks loaded is removed from the cache at the last step. ``aclose()`` before the end
         returns every reference taken. Raises InvalidInputError here for bad input.
         """
         self._check_open()

@@ -204,6 +204,7 @@ class LayerwisePipeline:
         allocation_timeout: float,
         store_timeout: float,
         retrieve_timeout: float,
+        remove_after_retrieve: bool = False,
     ) -> None:
         self._manager = manager
         self._pool = pool
@@ -214,6 +215,7 @@ class LayerwisePipeline:
         self._allocation_timeout = allocation_timeout
         self._store_timeout = store_timeout
         self._retrieve_timeout = retrieve_timeout
+        self._remove_after_retrieve = remove_after_retrieve
 
     @property
     def num_layers(self) -> int:
@@ -396,6 +398,8 @@ class LayerwisePipeline:
                     yield None
             if ok:
                 self._mark(request, payloads.spans, mask)
+                if self._remove_after_retrieve:
+                    await self._remove_loaded(request, payloads.spans, mask)
             self._counters.retrieved_tokens += int(mask.sum())
             yield mask
         finally:
@@ -427,6 +431,19 @@ class LayerwisePipeline:
             found[layer : hits * num_layers : num_layers] for layer in range(num_layers)
         ]
         return hits > 0
+
+    async def _remove_loaded(
+        self, request: Request, spans: list[ChunkSpan], mask: torch.Tensor
+    ) -> None:
+        """Remove every layer of the chunks loaded (the receiver role of disaggregated
+        prefill); a failure is logged, the loaded KV stays good."""
+        loaded = [span.key for span in spans if mask[span.end - 1]]
+        if not loaded:
+            return
+        try:
+            await self._manager.remove(layer_keys(loaded, self.num_layers))
+        except Exception:
+            log.exception("layerwise_remove_failed", req_id=request.req_id)
 
     @staticmethod
     def _mark(request: Request, spans: list[ChunkSpan], mask: torch.Tensor) -> None:

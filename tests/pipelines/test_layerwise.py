@@ -483,6 +483,27 @@ async def test_pins_for_the_lookup_id_are_released_at_the_end() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_receiver_removes_every_layer_of_what_it_loaded() -> None:
+    """remove_after_retrieve (disaggregated prefill's receiver): loaded chunks leave the
+    cache with all their layers; a chunk that was not loaded stays."""
+    scene = Scene("flash_nhd", torch.float16, 3 * CHUNK, seed=12)
+    async with open_engine(scene.layout, remove_after_retrieve=True) as engine:
+        assert await anext_last(scene.store(engine)) == 3 * CHUNK
+        spans = engine._hasher.spans(scene.tokens)
+        await engine._manager.remove([spans[1].key.with_layer(0)])  # chunk 1 is incomplete
+        before = [t.clone() for t in scene.target]
+        mask = await anext_last(scene.retrieve(engine))
+        assert mask.tolist() == prefix(3 * CHUNK, 0, CHUNK).tolist()
+        scene.assert_target(before, mask)
+        assert await layer_hits(engine, scene.tokens) == 0
+        # Chunk 0 is gone in every layer; chunk 1's remaining layers and chunk 2 stay.
+        assert engine.stats().cached_chunks == (NUM_LAYERS - 1) + NUM_LAYERS
+        assert engine.stats().pool.num_objects == (NUM_LAYERS - 1) + NUM_LAYERS
+        mask = await anext_last(scene.retrieve(engine))
+        assert not mask.any()
+
+
+@pytest.mark.anyio
 async def test_a_second_store_copies_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     scene = Scene("flash_hnd", torch.float32, 2 * CHUNK, seed=11)
     async with open_engine(scene.layout) as engine:
