@@ -80,6 +80,14 @@ _HEAD_READ: Final = 4096
 _MAX_HEAD: Final = PREFIX_SIZE + 64 * 1024
 """The most a record's prefix and header can take (record.py refuses larger headers)."""
 _STALE_TEMP_SECONDS: Final = 600.0
+
+_READ_THREADS: Final = 2
+"""Worker threads one get reads with: a file read releases the GIL, the checksum does not,
+so while one thread verifies a payload the other reads the next; verification then costs
+little beyond the reads themselves."""
+
+_SPLIT_READ_BYTES: Final = 1 << 20
+"""A get splits its reads over threads only from this many payload bytes on."""
 """A temporary file this old is a leftover even if a process with its writer's pid runs."""
 _TOUCH_AFTER_SECONDS: Final = 60.0
 """A hit refreshes its file's mtime when older than this: LRU order survives a restart to
@@ -279,8 +287,8 @@ class DiskBackend(StorageBackend):
 
         Each object carries one reference for the caller. Misses, corrupt files (deleted),
         unreadable files and keys left when the pool had no room in time are ``None``.
-        All files are read in one worker-thread call, straight into pool memory when the
-        payload is stored uncompressed.
+        The files are read in worker threads (two for a large get, so one verifies while
+        the other reads), straight into pool memory when the payload is stored uncompressed.
 
         Raises:
             EngineClosedError: the tier or the pool is closed.
@@ -308,7 +316,7 @@ class DiskBackend(StorageBackend):
                 jobs.append((i, key, entry, obj))
             if jobs:
                 reads = [(self.path_of(_as_key(key)), key, obj.tensor) for _, key, _, obj in jobs]
-                outcomes = await anyio.to_thread.run_sync(_read_batch, self._spec, reads)
+                outcomes = await self._read(reads, sum(obj.nbytes for *_, obj in jobs))
                 settled = True
                 self._settle_reads(jobs, outcomes, out)
         finally:
@@ -319,6 +327,29 @@ class DiskBackend(StorageBackend):
         self._hits += hits
         self._misses += len(keys) - hits
         return out
+
+    async def _read(
+        self, reads: list[tuple[Path, bytes, torch.Tensor]], nbytes: int
+    ) -> list[_Outcome]:
+        """Read and verify ``reads`` in worker threads (see :data:`_READ_THREADS`); the
+        outcomes in the order of ``reads``."""
+        threads = min(_READ_THREADS, len(reads)) if nbytes >= _SPLIT_READ_BYTES else 1
+        if threads == 1:
+            return await anyio.to_thread.run_sync(_read_batch, self._spec, reads)
+        parts: list[list[_Outcome]] = [[] for _ in range(threads)]
+
+        async def read_part(part: int) -> None:
+            parts[part] = await anyio.to_thread.run_sync(
+                _read_batch, self._spec, reads[part::threads]
+            )
+
+        async with anyio.create_task_group() as task_group:
+            for part in range(threads):
+                task_group.start_soon(read_part, part)
+        outcomes: list[_Outcome] = [_MISSING] * len(reads)
+        for part, results in enumerate(parts):
+            outcomes[part::threads] = results
+        return outcomes
 
     def _settle_reads(
         self,

@@ -401,6 +401,44 @@ CORRUPTIONS: dict[str, Callable[[Path], None]] = {
 
 
 @pytest.mark.anyio
+async def test_a_get_split_over_threads_keeps_each_outcome_in_place(
+    root: Path, pool: MemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large gets read in several worker threads; hits, corrupt files and missing files
+    land at their own positions, whichever thread read them."""
+    batches: list[int] = []
+    read_batch = disk_module._read_batch
+
+    def counting(spec: RecordSpec, reads: list[tuple[Path, bytes, torch.Tensor]]) -> object:
+        batches.append(len(reads))
+        return read_batch(spec, reads)
+
+    monkeypatch.setattr(disk_module, "_read_batch", counting)
+    monkeypatch.setattr(disk_module, "_SPLIT_READ_BYTES", FULL_BYTES)
+    ids = list(range(9))
+    async with opened(root, pool) as disk:
+        await put(disk, pool, *ids)
+        flip_payload(disk.path_of(key(4)))
+        disk.path_of(key(7)).unlink()
+        got = await disk.get([key(i) for i in ids])
+        try:
+            assert [i for i, obj in enumerate(got) if obj is None] == [4, 7]
+            for i, obj in enumerate(got):
+                if obj is not None:
+                    assert torch.equal(raw(obj), expected(i)), f"chunk {i} differs"
+        finally:
+            for obj in got:
+                if obj is not None:
+                    obj.unref()
+        assert sorted(batches) == [4, 5]  # two threads, reads interleaved between them
+        stats = disk.stats()
+        assert (stats.corrupt, stats.hits, stats.misses) == (1, 7, 2)
+        batches.clear()
+        await check_hits(disk, [0])  # a single read stays in one thread
+        assert batches == [1]
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 @pytest.mark.parametrize("codec", [Codec.NONE, Codec.ZSTD])
 async def test_corrupt_entry_is_a_miss_and_is_deleted(
