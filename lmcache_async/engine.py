@@ -464,7 +464,11 @@ class CacheEngine:
         skipped = request.plan.first_skipped(start)
         request.limit = request.num_tokens if skipped is None else skipped
         stored = await self._execute(
-            self._store_pipe, request, request.completion, self.config.store_timeout
+            self._store_pipe,
+            request,
+            request.completion,
+            self.config.store_timeout,
+            inline=self._runs_inline(request, locations),
         )
         if stored is None:
             stored = request.stored_tokens() if request.spans else 0
@@ -518,7 +522,11 @@ class CacheEngine:
             if lookup_id is not None:
                 await self._wait_prefetch(lookup_id)
             result = await self._execute(
-                self._retrieve_pipe, request, request.completion, self.config.retrieve_timeout
+                self._retrieve_pipe,
+                request,
+                request.completion,
+                self.config.retrieve_timeout,
+                inline=self._runs_inline(request, locations),
             )
             self._counters.retrieved_tokens += request.loaded_tokens
             if result is not None:
@@ -629,8 +637,29 @@ class CacheEngine:
         self._counters.retrieve_requests += 1
         return self._layerwise.retrieve(request, lookup_id=lookup_id)
 
+    def _runs_inline(self, request: Request, locations: Sequence[str] | None) -> bool:
+        """Whether ``request`` is small work that does not wait: hashed already, copied on
+        the event loop (CPU memory, fewer than ``inline_copy_bytes``) and served by the CPU
+        tier alone. Such a request runs in the caller's task, without a hop between the
+        pipeline's stage tasks (each a pass of the event loop)."""
+        return (
+            request.hash_inline
+            and request.plan.device.type == "cpu"
+            and request.num_tokens * self.layout.token_bytes < self.config.inline_copy_bytes
+            and (
+                not self._manager.slow_tiers
+                or (locations is not None and all(name == "cpu" for name in locations))
+            )
+        )
+
     async def _execute(
-        self, pipeline: Pipeline, request: Request, completion: Completion[T], timeout: float
+        self,
+        pipeline: Pipeline,
+        request: Request,
+        completion: Completion[T],
+        timeout: float,
+        *,
+        inline: bool = False,
     ) -> T | None:
         """Run ``request`` through ``pipeline``; None when it timed out or failed.
 
@@ -640,6 +669,8 @@ class CacheEngine:
         this returns or raises, nothing of the request still touches the caller's memory.
         Raises InvalidInputError (input found invalid off the loop) and EngineClosedError.
         """
+        if inline:
+            return await self._execute_inline(pipeline, request, completion, timeout)
         submitted = False
         deadline = asyncio.timeout(timeout)
         try:
@@ -668,6 +699,35 @@ class CacheEngine:
         except BaseException:
             await self._abandon(request, completion, submitted)
             raise
+
+    async def _execute_inline(
+        self, pipeline: Pipeline, request: Request, completion: Completion[T], timeout: float
+    ) -> T | None:
+        """Run ``request`` through ``pipeline`` in this task (see :meth:`_runs_inline`);
+        the outcomes are those of :meth:`_execute`. The only wait such a request can meet is
+        for host memory; at the deadline (or a cancellation) the stage waiting returns
+        what it took, and the copies, on the loop, are never under way."""
+        deadline = asyncio.timeout(timeout)
+        try:
+            async with deadline:
+                await pipeline.run_inline(request)
+            if not completion.done:  # every batch went through the last stage: never
+                raise RuntimeError("an inline request did not finish")
+            return completion.result()
+        except TimeoutError:
+            if not deadline.expired():
+                self._counters.failed_requests += 1
+                log.exception("request_failed", req_id=request.req_id, pipeline=pipeline.name)
+                return None
+            self._counters.timed_out_requests += 1
+            log.warning("request_timed_out", req_id=request.req_id, pipeline=pipeline.name)
+            return None
+        except (EngineClosedError, InvalidInputError):
+            raise
+        except Exception:
+            self._counters.failed_requests += 1
+            log.exception("request_failed", req_id=request.req_id, pipeline=pipeline.name)
+            return None
 
     async def _abandon(self, request: Request, completion: Completion[T], submitted: bool) -> None:
         """Drop what remains of ``request`` and wait for a copy of it already under way."""

@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -263,17 +264,27 @@ def test_layouts_have_the_documented_shapes(kind: str) -> None:
     assert all(tuple(c.shape) == documented_shape(kind) for c in caches)
 
 
+# A small CPU request runs in the caller's task; inline_copy_bytes=0 sends every request
+# through the pipeline's stage tasks instead. Both paths must give the same bytes.
+PATHS = {"inline": {}, "pipeline": {"inline_copy_bytes": 0}}
+
+
 @pytest.mark.anyio
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("save_unfull", [True, False], ids=["unfull", "full-only"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("kind", KINDS)
-async def test_round_trip_is_bit_exact(kind: str, dtype: torch.dtype, save_unfull: bool) -> None:
+async def test_round_trip_is_bit_exact(
+    kind: str, dtype: torch.dtype, save_unfull: bool, path: str
+) -> None:
     n = 3 * CHUNK + 5  # three full chunks and a short last one
     seed = 100 * KINDS.index(kind) + 10 * DTYPES.index(dtype) + int(save_unfull)
     scene = Scene.build(kind, dtype, n, seed=seed)
     cached = n if save_unfull else 3 * CHUNK
     with anyio.fail_after(TIMEOUT):
-        async with open_engine(scene.layout, save_unfull_chunk=save_unfull) as engine:
+        async with open_engine(
+            scene.layout, save_unfull_chunk=save_unfull, **PATHS[path]
+        ) as engine:
             assert await scene.store(engine) == cached
             assert await engine.lookup(scene.tokens) == cached
             await scene.retrieve_and_check(engine, prefix_mask(n, 0, cached))
@@ -281,6 +292,80 @@ async def test_round_trip_is_bit_exact(kind: str, dtype: torch.dtype, save_unful
             assert stats.cached_chunks == (4 if save_unfull else 3)
             assert stats.stored_tokens == cached
             assert stats.retrieved_tokens == cached
+
+
+@pytest.mark.anyio
+async def test_small_cpu_requests_skip_the_stage_tasks(tmp_path: Path) -> None:
+    """Small work runs in the caller's task; large copies and requests that reach a slow
+    tier go through the pipeline (where copies may hop to a thread and tiers may wait)."""
+    scene = Scene.build("flash_nhd", torch.float16, 2 * CHUNK, seed=21)
+    small = scene.layout.token_bytes * 2 * CHUNK + 1
+    submitted: list[str] = []
+
+    def count(engine: CacheEngine) -> None:
+        for pipe in (engine._store_pipe, engine._retrieve_pipe):
+            submit = pipe.submit
+
+            async def counted(item: Any, pipe: Any = pipe, submit: Any = submit) -> None:
+                submitted.append(pipe.name)
+                await submit(item)
+
+            pipe.submit = counted  # type: ignore[method-assign]
+
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(scene.layout, inline_copy_bytes=small) as engine:
+            count(engine)
+            assert await scene.store(engine) == 2 * CHUNK
+            await scene.retrieve_and_check(engine, prefix_mask(2 * CHUNK, 0, 2 * CHUNK))
+            assert submitted == []
+        async with open_engine(scene.layout, inline_copy_bytes=small - 1) as engine:
+            count(engine)
+            assert await scene.store(engine) == 2 * CHUNK
+            await scene.retrieve_and_check(engine, prefix_mask(2 * CHUNK, 0, 2 * CHUNK))
+            assert len(submitted) == 2
+        submitted.clear()
+        async with open_engine(
+            scene.layout, inline_copy_bytes=small, local_disk=str(tmp_path)
+        ) as engine:
+            count(engine)
+            assert await scene.store(engine) == 2 * CHUNK
+            await scene.retrieve_and_check(engine, prefix_mask(2 * CHUNK, 0, 2 * CHUNK))
+            assert len(submitted) == 2
+            submitted.clear()
+            mask = await engine.retrieve(
+                scene.tokens,
+                kv_caches=scene.target,
+                slot_mapping=scene.dst_slots,
+                retrieve_locations=["cpu"],
+            )
+            assert mask.all() and submitted == []  # the CPU tier alone: inline again
+
+
+@pytest.mark.anyio
+async def test_cancelling_an_inline_store_waiting_for_memory_returns_it() -> None:
+    scene = Scene.build("flash_nhd", torch.float16, CHUNK, seed=22)
+    other = Scene.build("flash_nhd", torch.float16, 3 * CHUNK, seed=23)
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(scene.layout, allocation_timeout=30.0) as engine:
+            pool = engine.stats().pool
+            chunks = pool.capacity_bytes // await one_chunk_bytes(engine, scene)
+            for i in range(chunks):  # fill the pool with pinned chunks
+                filler = random_tokens(CHUNK, seed=1000 + i)
+                stored = await engine.store(
+                    filler, kv_caches=scene.source, slot_mapping=scene.src_slots
+                )
+                assert stored == CHUNK
+                await engine.lookup(filler, lookup_id=f"hold-{i}", pin=True)
+            used = engine.stats().pool.used_bytes
+            with anyio.move_on_after(0.3) as scope:
+                await other.store(engine)  # waits for memory that pinned chunks hold
+            assert scope.cancelled_caught
+            assert engine.stats().pool.used_bytes == used
+            assert engine.stats().pool.num_objects == chunks
+            for i in range(chunks):
+                await engine.lookup_unpin(f"hold-{i}")
+            assert await other.store(engine) == 3 * CHUNK
+            await other.retrieve_and_check(engine, prefix_mask(3 * CHUNK, 0, 3 * CHUNK))
 
 
 @pytest.mark.anyio

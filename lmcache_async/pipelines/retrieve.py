@@ -24,7 +24,7 @@ from ..keys import ChunkSpan
 from ..layouts import KVLayout
 from ..memory import MemoryObj
 from .common import Request, batched, compute_spans, release
-from .stage import Completion, items, put
+from .stage import Completion, Emit, drive
 
 __all__ = ["RetrieveBatch", "RetrieveRequest", "build_retrieve_stages"]
 
@@ -71,28 +71,27 @@ class LookupStage:
         receive: MemoryObjectReceiveStream[RetrieveRequest],
         send: MemoryObjectSendStream[RetrieveBatch],
     ) -> None:
-        async with receive, send:
-            async for request in items(receive):
-                if request.skip:
-                    request.finish_now()
-                    continue
-                try:
-                    await compute_spans(request)
-                except Exception as exc:
-                    request.stopped = True
-                    request.completion.set_error(exc)
-                    continue
-                spans = request.spans
-                hits = await self._manager.lookup_prefix(
-                    [span.key for span in spans], request.locations
-                )
-                groups = batched(0, hits, self._batch_chunks)
-                request.batches_total = len(groups)
-                if not groups:
-                    request.finish_now()
-                    continue
-                for group in groups:
-                    await put(send, RetrieveBatch(request, spans[group.start : group.stop]))
+        await drive(self, receive, send)
+
+    async def handle(self, request: RetrieveRequest, emit: Emit) -> None:
+        if request.skip:
+            request.finish_now()
+            return
+        try:
+            await compute_spans(request)
+        except Exception as exc:
+            request.stopped = True
+            request.completion.set_error(exc)
+            return
+        spans = request.spans
+        hits = await self._manager.lookup_prefix([span.key for span in spans], request.locations)
+        groups = batched(0, hits, self._batch_chunks)
+        request.batches_total = len(groups)
+        if not groups:
+            request.finish_now()
+            return
+        for group in groups:
+            await emit(RetrieveBatch(request, spans[group.start : group.stop]))
 
 
 class PrefetchStage:
@@ -109,23 +108,24 @@ class PrefetchStage:
         receive: MemoryObjectReceiveStream[RetrieveBatch],
         send: MemoryObjectSendStream[RetrieveBatch],
     ) -> None:
-        async with receive, send:
-            async for batch in items(receive):
-                request = batch.request
-                if request.skip:
-                    request.finish_batch()
-                    continue
-                batch.objs = await self._manager.fetch_prefix(
-                    [span.key for span in batch.spans], request.locations, request.lookup_id
-                )
-                if len(batch.objs) < len(batch.spans):
-                    # Evicted between lookup and now: serve the run we still have.
-                    request.stopped = True
-                    del batch.spans[len(batch.objs) :]
-                if not batch.objs:
-                    request.finish_batch()
-                    continue
-                await put(send, batch)
+        await drive(self, receive, send)
+
+    async def handle(self, batch: RetrieveBatch, emit: Emit) -> None:
+        request = batch.request
+        if request.skip:
+            request.finish_batch()
+            return
+        batch.objs = await self._manager.fetch_prefix(
+            [span.key for span in batch.spans], request.locations, request.lookup_id
+        )
+        if len(batch.objs) < len(batch.spans):
+            # Evicted between lookup and now: serve the run we still have.
+            request.stopped = True
+            del batch.spans[len(batch.objs) :]
+        if not batch.objs:
+            request.finish_batch()
+            return
+        await emit(batch)
 
 
 class CopyStage:
@@ -142,27 +142,28 @@ class CopyStage:
         receive: MemoryObjectReceiveStream[RetrieveBatch],
         send: MemoryObjectSendStream[Any],
     ) -> None:
-        async with receive, send:
-            async for batch in items(receive):
-                request = batch.request
-                try:
-                    if request.cancelled or request.copy_failed:
-                        continue
-                    await self._copy(batch)
-                    # A batch's spans are consecutive: mark them in one step. Tokens with
-                    # a negative slot were not written.
-                    start, end = batch.spans[0].start, batch.spans[-1].end
-                    if request.plan.first_skipped(start) is None:
-                        request.mask[start:end] = True
-                    else:
-                        request.mask[start:end] = request.slots_cpu[start:end] >= 0
-                    request.loaded_tokens += end - start
-                except Exception:
-                    log.exception("retrieve_copy_failed", req_id=request.req_id)
-                    request.copy_failed = True
-                finally:
-                    release(batch.objs)
-                    request.finish_batch()
+        await drive(self, receive, send)
+
+    async def handle(self, batch: RetrieveBatch, emit: Emit) -> None:
+        request = batch.request
+        try:
+            if request.cancelled or request.copy_failed:
+                return
+            await self._copy(batch)
+            # A batch's spans are consecutive: mark them in one step. Tokens with a
+            # negative slot were not written.
+            start, end = batch.spans[0].start, batch.spans[-1].end
+            if request.plan.first_skipped(start) is None:
+                request.mask[start:end] = True
+            else:
+                request.mask[start:end] = request.slots_cpu[start:end] >= 0
+            request.loaded_tokens += end - start
+        except Exception:
+            log.exception("retrieve_copy_failed", req_id=request.req_id)
+            request.copy_failed = True
+        finally:
+            release(batch.objs)
+            request.finish_batch()
 
     async def _copy(self, batch: RetrieveBatch) -> None:
         plan = batch.request.plan

@@ -22,7 +22,7 @@ from ..errors import AllocationTimeoutError
 from ..layouts import KVLayout
 from ..memory import MemoryObj, MemoryPool
 from .common import Request, batched, compute_spans, release
-from .stage import Completion, items, put
+from .stage import Completion, Emit, drive
 
 __all__ = ["StoreBatch", "StoreRequest", "build_store_stages"]
 
@@ -103,30 +103,31 @@ class HashStage:
         receive: MemoryObjectReceiveStream[StoreRequest],
         send: MemoryObjectSendStream[StoreBatch],
     ) -> None:
-        async with receive, send:
-            async for request in items(receive):
-                if request.skip:
-                    request.finish()
-                    continue
-                try:
-                    await compute_spans(request)
-                except Exception as exc:  # invalid tokens found off the loop
-                    request.fail(exc)
-                    request.finish()
-                    continue
-                spans = [span for span in request.spans if span.end <= request.limit]
-                request.spans = spans
-                present = self._manager.hold([span.key for span in spans])
-                request.stored = [obj is not None for obj in present]
-                request.held = [obj for obj in present if obj is not None]
-                todo = [i for i, obj in enumerate(present) if obj is None]
-                groups = batched(0, len(todo), self._batch_chunks)
-                request.batches_total = len(groups)
-                if not groups:
-                    request.finish()
-                    continue
-                for group in groups:
-                    await put(send, StoreBatch(request, [todo[i] for i in group]))
+        await drive(self, receive, send)
+
+    async def handle(self, request: StoreRequest, emit: Emit) -> None:
+        if request.skip:
+            request.finish()
+            return
+        try:
+            await compute_spans(request)
+        except Exception as exc:  # invalid tokens found off the loop
+            request.fail(exc)
+            request.finish()
+            return
+        spans = [span for span in request.spans if span.end <= request.limit]
+        request.spans = spans
+        present = self._manager.hold([span.key for span in spans])
+        request.stored = [obj is not None for obj in present]
+        request.held = [obj for obj in present if obj is not None]
+        todo = [i for i, obj in enumerate(present) if obj is None]
+        groups = batched(0, len(todo), self._batch_chunks)
+        request.batches_total = len(groups)
+        if not groups:
+            request.finish()
+            return
+        for group in groups:
+            await emit(StoreBatch(request, [todo[i] for i in group]))
 
 
 class AllocateStage:
@@ -144,23 +145,29 @@ class AllocateStage:
         receive: MemoryObjectReceiveStream[StoreBatch],
         send: MemoryObjectSendStream[StoreBatch],
     ) -> None:
-        async with receive, send:
-            async for batch in items(receive):
-                request = batch.request
-                if request.skip:
-                    request.finish_batch()
-                    continue
-                try:
-                    await self._allocate(batch)
-                except Exception as exc:
-                    release(batch.objs)
-                    request.fail(exc)
-                    request.finish_batch()
-                    continue
-                if not batch.objs:
-                    request.finish_batch()
-                    continue
-                await put(send, batch)
+        await drive(self, receive, send)
+
+    async def handle(self, batch: StoreBatch, emit: Emit) -> None:
+        request = batch.request
+        if request.skip:
+            request.finish_batch()
+            return
+        try:
+            await self._allocate(batch)
+        except Exception as exc:
+            release(batch.objs)
+            request.fail(exc)
+            request.finish_batch()
+            return
+        except BaseException:  # run inline: the caller was cancelled while it waited
+            release(batch.objs)
+            request.stopped = True
+            request.finish_batch()
+            raise
+        if not batch.objs:
+            request.finish_batch()
+            return
+        await emit(batch)
 
     async def _allocate(self, batch: StoreBatch) -> None:
         request = batch.request
@@ -208,22 +215,28 @@ class CopyStage:
         receive: MemoryObjectReceiveStream[StoreBatch],
         send: MemoryObjectSendStream[StoreBatch],
     ) -> None:
-        async with receive, send:
-            async for batch in items(receive):
-                request = batch.request
-                if request.dropping:
-                    release(batch.objs)
-                    request.finish_batch()
-                    continue
-                try:
-                    await self._copy(batch)
-                except Exception as exc:
-                    log.exception("store_copy_failed", req_id=request.req_id)
-                    release(batch.objs)
-                    request.fail(exc)
-                    request.finish_batch()
-                    continue
-                await put(send, batch)
+        await drive(self, receive, send)
+
+    async def handle(self, batch: StoreBatch, emit: Emit) -> None:
+        request = batch.request
+        if request.dropping:
+            release(batch.objs)
+            request.finish_batch()
+            return
+        try:
+            await self._copy(batch)
+        except Exception as exc:
+            log.exception("store_copy_failed", req_id=request.req_id)
+            release(batch.objs)
+            request.fail(exc)
+            request.finish_batch()
+            return
+        except BaseException:  # run inline: the caller was cancelled mid-copy
+            release(batch.objs)
+            request.stopped = True
+            request.finish_batch()
+            raise
+        await emit(batch)
 
     async def _copy(self, batch: StoreBatch) -> None:
         request = batch.request
@@ -255,26 +268,25 @@ class PutStage:
         receive: MemoryObjectReceiveStream[StoreBatch],
         send: MemoryObjectSendStream[Any],
     ) -> None:
-        async with receive, send:
-            async for batch in items(receive):
-                request = batch.request
-                try:
-                    if not request.dropping:
-                        spans = [request.spans[i] for i in batch.indices]
-                        kept = await self._manager.put(
-                            spans, batch.objs, request.tokens, request.locations
-                        )
-                        # Hold what the CPU tier now has under these keys (another request
-                        # may have put the same chunk first) until this request ends;
-                        # chunks written to slow tiers only are held by their writers.
-                        cached = self._manager.hold([span.key for span in spans[:kept]])
-                        for i, obj in zip(batch.indices[:kept], cached, strict=True):
-                            request.stored[i] = True
-                            if obj is not None:
-                                request.held.append(obj)
-                finally:
-                    release(batch.objs)
-                    request.finish_batch()
+        await drive(self, receive, send)
+
+    async def handle(self, batch: StoreBatch, emit: Emit) -> None:
+        request = batch.request
+        try:
+            if not request.dropping:
+                spans = [request.spans[i] for i in batch.indices]
+                kept = await self._manager.put(spans, batch.objs, request.tokens, request.locations)
+                # Hold what the CPU tier now has under these keys (another request may
+                # have put the same chunk first) until this request ends; chunks written
+                # to slow tiers only are held by their writers.
+                cached = self._manager.hold([span.key for span in spans[:kept]])
+                for i, obj in zip(batch.indices[:kept], cached, strict=True):
+                    request.stored[i] = True
+                    if obj is not None:
+                        request.held.append(obj)
+        finally:
+            release(batch.objs)
+            request.finish_batch()
 
 
 def build_store_stages(
