@@ -393,9 +393,10 @@ class _ClientCounters:
 class RemoteCacheEngine:
     """A sidecar's cache, behind the async interface of
     :class:`~lmcache_async.CacheEngine` (store, retrieve, lookup, lookup_unpin, prefetch,
-    clear, freeze, set_hot_cache, stats, is_healthy, aclose).
+    clear, freeze, set_hot_cache, stats, move, is_healthy, aclose).
 
-    Create it with :meth:`connect`. ``freeze``, ``set_hot_cache`` and ``stats`` are
+    Create it with :meth:`connect`. :meth:`push_chunks` is the receiving half of a move
+    (payloads with their checksums, verified by the sidecar). ``freeze``, ``set_hot_cache`` and ``stats`` are
     coroutines here (they ask the server). ``store_layer``/``retrieve_layer``, ``flush``
     and KV events are not offered over the sidecar.
     """
