@@ -38,6 +38,7 @@ from .errors import ConfigError, EngineClosedError, InvalidInputError, TierUnava
 from .events import EventBuffer, KVEvent
 from .health import HealthMonitor
 from .keys import (
+    DIGEST_SIZE,
     ChunkHasher,
     ChunkKey,
     ChunkSpan,
@@ -54,6 +55,7 @@ from .pipelines.retrieve import RetrieveRequest, build_retrieve_stages
 from .pipelines.stage import Completion, Pipeline
 from .pipelines.store import StoreRequest, build_store_stages
 from .stats import Counters, EngineStats
+from .tokens import is_strict_int
 
 if TYPE_CHECKING:
     from .rpc.client import RemoteCacheEngine
@@ -801,6 +803,21 @@ class CacheEngine:
             raise InvalidInputError("pin=True needs a lookup_id")
         locations = self._locations(search_range, "search_range")
         keys, ends, num_tokens = await self._lookup_keys(tokens, hashes, offsets)
+        return await self._lookup(
+            keys, ends, num_tokens, lookup_id=lookup_id, pin=pin, locations=locations
+        )
+
+    async def _lookup(
+        self,
+        keys: Sequence[bytes],
+        ends: list[int],
+        num_tokens: int,
+        *,
+        lookup_id: Hashable | None,
+        pin: bool,
+        locations: Sequence[str] | None,
+    ) -> int:
+        """The cached prefix tokens of a prompt's chunk keys (see :meth:`lookup`)."""
         self._counters.lookup_requests += 1
         self._counters.lookup_tokens += num_tokens
         if not self.is_healthy():
@@ -1125,6 +1142,54 @@ class CacheEngine:
         if inline:
             return keyer()
         return await anyio.to_thread.run_sync(keyer)
+
+    @property
+    def key_hasher(self) -> ChunkHasher:
+        """The hasher of this engine's chunk keys: a client with the same seed, algorithm
+        and chunk size computes the same keys (:meth:`lookup_digests`)."""
+        return self._hasher
+
+    async def lookup_digests(
+        self,
+        digests: Sequence[bytes],
+        num_tokens: int,
+        *,
+        lookup_id: Hashable | None = None,
+        pin: bool = False,
+        search_range: Sequence[str] | None = None,
+    ) -> int:
+        """As :meth:`lookup`, for a prompt of ``num_tokens`` tokens whose chunk digests
+        (:attr:`key_hasher`'s ``digests``, one per chunk, the last maybe short) were
+        computed by the caller, e.g. a sidecar client: no tokens cross the wire.
+
+        Raises:
+            InvalidInputError: ``num_tokens`` is not an int >= 0, the number of digests is
+                not that of its chunks, a digest is not :data:`DIGEST_SIZE` bytes, or as
+                :meth:`lookup`.
+        """
+        self._check_open()
+        if pin and lookup_id is None:
+            raise InvalidInputError("pin=True needs a lookup_id")
+        locations = self._locations(search_range, "search_range")
+        if not is_strict_int(num_tokens) or num_tokens < 0:
+            raise InvalidInputError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        chunk = self.config.chunk_size
+        if len(digests) != -(-num_tokens // chunk):
+            raise InvalidInputError(
+                f"{num_tokens} tokens make {-(-num_tokens // chunk)} chunks of {chunk},"
+                f" got {len(digests)} digests"
+            )
+        # Checked with C-level maps: a 32k-token prompt has 128 digests, on every lookup.
+        if digests and (
+            not set(map(type, digests)) <= {bytes} or set(map(len, digests)) != {DIGEST_SIZE}
+        ):
+            raise InvalidInputError(f"every digest must be {DIGEST_SIZE} bytes")
+        keys: Sequence[bytes] = digests
+        if num_tokens % chunk and not self.config.save_unfull_chunk:
+            keys = keys[:-1]
+        return await self._lookup(
+            keys, [], num_tokens, lookup_id=lookup_id, pin=pin, locations=locations
+        )
 
     @property
     def accepts_writes(self) -> bool:

@@ -505,6 +505,12 @@ class ChunkHasher:
         """The namespace bound into every key through the seed."""
         return self._namespace
 
+    @property
+    def seed(self) -> bytes:
+        """``h_0``: the namespace's seed under this hasher's algorithm. Two hashers with
+        the same seed, chunk size and algorithm give the same keys."""
+        return self._seed
+
     def __repr__(self) -> str:
         return (
             f"ChunkHasher({self._namespace!r}, chunk_size={self._chunk_size}, "

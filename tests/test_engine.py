@@ -342,6 +342,34 @@ async def test_small_cpu_requests_skip_the_stage_tasks(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("save_unfull", [True, False], ids=["unfull", "full-only"])
+async def test_lookup_by_digests_matches_lookup_by_tokens(save_unfull: bool) -> None:
+    n = 3 * CHUNK + 5
+    scene = Scene.build("flash_nhd", torch.float16, n, seed=24)
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(scene.layout, save_unfull_chunk=save_unfull) as engine:
+            await scene.store(engine)
+            hasher = engine.key_hasher
+            for length in (0, 1, CHUNK, CHUNK + 3, 3 * CHUNK, n):
+                tokens = scene.tokens[:length]
+                digests = hasher.digests(tokens) if length else []
+                by_digests = await engine.lookup_digests(digests, length)
+                assert by_digests == await engine.lookup(tokens), length
+            digests = hasher.digests(scene.tokens)
+            assert await engine.lookup_digests(digests, n, lookup_id="p", pin=True) > 0
+            assert engine.stats().pinned_chunks == (4 if save_unfull else 3)
+            await engine.lookup_unpin("p")
+            with pytest.raises(InvalidInputError, match="digests"):
+                await engine.lookup_digests(digests[:-1], n)
+            with pytest.raises(InvalidInputError, match="16 bytes"):
+                await engine.lookup_digests([*digests[:-1], b"short"], n)
+            with pytest.raises(InvalidInputError, match="num_tokens"):
+                await engine.lookup_digests(digests, -1)
+            with pytest.raises(InvalidInputError, match="lookup_id"):
+                await engine.lookup_digests(digests, n, pin=True)
+
+
+@pytest.mark.anyio
 async def test_cancelling_an_inline_store_waiting_for_memory_returns_it() -> None:
     scene = Scene.build("flash_nhd", torch.float16, CHUNK, seed=22)
     other = Scene.build("flash_nhd", torch.float16, 3 * CHUNK, seed=23)

@@ -34,7 +34,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -46,7 +46,7 @@ import zmq.asyncio
 from anyio.abc import TaskGroup
 
 from lmcache_async.backends.record import tensor_bytes
-from lmcache_async.config import DEFAULT_INLINE_COPY_BYTES
+from lmcache_async.config import DEFAULT_INLINE_COPY_BYTES, DEFAULT_INLINE_HASH_TOKENS
 from lmcache_async.cuda import Direction, Transfers
 from lmcache_async.errors import (
     EngineClosedError,
@@ -54,6 +54,7 @@ from lmcache_async.errors import (
     ProtocolError,
     TierUnavailableError,
 )
+from lmcache_async.keys import ChunkHasher, HashAlgorithm, Namespace
 from lmcache_async.layouts import KVLayout
 from lmcache_async.rpc.protocol import (
     PROTOCOL_VERSION,
@@ -93,6 +94,9 @@ _ZERO_COPY_BYTES: Final = 4 << 20
 _LATE_SEND: Final = 1.0  # seconds to hand back a transaction whose request timed out
 _MOVE_WAIT_FACTOR: Final = 10  # a move's default wait, in request timeouts
 _CHECKSUM_LIMIT: Final = 1 << 64
+_DIGEST_MEMO_PROMPTS: Final = 8  # recent long prompts whose digests a client remembers
+
+_T = TypeVar("_T")
 
 
 class _Unavailable(Exception):
@@ -169,6 +173,11 @@ class _Segment:
             log.debug("sidecar_segment_still_mapped", name=self.name)
 
 
+def _optional(header: dict[str, Any], name: str, kind: type[_T]) -> _T | None:
+    value = header.get(name)
+    return value if isinstance(value, kind) else None
+
+
 @dataclass(frozen=True, slots=True)
 class _Welcome:
     """What the server said in its HELLO reply."""
@@ -182,6 +191,8 @@ class _Welcome:
     heartbeat_interval: float
     client_timeout: float
     tiers: tuple[str, ...]
+    hash_algorithm: str | None = None
+    key_seed: bytes | None = None
 
     @classmethod
     def parse(cls, header: dict[str, Any]) -> _Welcome:
@@ -196,6 +207,8 @@ class _Welcome:
                 heartbeat_interval=float(header["heartbeat_interval"]),
                 client_timeout=float(header["client_timeout"]),
                 tiers=tuple(str(t) for t in header.get("tiers", ())),
+                hash_algorithm=_optional(header, "hash_algorithm", str),
+                key_seed=_optional(header, "key_seed", bytes),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed HELLO reply: {exc!r}") from None
@@ -396,9 +409,11 @@ class RemoteCacheEngine:
     clear, freeze, set_hot_cache, stats, move, is_healthy, aclose).
 
     Create it with :meth:`connect`. :meth:`push_chunks` is the receiving half of a move
-    (payloads with their checksums, verified by the sidecar). ``freeze``, ``set_hot_cache`` and ``stats`` are
-    coroutines here (they ask the server). ``store_layer``/``retrieve_layer``, ``flush``
-    and KV events are not offered over the sidecar.
+    (payloads with their checksums, verified by the sidecar). ``freeze``,
+    ``set_hot_cache`` and ``stats`` are coroutines here (they ask the server).
+    ``store_layer``/``retrieve_layer``, ``flush`` and KV events are not offered over the
+    sidecar. Lookups by tokens send the prompt's chunk digests (the server says how it
+    hashes in its welcome), not the tokens.
     """
 
     def __init__(
@@ -466,6 +481,14 @@ class RemoteCacheEngine:
         self._link: _Link | None = None
         self._links: set[_Link] = set()  # every open link, the current one and hellos
         self._welcome: _Welcome | None = None
+        # Set from the server's welcome: lookups then send chunk digests, not tokens.
+        self._hasher: ChunkHasher | None = None
+        self._namespace = Namespace(
+            model_name=model_name,
+            layout_fingerprint=layout.fingerprint,
+            revision=revision,
+            tenant_salt=tenant,
+        )
         self._task_group: TaskGroup | None = None
         self._keeper = anyio.CancelScope()
         self._probe = anyio.Event()
@@ -591,6 +614,7 @@ class RemoteCacheEngine:
             raise
         self._drop_link()
         self._link, self._welcome = link, welcome
+        self._hasher = self._key_hasher(welcome)
         self._healthy = True
         self._connected.set()
         log.info(
@@ -599,6 +623,36 @@ class RemoteCacheEngine:
             server=welcome.server,
             shared_memory=link.segment is not None,
         )
+
+    def _key_hasher(self, welcome: _Welcome) -> ChunkHasher | None:
+        """A hasher giving the server's chunk keys, or None (lookups then send tokens):
+        the server did not say how it hashes, or its seed is not ours."""
+        if welcome.hash_algorithm is None or welcome.key_seed is None:
+            return None
+        try:
+            hasher = ChunkHasher(
+                self._namespace,
+                chunk_size=welcome.chunk_size,
+                algorithm=HashAlgorithm(welcome.hash_algorithm),
+                memo_size=_DIGEST_MEMO_PROMPTS,
+            )
+        except (ValueError, InvalidInputError) as exc:
+            log.warning("sidecar_key_hasher_unavailable", error=str(exc))
+            return None
+        if hasher.seed != welcome.key_seed:
+            log.warning("sidecar_key_seed_differs", url=self.url)
+            return None
+        return hasher
+
+    async def _digests(self, hasher: ChunkHasher, tokens: Tokens) -> list[bytes]:
+        """The chunk digests of ``tokens``: remembered, hashed here when short, else in a
+        worker thread. Raises InvalidInputError for bad tokens."""
+        digests = hasher.remembered(tokens)
+        if digests is not None:
+            return digests
+        if len(tokens) < DEFAULT_INLINE_HASH_TOKENS:
+            return hasher.digests(tokens)
+        return await anyio.to_thread.run_sync(hasher.digests, tokens)
 
     def _attach(self, welcome: _Welcome) -> _Segment | None:
         if welcome.shm is None or self._shared_memory is False:
@@ -1045,7 +1099,17 @@ class RemoteCacheEngine:
             raise InvalidInputError(f"pin must be a bool, got {type(pin).__name__}")
         if pin and lookup_id is None:
             raise InvalidInputError("pin=True needs a lookup_id")
-        header, payloads, num_tokens = self._key_fields(tokens, hashes, offsets)
+        hasher = self._hasher
+        if hasher is not None and tokens is not None and hashes is None and offsets is None:
+            # Chunk digests instead of the tokens: 16 bytes a chunk on the wire, and the
+            # server neither converts nor hashes the prompt.
+            digests = await self._digests(hasher, tokens)
+            num_tokens = len(tokens)
+            header: dict[str, Any] = {"digests_of": num_tokens}
+            payloads: list[memoryview | bytes] = [b"".join(digests)]
+        else:
+            header, key_payloads, num_tokens = self._key_fields(tokens, hashes, offsets)
+            payloads = list(key_payloads)
         header["pin"] = pin
         if lookup_id is not None:
             header["lookup_id"] = _check_lookup_id(lookup_id)

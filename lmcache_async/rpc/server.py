@@ -74,7 +74,7 @@ from lmcache_async.errors import (
     InvalidInputError,
     ProtocolError,
 )
-from lmcache_async.keys import ChunkSpan
+from lmcache_async.keys import DIGEST_SIZE, ChunkSpan
 from lmcache_async.layouts import KVLayout
 from lmcache_async.memory import MemoryObj
 from lmcache_async.rpc.events import EventPublisher, engine_event_source
@@ -821,6 +821,9 @@ class SidecarServer:
             "max_payload_bytes": self.settings.limits.max_payload_bytes,
             "tiers": list(engine.stats().tiers),
             "namespace": (self._namespace or namespace).to_wire(),
+            # Enough for a client to compute chunk keys itself and look up by digests.
+            "hash_algorithm": engine.key_hasher.algorithm.value,
+            "key_seed": engine.key_hasher.seed,
         }
         return reply, ()
 
@@ -839,8 +842,19 @@ class SidecarServer:
         header = message.header
         pin = _flag(header, "pin")
         lookup_id = _lookup_id(header, required=pin)
-        tokens, hashes, offsets = _key_input(message)
         scoped = None if lookup_id is None else session.scoped(lookup_id)
+        search_range = _locations(header, "search_range")
+        if "digests_of" in header:
+            # The client hashed the prompt: one frame of DIGEST_SIZE-byte chunk digests.
+            num_tokens = _int(header, "digests_of", -1)
+            digests = _digests(message)
+            if pin and lookup_id is not None:
+                session.lookup_ids.add(lookup_id)
+            hits = await engine.lookup_digests(
+                digests, num_tokens, lookup_id=scoped, pin=pin, search_range=search_range
+            )
+            return {"hits": hits}, ()
+        tokens, hashes, offsets = _key_input(message)
         if pin and lookup_id is not None:
             session.lookup_ids.add(lookup_id)
         hits = await engine.lookup(
@@ -849,7 +863,7 @@ class SidecarServer:
             offsets=offsets,
             lookup_id=scoped,
             pin=pin,
-            search_range=_locations(header, "search_range"),
+            search_range=search_range,
         )
         return {"hits": hits}, ()
 
@@ -1316,6 +1330,17 @@ def _locations(header: dict[str, Any], name: str) -> list[str] | None:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise ProtocolError(f"'{name}' must be a list of tier names")
     return value
+
+
+def _digests(message: Message) -> list[bytes]:
+    """A LOOKUP's chunk digests: one payload frame of :data:`DIGEST_SIZE`-byte digests."""
+    if len(message.payloads) != 1:
+        raise ProtocolError("a lookup by digests carries one payload frame")
+    frame = message.payloads[0]
+    if frame.nbytes % DIGEST_SIZE:
+        raise ProtocolError(f"the digests frame is not a multiple of {DIGEST_SIZE} bytes")
+    data = bytes(frame)
+    return [data[i : i + DIGEST_SIZE] for i in range(0, len(data), DIGEST_SIZE)]
 
 
 def _key_input(

@@ -39,7 +39,7 @@ from lmcache_async import (
     TierUnavailableError,
 )
 from lmcache_async.cli import main
-from lmcache_async.errors import ConfigError
+from lmcache_async.errors import ConfigError, ProtocolError
 from lmcache_async.logging import configure_logging
 from lmcache_async.rpc.protocol import MessageType, decode, encode
 from lmcache_async.rpc.server import (
@@ -441,6 +441,61 @@ async def test_other_protocol_version_and_garbage_get_error_replies(sidecar: Sid
     finally:
         sock.close(linger=0)
         context.term()
+    assert await ping(sidecar.url, 10)
+
+
+@pytest.mark.anyio
+@pytest.mark.subprocess
+async def test_lookups_send_digests_that_match_the_servers_keys(sidecar: Sidecar) -> None:
+    """The client hashes the prompt with the key seed the server announced; lookups by
+    digests find what a store by tokens put, chunk for chunk, pins included."""
+    salt, num_tokens = 4000, 5 * CHUNK + 3
+    kv, slots = kv_for(num_tokens, 41)
+    tokens = prompt(num_tokens, salt)
+    with anyio.fail_after(60):
+        async with connect(sidecar.url, timeout=10) as engine:
+            hasher = engine._hasher
+            assert hasher is not None  # the server said how it hashes
+            assert (
+                await engine.store(
+                    tokens[: 3 * CHUNK], kv_caches=kv, slot_mapping=slots[: 3 * CHUNK]
+                )
+                == 3 * CHUNK
+            )
+            for length in (0, 1, CHUNK - 1, CHUNK, 2 * CHUNK + 1, 3 * CHUNK, num_tokens):
+                want = min(length, 3 * CHUNK) // CHUNK * CHUNK
+                assert await engine.lookup(tokens[:length]) == want, length
+            assert await engine.lookup(prompt(num_tokens, salt + 1)) == 0
+            assert await engine.lookup(torch.tensor(tokens), lookup_id="d", pin=True) == 3 * CHUNK
+            stats, _ = await server_state(engine)
+            assert stats["pinned_chunks"] == 3
+            await engine.lookup_unpin("d")
+            stats, _ = await server_state(engine)
+            assert stats["pinned_chunks"] == 0
+            with pytest.raises(InvalidInputError):
+                await engine.lookup([[1, 2]])  # type: ignore[list-item]
+
+
+@pytest.mark.anyio
+@pytest.mark.subprocess
+async def test_malformed_digest_lookups_get_error_replies(sidecar: Sidecar) -> None:
+    async with connect(sidecar.url, timeout=10) as engine:
+        link = engine._link
+        assert link is not None
+        digests = b"\1" * 16 * 3
+        cases = [
+            ({"digests_of": 3 * CHUNK, "pin": False}, [digests[:-1]], ProtocolError),
+            ({"digests_of": 3 * CHUNK, "pin": False}, [digests, digests], ProtocolError),
+            ({"digests_of": 5 * CHUNK, "pin": False}, [digests], InvalidInputError),
+            ({"digests_of": -1, "pin": False}, [digests], ProtocolError),
+        ]
+        with anyio.fail_after(30):
+            for header, payloads, error in cases:
+                with pytest.raises(error):
+                    await link.request(MessageType.LOOKUP, header, payloads, timeout=10)
+            good = {"digests_of": 3 * CHUNK, "pin": False}
+            reply = await link.request(MessageType.LOOKUP, good, [digests], timeout=10)
+            assert reply.header["hits"] == 0
     assert await ping(sidecar.url, 10)
 
 
