@@ -827,6 +827,10 @@ class CacheEngine:
             if pin and lookup_id is not None:
                 hits = self._layerwise.pin(keys, lookup_id)
                 self._pins_changed.set()
+                if hits < len(keys) and (self._manager.slow_tiers or locations is not None):
+                    # Pins hold the CPU tier; the rest of the prefix may be on disk or in
+                    # Redis, where the retrieve reads it.
+                    hits = max(hits, await self._layerwise.lookup(keys, locations))
             else:
                 hits = await self._layerwise.lookup(keys, locations)
         elif pin and lookup_id is not None:

@@ -30,6 +30,17 @@ the forward pass and what to store after it:
    computed (and the short last chunk once the prompt is done, when ``save_unfull_chunk``).
    A store returns once the chunks are in host memory; disk and Redis are written behind it.
 
+With ``use_layerwise: true`` the worker moves KV layer by layer, as vLLM's forward pass
+reaches each attention layer: ``start_load_kv`` starts each load (looks its chunks up),
+``wait_for_layer_load`` loads the layer about to run, ``save_kv_layer`` copies out the layer
+just computed and ``wait_for_save`` puts the stored chunks (embedded engine only).
+
+With ``sidecar_url`` each worker keeps no cache of its own: it opens a client of the sidecar
+(``lmcache-async serve``), so several vLLM instances on the host share one cache that
+outlives them. The scheduler still asks the workers, which ask the sidecar. Every request
+to the sidecar is bounded by ``sidecar_timeout``; a sidecar that is down or slow makes
+loads and lookups misses and stores no-ops (vLLM recomputes), never a hang.
+
 Configuration: ``kv_connector_extra_config`` holds :class:`~lmcache_async.config.EngineConfig`
 fields plus the connector's own keys (:data:`CONNECTOR_KEYS`); ``LMCACHE_ASYNC_*``
 environment variables and a YAML file (``config_file``) are merged as by
@@ -58,7 +69,7 @@ from lmcache_async.config import EngineConfig
 from lmcache_async.errors import ConfigError, InvalidInputError
 from lmcache_async.layouts import CpuKVPacking, KVLayout
 from lmcache_async.rpc.lookup import DEFAULT_LOOKUP_TIMEOUT, SyncLookupClient, lookup_endpoint
-from lmcache_async.sync_engine import SyncCacheEngine
+from lmcache_async.sync_engine import DEFAULT_SIDECAR_TIMEOUT, LayerSteps, SyncCacheEngine
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,6 +84,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONNECTOR_KEYS",
     "REQUEST_STATS_KEY",
+    "SIDECAR_ENGINE_KEYS",
     "ConnectorSettings",
     "LMCacheAsyncConnector",
     "LMCacheAsyncConnectorMetadata",
@@ -81,6 +93,7 @@ __all__ = [
     "SchedulerPlanner",
     "block_slots",
     "detect_layout",
+    "layer_order",
 ]
 
 log = structlog.get_logger(__name__)
@@ -90,6 +103,8 @@ CONNECTOR_KEYS: Final = (
     "instance_id",
     "lookup_timeout",
     "request_stats",
+    "sidecar_timeout",
+    "sidecar_url",
     "socket_dir",
     "tenant",
 )
@@ -100,9 +115,19 @@ CONNECTOR_KEYS: Final = (
 * ``lookup_timeout``: seconds the scheduler waits for the workers' answer (then 0 hits);
 * ``request_stats``: when true, each finished request's ``kv_transfer_params`` carry
   ``{"lmcache_async": {...}}`` with its external, loaded, failed and stored token counts;
+* ``sidecar_url``: ``ipc://PATH`` or ``tcp://HOST:PORT`` of a sidecar (``lmcache-async
+  serve``): the workers keep their cache there instead of in an embedded engine. The
+  sidecar owns the tiers, so the only engine keys allowed beside it are
+  :data:`SIDECAR_ENGINE_KEYS` (``chunk_size`` must be the sidecar's);
+* ``sidecar_timeout``: seconds each request to the sidecar may take (default 5); a sidecar
+  that does not answer in time is a miss;
 * ``socket_dir``: directory of the lookup sockets (default: the temporary directory);
 * ``tenant``: a salt in every chunk key, so tenants never share cache entries.
 """
+
+SIDECAR_ENGINE_KEYS: Final = ("chunk_size", "save_unfull_chunk", "log_level", "log_format")
+"""Engine keys the connector accepts with ``sidecar_url``: the scheduler side plans chunks
+with them. Storage keys (tiers, sizes, timeouts) are the sidecar's own."""
 
 REQUEST_STATS_KEY: Final = "lmcache_async"
 """Key of the per-request counts in ``kv_transfer_params`` (with ``request_stats``)."""
@@ -121,6 +146,8 @@ class ConnectorSettings:
     lookup_timeout: float = DEFAULT_LOOKUP_TIMEOUT
     tenant: str | None = None
     request_stats: bool = False
+    sidecar_url: str | None = None
+    sidecar_timeout: float = DEFAULT_SIDECAR_TIMEOUT
 
     @classmethod
     def from_extra_config(
@@ -130,8 +157,9 @@ class ConnectorSettings:
 
         Raises:
             ConfigError: an unknown key (the message suggests the closest known one), a
-                connector key of the wrong type or range, or an invalid engine setting;
-                ``.field`` names the key.
+                connector key of the wrong type or range, an invalid engine setting, or
+                with ``sidecar_url`` a storage key or ``use_layerwise`` (the sidecar owns
+                the tiers and moves whole chunks); ``.field`` names the key.
         """
         known = set(EngineConfig.field_names()) | set(CONNECTOR_KEYS)
         for key in extra:
@@ -154,27 +182,58 @@ class ConnectorSettings:
                 lookup_endpoint(instance_id, 0, socket_dir)
             except InvalidInputError as exc:
                 raise ConfigError("instance_id", str(exc)) from None
-        timeout = own.get("lookup_timeout", DEFAULT_LOOKUP_TIMEOUT)
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ConfigError(
-                "lookup_timeout", f"expected a number of seconds > 0, got {timeout!r}"
-            )
+        timeout = _seconds(own, "lookup_timeout", DEFAULT_LOOKUP_TIMEOUT)
         request_stats = own.get("request_stats", False)
         if not isinstance(request_stats, bool):
             raise ConfigError("request_stats", f"expected a bool, got {request_stats!r}")
+        sidecar_url = _optional_str(own, "sidecar_url")
+        if sidecar_url is not None:
+            _check_sidecar(sidecar_url, engine, engine_keys)
+        elif "sidecar_timeout" in own:
+            raise ConfigError("sidecar_timeout", "only meaningful with sidecar_url")
         return cls(
             engine=engine,
             instance_id=instance_id,
             socket_dir=socket_dir,
-            lookup_timeout=float(timeout),
+            lookup_timeout=timeout,
             tenant=_optional_str(own, "tenant"),
             request_stats=request_stats,
+            sidecar_url=sidecar_url,
+            sidecar_timeout=_seconds(own, "sidecar_timeout", DEFAULT_SIDECAR_TIMEOUT),
         )
+
+
+def _seconds(values: Mapping[str, Any], key: str, default: float) -> float:
+    value = values.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(key, f"expected a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _check_sidecar(url: str, engine: EngineConfig, engine_keys: Mapping[str, Any]) -> None:
+    """Refuse what a sidecar cannot honour: a bad URL, layerwise, storage keys here."""
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("ipc", "tcp") or not rest:
+        raise ConfigError("sidecar_url", f"expected ipc://PATH or tcp://HOST:PORT, got {url!r}")
+    if engine.use_layerwise:
+        raise ConfigError(
+            "use_layerwise",
+            "layerwise transfers are not offered over the sidecar; drop use_layerwise or "
+            "sidecar_url",
+        )
+    for key in engine_keys:
+        if key not in SIDECAR_ENGINE_KEYS:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(
+                key,
+                f"the sidecar at {url} owns the storage settings: give {flag} to "
+                "`lmcache-async serve`, not to the connector",
+            )
 
 
 def _optional_str(values: Mapping[str, Any], key: str) -> str | None:
@@ -358,6 +417,25 @@ def block_slots(block_ids: Sequence[int], block_size: int, num_tokens: int) -> t
     blocks = torch.tensor(list(block_ids[:needed]), dtype=torch.int64)
     offsets = torch.arange(block_size, dtype=torch.int64)
     return (blocks.unsqueeze(1) * block_size + offsets).view(-1)[:num_tokens].clone()
+
+
+def layer_order(names: Sequence[str]) -> list[int]:
+    """The indices of ``names`` (vLLM's attention layer names) in the model's layer order.
+
+    Each name is expected to hold one integer part, the layer number
+    (``model.layers.3.self_attn.attn``); when every name does and no two share one, the
+    names are ordered by it, so every process lays the layers out alike and layerwise
+    transfers follow the forward pass. Otherwise the given order is kept.
+    """
+    numbers: list[int] = []
+    for name in names:
+        found = [int(part) for part in name.split(".") if part.isdigit()]
+        if len(found) != 1:
+            return list(range(len(names)))
+        numbers.append(found[0])
+    if len(set(numbers)) != len(numbers):
+        return list(range(len(names)))
+    return sorted(range(len(names)), key=numbers.__getitem__)
 
 
 # -- metadata --------------------------------------------------------------------------------
@@ -613,6 +691,22 @@ class SchedulerPlanner:
 # -- the connector ---------------------------------------------------------------------------
 
 
+@dataclass(slots=True)
+class _LayerLoad:
+    """A layerwise load of this step, stepped once per attention layer."""
+
+    load: LoadSpec
+    steps: LayerSteps[torch.Tensor | None]
+
+
+@dataclass(slots=True)
+class _LayerSave:
+    """A layerwise store of this step, stepped once per attention layer."""
+
+    save: SaveSpec
+    steps: LayerSteps[int | None]
+
+
 class LMCacheAsyncConnector(KVConnectorBase_V1):
     """vLLM's KV connector for lmcache_async; see the module docstring for the protocol.
 
@@ -636,8 +730,12 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
         self._pp_size = parallel.pipeline_parallel_size
         self._block_size = vllm_config.cache_config.block_size
         self._instance_id = self._settings.instance_id or _instance_id(vllm_config)
+        self._layerwise = self._settings.engine.use_layerwise
         self._engine: SyncCacheEngine | None = None
         self._kv_caches: list[torch.Tensor] = []
+        self._layer_positions: dict[str, int] = {}
+        self._layer_loads: list[_LayerLoad] = []
+        self._layer_saves: list[_LayerSave] | None = None
         self._load_errors: set[int] = set()
         self._failed_epochs: dict[str, int] = {}
         self._client: SyncLookupClient | None = None
@@ -664,22 +762,28 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
             role=role.name,
             instance_id=self._instance_id,
             chunk_size=self._settings.engine.chunk_size,
+            sidecar=self._settings.sidecar_url,
+            layerwise=self._layerwise,
         )
 
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Recognise vLLM's KV memory, open the cache engine on it and serve lookups.
+        """Recognise vLLM's KV memory, open the cache engine on it (embedded, or a client
+        of the sidecar) and serve lookups.
 
         Raises:
             InvalidInputError: a KV layout this connector does not know (naming it).
+            ConfigError: the sidecar cuts chunks of another size than ``chunk_size``.
         """
         vllm_config = self._vllm_config
         model = vllm_config.model_config
         num_kv_heads, head_size = _heads(vllm_config, self._kv_cache_config)
         tp_rank, pp_rank = _ranks()
+        names = list(kv_caches)
+        order = layer_order(names)
         layout, tensors = detect_layout(
-            list(kv_caches.values()),
+            [kv_caches[names[i]] for i in order],
             num_kv_heads=num_kv_heads,
             head_size=head_size,
             use_mla=bool(getattr(model, "use_mla", False)),
@@ -692,16 +796,13 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
             tenant = f"{tenant or ''}/pp{pp_rank}"
         if self._engine is not None:
             self._engine.close()  # registered again: the old memory is gone
+            self._engine = None
         self._kv_caches = tensors
-        self._engine = SyncCacheEngine.open(
-            self._settings.engine,
-            layout,
-            model_name=str(model.model),
-            revision=model.revision,
-            tenant=tenant,
-        )
+        self._layer_positions = {names[i]: position for position, i in enumerate(order)}
+        engine = self._open_engine(layout, str(model.model), model.revision, tenant)
+        self._engine = engine
         rank = pp_rank * self._tp_size + tp_rank
-        endpoint = self._engine.serve_lookups(self._instance_id, rank, self._settings.socket_dir)
+        endpoint = engine.serve_lookups(self._instance_id, rank, self._settings.socket_dir)
         log.info(
             "vllm_kv_caches_registered",
             layout=layout.kind.value,
@@ -709,31 +810,72 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
             block_size=layout.block_size,
             layers=layout.num_layers,
             endpoint=endpoint,
+            sidecar=self._settings.sidecar_url,
         )
 
+    def _open_engine(
+        self, layout: KVLayout, model_name: str, revision: str | None, tenant: str | None
+    ) -> SyncCacheEngine:
+        settings = self._settings
+        url = settings.sidecar_url
+        if url is None:
+            return SyncCacheEngine.open(
+                settings.engine, layout, model_name=model_name, revision=revision, tenant=tenant
+            )
+        # A sidecar that is down is not fatal: calls are misses until it answers.
+        engine = SyncCacheEngine.connect(
+            url,
+            layout,
+            model_name=model_name,
+            revision=revision,
+            tenant=tenant,
+            timeout=settings.sidecar_timeout,
+        )
+        chunk = engine.chunk_size
+        if chunk is None:
+            log.warning("vllm_sidecar_unreachable", url=url, timeout=settings.sidecar_timeout)
+        elif chunk != settings.engine.chunk_size:
+            engine.close()
+            raise ConfigError(
+                "chunk_size",
+                f"the sidecar at {url} cuts chunks of {chunk} tokens, the connector is "
+                f"configured for {settings.engine.chunk_size}: set chunk_size to {chunk}",
+            )
+        return engine
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Retrieve this step's loads into the paged memory (synchronously)."""
+        """Retrieve this step's loads into the paged memory: whole, before returning; or,
+        with ``use_layerwise``, start them (the lookup) and load each layer in
+        :meth:`wait_for_layer_load`."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, LMCacheAsyncConnectorMetadata) or not meta.loads:
             return
         for load in meta.loads:
-            self._load(load)
+            if self._layerwise:
+                self._start_layer_load(load)
+            else:
+                self._load(load)
+
+    def _load_args(self, load: LoadSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot mapping and mask of a load: the chunks from the one holding
+        ``load.start`` on are read; only tokens ``[start, end)`` are written."""
+        chunk = self._settings.engine.chunk_size
+        num = len(load.tokens)
+        slots = block_slots(load.block_ids, self._block_size, num)
+        mask_start = load.start - load.start % chunk
+        slots[mask_start : load.start] = -1  # vLLM's own prefix: never overwritten
+        slots[load.end :] = -1
+        mask = torch.zeros(num, dtype=torch.bool)
+        mask[mask_start:] = True
+        return slots, mask
 
     def _load(self, load: LoadSpec) -> None:
         engine = self._engine
-        bs = self._block_size
-        filled = load.start
+        loaded: torch.Tensor | None = None
         try:
             if engine is None:
                 raise InvalidInputError("KV caches were never registered")
-            chunk = self._settings.engine.chunk_size
-            num = len(load.tokens)
-            slots = block_slots(load.block_ids, bs, num)
-            mask_start = load.start - load.start % chunk
-            slots[mask_start : load.start] = -1  # vLLM's own prefix: never overwritten
-            slots[load.end :] = -1
-            mask = torch.zeros(num, dtype=torch.bool)
-            mask[mask_start:] = True
+            slots, mask = self._load_args(load)
             loaded = engine.retrieve(
                 load.tokens,
                 kv_caches=self._kv_caches,
@@ -742,16 +884,27 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
                 req_id=load.req_id,
                 lookup_id=load.req_id,
             )
+        except Exception:
+            self._load_failed(load)
+        self._loaded(load, loaded)
+
+    def _load_failed(self, load: LoadSpec) -> None:
+        log.exception("vllm_load_failed", req_id=load.req_id)
+        if self._engine is not None:
+            with contextlib.suppress(Exception):
+                self._engine.lookup_unpin(load.req_id)
+
+    def _loaded(self, load: LoadSpec, loaded: torch.Tensor | None) -> None:
+        """Check a finished load (``loaded``: its mask, None if it failed); report the
+        blocks it did not fill, so vLLM recomputes them."""
+        filled = load.start
+        if loaded is not None:
             missing = (~loaded[load.start : load.end]).nonzero()
             filled = load.end if missing.numel() == 0 else load.start + int(missing[0])
-        except Exception:
-            log.exception("vllm_load_failed", req_id=load.req_id)
-            if engine is not None:
-                with contextlib.suppress(Exception):
-                    engine.lookup_unpin(load.req_id)
         if filled >= load.end:
             log.debug("vllm_kv_loaded", req_id=load.req_id, tokens=load.end - load.start)
             return
+        bs = self._block_size
         bad = set(load.block_ids[filled // bs : (load.end - 1) // bs + 1])
         self._load_errors |= bad
         self._failed_epochs[load.req_id] = load.epoch
@@ -763,8 +916,65 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
             blocks=len(bad),
         )
 
+    # -- layerwise --------------------------------------------------------------------------
+
+    def _start_layer_load(self, load: LoadSpec) -> None:
+        engine = self._engine
+        steps: LayerSteps[torch.Tensor | None] | None = None
+        try:
+            if engine is None:
+                raise InvalidInputError("KV caches were never registered")
+            slots, mask = self._load_args(load)
+            steps = engine.retrieve_layer(
+                load.tokens,
+                kv_caches=self._kv_caches,
+                slot_mapping=slots,
+                mask=mask,
+                req_id=load.req_id,
+                lookup_id=load.req_id,
+            )
+            steps.step()  # the lookup: references on every layer of the cached chunks
+        except Exception:
+            self._load_failed(load)
+            if steps is not None:
+                with contextlib.suppress(Exception):
+                    steps.close()
+            self._loaded(load, None)
+            return
+        self._layer_loads.append(_LayerLoad(load, steps))
+
+    def _step_to(self, steps: LayerSteps[Any], taken: int, req_id: str) -> bool:
+        """Step ``steps`` until ``taken`` steps are taken (or none is left); False when a
+        step failed (logged; the transfer is then over)."""
+        try:
+            while not steps.done and steps.taken < taken:
+                steps.step()
+        except Exception:
+            log.exception("vllm_layerwise_step_failed", req_id=req_id)
+            return False
+        return True
+
+    def _finish_layer_loads(self) -> None:
+        """Load every layer left of this step's layerwise loads and check them."""
+        pending, self._layer_loads = self._layer_loads, []
+        for layer_load in pending:
+            steps = layer_load.steps
+            ok = self._step_to(steps, steps.total, layer_load.load.req_id)
+            last = steps.finish() if ok else None
+            self._loaded(layer_load.load, last if isinstance(last, torch.Tensor) else None)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: loads finish inside :meth:`start_load_kv`."""
+        """With ``use_layerwise``: return once ``layer_name``'s KV of this step's loads is
+        in the paged memory (the layers before it too). Otherwise loads finished in
+        :meth:`start_load_kv`."""
+        if not self._layer_loads:
+            return
+        position = self._layer_positions.get(layer_name)
+        if position is None:
+            return  # not a layer of ours: everything left is loaded by wait_for_save
+        for layer_load in self._layer_loads:
+            # Step 0 was the lookup; step i + 1 loads layer i.
+            self._step_to(layer_load.steps, position + 2, layer_load.load.req_id)
 
     def save_kv_layer(
         self,
@@ -773,25 +983,70 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        """Nothing per layer: whole chunks are stored in :meth:`wait_for_save`."""
+        """With ``use_layerwise``: copy ``layer_name``'s KV of this step's stores out (the
+        chunks are put in :meth:`wait_for_save`). Otherwise nothing: whole chunks are
+        stored in :meth:`wait_for_save`."""
+        if not self._layerwise:
+            return
+        position = self._layer_positions.get(layer_name)
+        if position is None:
+            return
+        if self._layer_saves is None:
+            self._layer_saves = self._start_layer_saves()
+        for layer_save in self._layer_saves:
+            # Step i copies layer i out (step 0 also allocates the chunks' memory).
+            self._step_to(layer_save.steps, position + 1, layer_save.save.req_id)
+
+    def _start_layer_saves(self) -> list[_LayerSave]:
+        meta = self._get_connector_metadata()
+        engine = self._engine
+        if not isinstance(meta, LMCacheAsyncConnectorMetadata) or engine is None:
+            return []
+        started = []
+        for save in meta.saves:
+            if self._failed_epochs.get(save.req_id) == save.epoch:
+                continue  # computed over a prefix that failed to load
+            try:
+                slots, mask = self._save_args(save)
+                steps = engine.store_layer(
+                    save.tokens,
+                    kv_caches=self._kv_caches,
+                    slot_mapping=slots,
+                    mask=mask,
+                    req_id=save.req_id,
+                )
+            except Exception:
+                log.exception("vllm_store_failed", req_id=save.req_id)
+                continue
+            started.append(_LayerSave(save, steps))
+        return started
+
+    def _save_args(self, save: SaveSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self._settings.engine.chunk_size
+        num = len(save.tokens)
+        slots = block_slots(save.block_ids, self._block_size, num)
+        mask = torch.zeros(num, dtype=torch.bool)
+        mask[save.start - save.start % chunk :] = True
+        return slots, mask
 
     def wait_for_save(self) -> None:
-        """Store this step's whole prompt chunks; returns once they are in host memory."""
+        """Store this step's whole prompt chunks; returns once they are in host memory.
+        With ``use_layerwise`` the layers were copied out in :meth:`save_kv_layer`: the
+        chunks are put here (dropped when the request's load failed this step)."""
+        if self._layerwise:
+            self._finish_layer_saves()
+            return
         meta = self._get_connector_metadata()
         if not isinstance(meta, LMCacheAsyncConnectorMetadata) or not meta.saves:
             return
         engine = self._engine
         if engine is None:
             return
-        chunk = self._settings.engine.chunk_size
         for save in meta.saves:
             if self._failed_epochs.get(save.req_id) == save.epoch:
                 continue  # computed over a prefix that failed to load
-            num = len(save.tokens)
             try:
-                slots = block_slots(save.block_ids, self._block_size, num)
-                mask = torch.zeros(num, dtype=torch.bool)
-                mask[save.start - save.start % chunk :] = True
+                slots, mask = self._save_args(save)
                 stored = engine.store(
                     save.tokens,
                     kv_caches=self._kv_caches,
@@ -804,6 +1059,22 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
                 continue
             log.debug("vllm_kv_stored", req_id=save.req_id, start=save.start, tokens=stored)
 
+    def _finish_layer_saves(self) -> None:
+        self._finish_layer_loads()  # a load failing now voids the request's stores
+        saves = self._layer_saves
+        if saves is None:  # no attention layer ran with metadata: copy every layer now
+            saves = self._start_layer_saves()
+        self._layer_saves = None
+        for layer_save in saves:
+            save, steps = layer_save.save, layer_save.steps
+            if self._failed_epochs.get(save.req_id) == save.epoch:
+                with contextlib.suppress(Exception):
+                    steps.close()
+                continue
+            if self._step_to(steps, steps.total, save.req_id):
+                stored = steps.finish()
+                log.debug("vllm_kv_stored", req_id=save.req_id, start=save.start, tokens=stored)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Loads and stores are synchronous: nothing finishes later. Forgets finished ids."""
         for req_id in finished_req_ids:
@@ -812,6 +1083,7 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed this step; vLLM recomputes them."""
+        self._finish_layer_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 

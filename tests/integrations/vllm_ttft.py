@@ -12,6 +12,11 @@ off) and, for each repeat, times two ``max_tokens=1`` requests:
 Prints one JSON line (``RESULT {...}``) with every time, the medians and their ratio::
 
     python tests/integrations/vllm_ttft.py [--layers 8] [--hidden 1024] [--prefix 1792] ...
+
+With ``--sidecar`` it measures twice, each in a fresh child process of this script on the
+same model: with the connector's embedded engine, then with the connector against a sidecar
+(``lmcache-async serve``, started here and stopped after), and prints both
+(``{"embedded": {...}, "sidecar": {...}}``).
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from tiny_llama import TinyLlamaSpec, build_tiny_llama
@@ -44,6 +52,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--local-disk", default=None, help="also write chunks to this dir")
     parser.add_argument("--model-dir", default=None, help="reuse/keep the model here")
     parser.add_argument("--kv-cache-gb", default="2")
+    parser.add_argument(
+        "--sidecar",
+        action="store_true",
+        help="measure the embedded engine and a sidecar, each in a fresh process",
+    )
+    parser.add_argument("--sidecar-url", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -62,11 +76,14 @@ def main(argv: list[str]) -> int:
         max_positions=max(4096, args.prefix + args.suffix + 16),
         dtype=args.dtype,
     )
-    with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="vllm-ttft-", dir="/tmp") as scratch:
         model_dir = args.model_dir or os.path.join(scratch, "model")
         if not os.path.exists(os.path.join(model_dir, "config.json")):
             build_tiny_llama(model_dir, spec)
-        summary = _measure(args, model_dir, scratch)
+        if args.sidecar:
+            summary = _both(argv, args, model_dir, scratch)
+        else:
+            summary = _measure(args, model_dir, scratch)
     summary["model"] = {
         "layers": spec.layers,
         "hidden": spec.hidden,
@@ -88,13 +105,16 @@ def _measure(args: argparse.Namespace, model_dir: str, scratch: str) -> dict[str
 
     extra: dict[str, Any] = {
         "chunk_size": args.chunk_size,
-        "max_local_cpu_size": 2.0,
         "instance_id": f"ttft{os.getpid()}",
         "socket_dir": scratch,
         "request_stats": True,
     }
-    if args.local_disk:
-        extra["local_disk"] = args.local_disk
+    if args.sidecar_url:
+        extra["sidecar_url"] = args.sidecar_url
+    else:
+        extra["max_local_cpu_size"] = 2.0
+        if args.local_disk:
+            extra["local_disk"] = args.local_disk
     total = args.prefix + args.suffix
     llm = LLM(
         model=model_dir,
@@ -149,6 +169,70 @@ def _measure(args: argparse.Namespace, model_dir: str, scratch: str) -> dict[str
         "median_cached_s": median_cached,
         "cached_over_uncached": median_cached / median_uncached,
     }
+
+
+def _both(
+    argv: list[str], args: argparse.Namespace, model_dir: str, scratch: str
+) -> dict[str, Any]:
+    """Measure embedded, then through a sidecar started here, each in a child process."""
+    child = [sys.executable, os.path.abspath(__file__)]
+    child += [a for a in argv if a != "--sidecar"] + ["--model-dir", model_dir]
+    summary = {"embedded": _child(child)}
+    script = Path(sys.executable).with_name("lmcache-async")
+    serve = [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_async.cli"]
+    url = f"ipc://{scratch}/sidecar.sock"
+    serve += ["--log-level", "WARNING", "serve", "--listen", url]
+    serve += ["--chunk-size", str(args.chunk_size), "--max-local-cpu-size", "2"]
+    if args.local_disk:
+        serve += ["--local-disk", args.local_disk]
+    sidecar = subprocess.Popen(serve, stdout=sys.stderr)
+    try:
+        _wait_ready(url, sidecar)
+        summary["sidecar"] = _child([*child, "--sidecar-url", url])
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        try:
+            sidecar.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            sidecar.kill()
+            sidecar.wait(timeout=60)
+    return summary
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    """Ping the sidecar until it answers (bounded by ``timeout``)."""
+    import zmq
+
+    from lmcache_async.rpc.protocol import MessageType, decode, encode
+
+    deadline = time.monotonic() + timeout
+    context = zmq.Context()
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the sidecar exited with {process.returncode}")
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(url)
+            try:
+                sock.send_multipart(encode(MessageType.PING, request_id=1))
+                if sock.poll(500) and decode(sock.recv_multipart()).type is MessageType.PING:
+                    return
+            finally:
+                sock.close(linger=0)
+        raise TimeoutError(f"the sidecar at {url} did not answer in {timeout} s")
+    finally:
+        context.term()
+
+
+def _child(args: list[str]) -> dict[str, Any]:
+    done = subprocess.run(args, capture_output=True, text=True, timeout=1800, check=False)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+            result.pop("model", None)
+            return result
+    raise RuntimeError(f"{args[1]} failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
 if __name__ == "__main__":
