@@ -2,8 +2,9 @@
 
 Subcommands:
 
-- ``bench`` — the embedded multi-round chat load run on an in-process engine (default),
-  or with ``--micro`` the copy / lookup / hashing micro-benchmarks, with ``--gpu`` the
+- ``bench`` — the embedded multi-round chat load run on an in-process engine (default;
+  ``--target sidecar`` or ``--target vllm --model DIR`` for the others), or with
+  ``--micro`` the copy / lookup / hashing micro-benchmarks, with ``--gpu`` the
   GPU copy and layerwise-overlap benchmark;
 - ``check-config [FILE]`` — load the engine configuration (file, then
   ``LMCACHE_ASYNC_*`` environment variables) and print the effective settings as YAML;
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     from lmcache_async.bench import DTYPES  # noqa: PLC0415
     from lmcache_async.bench.loadgen import ARRIVALS, TARGETS, LoadOptions  # noqa: PLC0415
     from lmcache_async.bench.micro import MicroOptions  # noqa: PLC0415
+    from lmcache_async.bench.vllm_target import VLLM_EXECUTORS  # noqa: PLC0415
     from lmcache_async.bench.workloads import WORKLOADS  # noqa: PLC0415
 
     emb = LoadOptions()
@@ -70,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run the load generator (or --micro)",
         description="A workload (multi-round chat, long-document QA or random prompts) "
-        "against an embedded engine or a sidecar, with real KV tensors; or with --micro the "
-        "copy/lookup/hashing micro-benchmarks.",
+        "against an embedded engine or a sidecar, with real KV tensors, or against vLLM with "
+        "the connector (time to first token); or with --micro the copy/lookup/hashing "
+        "micro-benchmarks.",
     )
     bench.add_argument("--micro", action="store_true", help="run the micro-benchmarks")
     bench.add_argument(
@@ -121,9 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--target",
         choices=TARGETS,
         default=emb.target,
-        help="embedded: an engine in this process; sidecar: lmcache-async serve at --url",
+        help="embedded: an engine in this process; sidecar: lmcache-async serve at --url; "
+        "vllm: vLLM on --model with the lmcache_async connector",
     )
-    load.add_argument("--url", default=None, help="the sidecar's ipc:// or tcp:// URL")
+    load.add_argument(
+        "--url",
+        default=None,
+        help="the sidecar's ipc:// or tcp:// URL (with --target vllm: the connector's cache)",
+    )
     load.add_argument("--model-name", default=emb.model_name, help="the cache namespace")
     load.add_argument("--duration", type=float, default=emb.duration, metavar="SECONDS")
     load.add_argument("--concurrency", type=int, default=emb.concurrency, help="in flight")
@@ -151,6 +159,36 @@ def build_parser() -> argparse.ArgumentParser:
         default=emb.verify_every,
         metavar="N",
         help="check every N-th retrieve bit for bit (0: never)",
+    )
+
+    vllm = bench.add_argument_group("vLLM target (--target vllm)")
+    vllm.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="a local Hugging Face model directory (nothing is downloaded); a small random one: "
+        "python tests/integrations/tiny_llama.py DIR",
+    )
+    vllm.add_argument(
+        "--max-tokens", type=int, default=emb.max_tokens, help="tokens generated per request"
+    )
+    vllm.add_argument(
+        "--kv-cache-gb", type=float, default=emb.kv_cache_gb, help="vLLM's paged KV memory (GiB)"
+    )
+    vllm.add_argument(
+        "--vllm-dtype", default=emb.vllm_dtype, help="model dtype in vLLM (auto: the config's)"
+    )
+    vllm.add_argument(
+        "--vllm-executor",
+        choices=VLLM_EXECUTORS,
+        default=emb.vllm_executor,
+        help="mp: vLLM's worker in its own process (vLLM's default); uni: in the engine core "
+        "process (starts faster)",
+    )
+    vllm.add_argument(
+        "--no-connector",
+        action="store_true",
+        help="plain vLLM without the cache: a baseline time to first token",
     )
 
     micro = bench.add_argument_group("micro-benchmarks (--micro)")
@@ -537,6 +575,12 @@ def _bench(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             verify_every=args.verify_every,
             progress=not args.quiet,
+            model=args.model,
+            max_tokens=args.max_tokens,
+            kv_cache_gb=args.kv_cache_gb,
+            vllm_dtype=args.vllm_dtype,
+            vllm_executor=args.vllm_executor,
+            connector=not args.no_connector,
         )
         options.validate()
         options.make_workload()  # bad sizes are usage errors before anything starts
@@ -548,7 +592,7 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_USAGE
         summary = format_summary(results)
-        failed = bool(results["errors_total"] or results["verify_failures"])
+        failed = bool(results["errors_total"] or results.get("verify_failures"))
         if args.plot:
             write_plot(results, args.plot)
     if args.json:

@@ -14,10 +14,14 @@ Each request does what a serving engine does with a prompt:
 Every ``verify_every``-th retrieve is checked bit for bit (on a sample of its tokens)
 against the KV the compute step would have written.
 
-Targets: ``embedded`` (a :class:`~lmcache_async.CacheEngine` in this process) and
+Targets: ``embedded`` (a :class:`~lmcache_async.CacheEngine` in this process),
 ``sidecar`` (a :class:`~lmcache_async.RemoteCacheEngine` connected to ``lmcache-async
-serve``; its cache is left as it is at the end). ``vllm`` is not driven from here: vLLM's
-time to first token with the connector is measured by ``tests/integrations/vllm_ttft.py``.
+serve``; its cache is left as it is at the end) and ``vllm``: vLLM's async engine on a local
+model with the lmcache_async connector (:mod:`~lmcache_async.bench.vllm_target`; its cache
+embedded in vLLM's worker, or the sidecar at ``url``). A vLLM request submits the prompt's
+token ids and generates ``max_tokens`` tokens; the run times each request's first token
+(``ttft``) and end (``request``) and counts the tokens the connector reports loaded and
+stored; its hit rate is the loaded tokens over the prompt tokens.
 
 Arrivals: with ``rate`` 0 (the default), ``concurrency`` requests are kept in flight
 (closed loop); with a rate, requests arrive at that many per second (Poisson or evenly
@@ -30,6 +34,7 @@ spaced) and wait for a free slot when ``concurrency`` are already in flight; the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import math
 import os
@@ -46,6 +51,14 @@ import structlog
 import torch
 
 from lmcache_async.bench import Progress, format_table, parse_dtype, percentiles, plain_data
+from lmcache_async.bench.vllm_target import (
+    VLLM_EXECUTORS,
+    VllmSettings,
+    VllmTarget,
+    check_vllm,
+    open_vllm,
+    read_model,
+)
 from lmcache_async.bench.workloads import (
     WORKLOADS,
     KVSource,
@@ -67,6 +80,7 @@ __all__ = [
     "ARRIVALS",
     "OPERATIONS",
     "TARGETS",
+    "VLLM_OPERATIONS",
     "LoadOptions",
     "check_plotting",
     "format_summary",
@@ -81,6 +95,8 @@ TARGETS: Final = ("embedded", "sidecar", "vllm")
 ARRIVALS: Final = ("poisson", "fixed")
 OPERATIONS: Final = ("lookup", "retrieve", "compute", "store", "request")
 """Timed steps; ``request`` is a whole request, from its arrival to its store's end."""
+VLLM_OPERATIONS: Final = ("ttft", "request")
+"""Timed steps of a vLLM request, both from its arrival: its first token and its end."""
 
 VERIFY_SAMPLE: Final = 256
 """Random tokens checked per verified retrieve (besides each chunk's first and last)."""
@@ -89,10 +105,6 @@ _GRACE_SECONDS: Final = 120.0
 """How long in-flight requests may run past ``duration`` before the run counts as hung."""
 _SIDECAR_TIMEOUT: Final = 30.0
 """Seconds one sidecar request may take (a long prompt's KV is hundreds of MB)."""
-_VLLM_HINT: Final = (
-    "target vllm is not driven by lmcache-async bench: measure vLLM's time to first token "
-    "with the connector with tests/integrations/vllm_ttft.py"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +118,8 @@ class LoadOptions:
     workload: str = "multi-round-chat"
     target: str = "embedded"
     url: str | None = None
-    """The sidecar's ``ipc://`` or ``tcp://`` URL (target ``sidecar``)."""
+    """The sidecar's ``ipc://`` or ``tcp://`` URL (target ``sidecar``; with target ``vllm``
+    the connector keeps its cache there)."""
     model_name: str = "lmcache-async-bench"
     seed: int = 0
     duration: float = 8.0
@@ -136,6 +149,18 @@ class LoadOptions:
     vocab_size: int = 32000
     progress: bool = True
     """Show progress on stderr (tqdm when importable, else a line a second)."""
+    model: str | None = None
+    """Target ``vllm``: a local Hugging Face model directory."""
+    max_tokens: int = 1
+    """Target ``vllm``: tokens generated per request."""
+    kv_cache_gb: float = 1.0
+    """Target ``vllm``: vLLM's paged KV memory in GiB."""
+    vllm_dtype: str = "auto"
+    """Target ``vllm``: the model's dtype in vLLM (``auto``: the model config's)."""
+    vllm_executor: str = "mp"
+    """Target ``vllm``: ``mp`` (the worker in its own process) or ``uni``."""
+    connector: bool = True
+    """Target ``vllm``: False runs plain vLLM, a baseline without the cache."""
 
     def validate(self) -> None:
         """Check the options as a whole (the workload's sizes are checked by
@@ -143,17 +168,24 @@ class LoadOptions:
 
         Raises:
             InvalidInputError: an unknown name, a count or size out of range, an unknown
-                dtype, a sidecar without a URL, or target ``vllm``.
+                dtype, a sidecar without a URL; for target ``vllm``: vLLM not installed,
+                no usable ``model`` directory (the message says how to make one).
         """
         for name, value, allowed in (
             ("workload", self.workload, WORKLOADS),
             ("target", self.target, TARGETS),
             ("arrival", self.arrival, ARRIVALS),
+            ("vllm_executor", self.vllm_executor, VLLM_EXECUTORS),
         ):
             if value not in allowed:
                 raise InvalidInputError(f"{name} must be one of {', '.join(allowed)}: {value!r}")
         if self.target == "vllm":
-            raise InvalidInputError(_VLLM_HINT)
+            check_vllm()
+            read_model(self.model)
+            if self.max_tokens <= 0:
+                raise InvalidInputError(f"max_tokens must be > 0, got {self.max_tokens}")
+            if not (math.isfinite(self.kv_cache_gb) and self.kv_cache_gb > 0):
+                raise InvalidInputError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb!r}")
         if self.target == "sidecar" and not self.url:
             raise InvalidInputError("target sidecar needs the sidecar's url (--url)")
         positive = {
@@ -172,6 +204,24 @@ class LoadOptions:
         if self.verify_every < 0:
             raise InvalidInputError(f"verify_every must be >= 0, got {self.verify_every}")
         parse_dtype(self.dtype)
+
+    def vllm_settings(self) -> VllmSettings:
+        """The vLLM run of target ``vllm``.
+
+        Raises:
+            InvalidInputError: no ``model``.
+        """
+        if not self.model:
+            read_model(self.model)  # raises, saying how to make a model
+        return VllmSettings(
+            model=str(self.model),
+            max_tokens=self.max_tokens,
+            kv_cache_gb=self.kv_cache_gb,
+            dtype=self.vllm_dtype,
+            executor=self.vllm_executor,
+            connector=self.connector,
+            seed=self.seed,
+        )
 
     def layout(self) -> KVLayout:
         """The vLLM flash-attention layout of the benchmark model."""
@@ -301,8 +351,14 @@ async def _open_target(
 
 @dataclass(slots=True)
 class _Tally:
-    """Everything the run counts; mutated only from the event loop."""
+    """Everything the run counts; mutated only from the event loop.
 
+    A vLLM run (``operations`` :data:`VLLM_OPERATIONS`) counts the tokens the connector
+    loaded as ``lookup_hit_tokens`` too (the connector's hit rate is loaded over prompt
+    tokens) and the tokens it offered vLLM as ``external_tokens``.
+    """
+
+    operations: tuple[str, ...] = OPERATIONS
     requests: int = 0
     lookups: int = 0
     prompt_tokens: int = 0
@@ -316,23 +372,19 @@ class _Tally:
     partial_stores: int = 0
     verified: int = 0
     verify_failures: int = 0
+    external_tokens: int = 0
+    load_failed_tokens: int = 0
+    output_tokens: int = 0
     errors: Counter[str] = field(default_factory=Counter)
-    latency: dict[str, list[float]] = field(default_factory=lambda: {op: [] for op in OPERATIONS})
-    samples: dict[str, list[float]] = field(
-        default_factory=lambda: {
-            name: []
-            for name in (
-                "t",
-                "prompt_tokens",
-                "hit_tokens",
-                "loaded_tokens",
-                "failed",
-                *(f"{op}_ms" for op in OPERATIONS),
-            )
-        }
-    )
+    latency: dict[str, list[float]] = field(init=False)
+    samples: dict[str, list[float]] = field(init=False)
     """One entry per finished request, columnar: its start (seconds into the run), token
     counts and each step's latency (nan when the step did not run)."""
+
+    def __post_init__(self) -> None:
+        self.latency = {op: [] for op in self.operations}
+        columns = ("t", "prompt_tokens", "hit_tokens", "loaded_tokens", "failed")
+        self.samples = {name: [] for name in (*columns, *(f"{op}_ms" for op in self.operations))}
 
     def progress_text(self) -> str:
         rate = self.lookup_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -496,10 +548,72 @@ class _Runner:
                 samples[f"{op_name}_ms"].append(seconds * 1e3)
 
 
+class _VllmRunner:
+    """The steps of one request against vLLM: submit the prompt, time its first token."""
+
+    def __init__(self, target: VllmTarget, tally: _Tally) -> None:
+        self.target = target
+        self.tally = tally
+        self.start = 0.0
+
+    async def request(self, slot: int, prompt: Prompt, arrived: float) -> None:
+        """Run one request; failures are counted, never raised. Its times count from
+        ``arrived`` (a request that waited for a free slot waited for its first token)."""
+        tally = self.tally
+        tally.requests += 1
+        tally.prompt_tokens += prompt.num_tokens
+        request_id = f"{prompt.name}#{tally.requests}"
+        timing = dict.fromkeys(VLLM_OPERATIONS, math.nan)
+        began = time.perf_counter()
+        loaded = 0
+        failed = False
+        try:
+            result = await self.target.generate(request_id, prompt.tokens.tolist())
+            waited = began - arrived
+            timing["ttft"] = waited + result.ttft
+            timing["request"] = waited + result.total
+            tally.output_tokens += result.output_tokens
+            counts = result.counts
+            if counts is not None:
+                loaded = counts.get("loaded_tokens", 0)
+                tally.lookup_hit_tokens += loaded
+                tally.tokens_loaded += loaded
+                tally.retrieves += loaded > 0
+                tally.external_tokens += counts.get("external_tokens", 0)
+                tally.load_failed_tokens += counts.get("failed_tokens", 0)
+                tally.tokens_stored += counts.get("stored_tokens", 0)
+            elif self.target.settings.connector:
+                tally.errors["connector:no_counts"] += 1
+        except Exception as exc:
+            failed = True
+            tally.errors[f"vllm:{type(exc).__name__}"] += 1
+            log.warning("bench_request_failed", req_id=request_id, op="vllm", error=repr(exc))
+        finally:
+            for op_name, seconds in timing.items():
+                if not math.isnan(seconds):
+                    tally.latency[op_name].append(seconds)
+            samples = tally.samples
+            samples["t"].append(began - self.start)
+            samples["prompt_tokens"].append(prompt.num_tokens)
+            samples["hit_tokens"].append(loaded)
+            samples["loaded_tokens"].append(loaded)
+            samples["failed"].append(float(failed))
+            for op_name, seconds in timing.items():
+                samples[f"{op_name}_ms"].append(seconds * 1e3)
+
+
+class _Requester(Protocol):
+    """What :func:`_drive` needs of a runner."""
+
+    start: float
+
+    async def request(self, slot: int, prompt: Prompt, arrived: float) -> None: ...
+
+
 async def _drive(
     options: LoadOptions,
     workload: Workload,
-    runner: _Runner,
+    runner: _Requester,
     in_flight: int,
     deadline: float,
 ) -> None:
@@ -552,6 +666,47 @@ async def _drive(
                 tg.start_soon(one, slot, session, workload.next_prompt(session), arrival)
 
 
+async def _timed_run(
+    options: LoadOptions,
+    workload: Workload,
+    runner: _Requester,
+    in_flight: int,
+    *,
+    tally: _Tally,
+    stream: TextIO,
+) -> float:
+    """Drive the workload for ``options.duration`` with progress; returns the wall time."""
+    clock = time.perf_counter
+    start = runner.start = clock()
+    deadline = start + options.duration
+    progress = Progress(options.duration, stream) if options.progress else None
+    try:
+        with anyio.fail_after(options.duration + _GRACE_SECONDS):
+            async with anyio.create_task_group() as outer:
+                if progress is not None:
+
+                    async def show() -> None:
+                        while True:
+                            progress.update(clock() - start, tally.progress_text())
+                            await anyio.sleep(1.0)
+
+                    outer.start_soon(show)
+                await _drive(options, workload, runner, in_flight, deadline)
+                outer.cancel_scope.cancel()
+    except TimeoutError:
+        tally.errors["run:timeout"] += 1
+        log.error("bench_run_timed_out", seconds=options.duration + _GRACE_SECONDS)
+    finally:
+        if progress is not None:
+            progress.close()
+    return clock() - start
+
+
+def _in_flight(options: LoadOptions, workload: Workload) -> int:
+    sessions = workload.sessions if workload.sessions is not None else options.concurrency
+    return min(options.concurrency, sessions)
+
+
 async def run_load_async(
     options: LoadOptions,
     config: EngineConfig,
@@ -563,24 +718,24 @@ async def run_load_async(
     Args:
         options: the workload, target and model shape.
         config: the embedded engine's configuration (its ``chunk_size`` cuts the chunks);
-            a sidecar has its own.
+            a sidecar has its own. With target ``vllm``, the connector's configuration.
         progress_stream: where progress goes when ``options.progress``; stderr when None.
 
     Raises:
         InvalidInputError: the options are invalid, or the sidecar serves another
-            namespace.
+            namespace; with target ``vllm``, the workload's prompts do not fit the model.
         ConfigError: the engine refuses the configuration.
         TierUnavailableError: the sidecar does not answer.
     """
     options.validate()
+    stream = sys.stderr if progress_stream is None else progress_stream
+    if options.target == "vllm":
+        return await _run_vllm(options, config, stream)
     workload = options.make_workload()
     layout = options.layout()
     tally = _Tally()
-    stream = sys.stderr if progress_stream is None else progress_stream
-    clock = time.perf_counter
     async with _open_target(options, config, layout) as target:
-        sessions = workload.sessions if workload.sessions is not None else options.concurrency
-        in_flight = min(options.concurrency, sessions)
+        in_flight = _in_flight(options, workload)
         runner = _Runner(
             options,
             layout,
@@ -589,29 +744,7 @@ async def run_load_async(
             max_prompt_tokens=workload.max_prompt_tokens,
             tally=tally,
         )
-        start = runner.start = clock()
-        deadline = start + options.duration
-        progress = Progress(options.duration, stream) if options.progress else None
-        try:
-            with anyio.fail_after(options.duration + _GRACE_SECONDS):
-                async with anyio.create_task_group() as outer:
-                    if progress is not None:
-
-                        async def show() -> None:
-                            while True:
-                                progress.update(clock() - start, tally.progress_text())
-                                await anyio.sleep(1.0)
-
-                        outer.start_soon(show)
-                    await _drive(options, workload, runner, in_flight, deadline)
-                    outer.cancel_scope.cancel()
-        except TimeoutError:
-            tally.errors["run:timeout"] += 1
-            log.error("bench_run_timed_out", seconds=options.duration + _GRACE_SECONDS)
-        finally:
-            if progress is not None:
-                progress.close()
-        wall = clock() - start
+        wall = await _timed_run(options, workload, runner, in_flight, tally=tally, stream=stream)
         stats = await target.stats()
         # A failed or timed-out request is a miss to the caller; count them here.
         for name in ("failed_requests", "timed_out_requests"):
@@ -637,6 +770,116 @@ async def run_load_async(
     )
 
 
+async def _run_vllm(options: LoadOptions, config: EngineConfig, stream: TextIO) -> dict[str, Any]:
+    """The workload against vLLM (see :func:`run_load_async`)."""
+    model = read_model(options.model)
+    # Prompt tokens must be token ids of the model.
+    options = dataclasses.replace(options, vocab_size=min(options.vocab_size, model.vocab_size))
+    settings = options.vllm_settings()
+    workload = options.make_workload()
+    max_model_len = workload.max_prompt_tokens + options.max_tokens
+    if model.max_positions is not None and max_model_len > model.max_positions:
+        raise InvalidInputError(
+            f"prompts of up to {workload.max_prompt_tokens} tokens plus {options.max_tokens} "
+            f"generated exceed the model's max_position_embeddings ({model.max_positions}): "
+            "lower the workload's prompt lengths"
+        )
+    tally = _Tally(operations=VLLM_OPERATIONS)
+    sidecar_url = options.url if options.connector else None
+    async with open_vllm(
+        settings, config, max_model_len=max_model_len, sidecar_url=sidecar_url
+    ) as target:
+        in_flight = _in_flight(options, workload)
+        runner = _VllmRunner(target, tally)
+        wall = await _timed_run(options, workload, runner, in_flight, tally=tally, stream=stream)
+        try:
+            stats = await target.stats()
+        except Exception as exc:  # the statistics are a report, not the measurement
+            log.warning("bench_vllm_stats_failed", error=repr(exc))
+            stats = {}
+        run = {
+            "model": model.path,
+            "vocab_size": model.vocab_size,
+            "max_model_len": max_model_len,
+            "startup_seconds": target.startup_seconds,
+            "warmup_seconds": target.warmup_seconds,
+            "connector": (
+                "none" if not options.connector else "sidecar" if sidecar_url else "embedded"
+            ),
+        }
+        chunk_size = target.chunk_size
+    return _vllm_results(
+        options,
+        config,
+        workload,
+        tally=tally,
+        wall=wall,
+        stats=stats,
+        run=run,
+        chunk_size=chunk_size,
+        in_flight=in_flight,
+    )
+
+
+def _latency_ms(tally: _Tally) -> dict[str, dict[str, float]]:
+    """Each timed step's percentiles, in milliseconds (``count`` as it is)."""
+    return {
+        op: {k: v * 1e3 if k != "count" else v for k, v in percentiles(vals).items()}
+        for op, vals in tally.latency.items()
+    }
+
+
+def _per_second(amount: float, seconds: float) -> float:
+    return amount / seconds if seconds > 0 else math.nan
+
+
+def _vllm_results(
+    options: LoadOptions,
+    config: EngineConfig,
+    workload: Workload,
+    *,
+    tally: _Tally,
+    wall: float,
+    stats: dict[str, Any],
+    run: dict[str, Any],
+    chunk_size: int | None,
+    in_flight: int,
+) -> dict[str, Any]:
+    embedded = run["connector"] == "embedded"
+    return {
+        "workload": workload.name,
+        "workload_description": workload.describe(),
+        "target": options.target,
+        "options": plain_data(options),
+        "engine_config": config.to_dict() if embedded else None,
+        "vllm": run,
+        "chunk_size": chunk_size,
+        "in_flight": in_flight,
+        "wall_seconds": wall,
+        "requests": tally.requests,
+        "requests_per_second": _per_second(tally.requests, wall),
+        "conversations": getattr(workload, "conversations", None),
+        "prompt_tokens": tally.prompt_tokens,
+        "output_tokens": tally.output_tokens,
+        "external_tokens": tally.external_tokens,
+        "tokens_loaded": tally.tokens_loaded,
+        "load_failed_tokens": tally.load_failed_tokens,
+        "requests_loading": tally.retrieves,
+        "hit_rate": (
+            tally.tokens_loaded / tally.prompt_tokens if tally.prompt_tokens else math.nan
+        ),
+        "tokens_per_second_loaded": _per_second(tally.tokens_loaded, wall),
+        "tokens_stored": tally.tokens_stored,
+        "tokens_per_second_stored": _per_second(tally.tokens_stored, wall),
+        "latency_ms": _latency_ms(tally),
+        "errors": dict(tally.errors),
+        "errors_total": sum(tally.errors.values()),
+        "verify_failures": 0,
+        "engine_stats": stats,
+        "samples": tally.samples,
+    }
+
+
 def _results(
     options: LoadOptions,
     config: EngineConfig,
@@ -651,18 +894,12 @@ def _results(
     in_flight: int,
 ) -> dict[str, Any]:
     token_bytes = layout.token_bytes
-    latency = {
-        op: {k: v * 1e3 if k != "count" else v for k, v in percentiles(vals).items()}
-        for op, vals in tally.latency.items()
-    }
+    latency = _latency_ms(tally)
     bytes_stored = tally.tokens_stored * token_bytes
     bytes_loaded = tally.tokens_loaded * token_bytes
     store_time = sum(tally.latency["store"])
     retrieve_time = sum(tally.latency["retrieve"])
-
-    def per_second(amount: float, seconds: float) -> float:
-        return amount / seconds if seconds > 0 else math.nan
-
+    per_second = _per_second
     results: dict[str, Any] = {
         "workload": workload.name,
         "workload_description": workload.describe(),
@@ -740,15 +977,11 @@ def _fmt(value: float | None, spec: str) -> str:
 def format_summary(results: Mapping[str, Any]) -> str:
     """The human-readable summary of :func:`run_load` results (also of results read back
     from their JSON file)."""
+    if results["target"] == "vllm":
+        return _format_vllm_summary(results)
     opts = results["options"]
     kib = results["token_bytes"] / 1024
-    if opts["rate"]:
-        load = (
-            f"{opts['rate']:g} requests/s ({opts['arrival']}), "
-            f"at most {results['in_flight']} in flight"
-        )
-    else:
-        load = f"closed loop, {results['in_flight']} in flight"
+    load = _load_line(results)
     target = results["target"]
     if target == "sidecar":
         target = f"sidecar {opts['url']}"
@@ -785,17 +1018,7 @@ def format_summary(results: Mapping[str, Any]) -> str:
     ]
     header = ["KV", "tokens", "tokens/s", "GB", "GB/s (in op)", "GB/s (wall)"]
     lines += [format_table(header, transfer), ""]
-    rows = []
-    for op in OPERATIONS:
-        stat = results["latency_ms"][op]
-        rows.append(
-            [
-                "compute (prefill)" if op == "compute" else op,
-                str(int(stat["count"])),
-                *(_fmt(stat[k], ".2f") for k in ("p50", "p90", "p99", "mean")),
-            ]
-        )
-    lines.append(format_table(["latency", "count", "p50 ms", "p90 ms", "p99 ms", "mean ms"], rows))
+    lines.append(_latency_table(results, {"compute": "compute (prefill)"}))
     lines.append("")
     stats = results["engine_stats"]
     lines.append(
@@ -803,12 +1026,7 @@ def format_summary(results: Mapping[str, Any]) -> str:
         f"{results['retrieve_short']}, evicted chunks: {stats.get('evicted_chunks', '-')}, "
         f"cached chunks at end: {stats.get('cached_chunks', '-')}"
     )
-    errors = results["errors"]
-    if errors:
-        detail = ", ".join(f"{k}={v}" for k, v in sorted(errors.items()))
-        lines.append(f"errors: {results['errors_total']} ({detail})")
-    else:
-        lines.append("errors: 0")
+    lines.append(_errors_line(results))
     verified = (
         f"verified {results['verified_retrieves']} retrieves bit-exact (each on the first and "
         f"last token of every chunk and {results['verify_sample']} random tokens)"
@@ -816,6 +1034,79 @@ def format_summary(results: Mapping[str, Any]) -> str:
     if results["verify_failures"]:
         verified += f", {results['verify_failures']} MISMATCHED"
     lines.append(verified)
+    return "\n".join(lines)
+
+
+def _load_line(results: Mapping[str, Any]) -> str:
+    opts = results["options"]
+    if opts["rate"]:
+        return (
+            f"{opts['rate']:g} requests/s ({opts['arrival']}), "
+            f"at most {results['in_flight']} in flight"
+        )
+    return f"closed loop, {results['in_flight']} in flight"
+
+
+def _latency_table(results: Mapping[str, Any], names: Mapping[str, str]) -> str:
+    rows = []
+    for op, stat in results["latency_ms"].items():
+        rows.append(
+            [
+                names.get(op, op),
+                str(int(stat["count"])),
+                *(_fmt(stat[k], ".2f") for k in ("p50", "p90", "p99", "mean")),
+            ]
+        )
+    return format_table(["latency", "count", "p50 ms", "p90 ms", "p99 ms", "mean ms"], rows)
+
+
+def _errors_line(results: Mapping[str, Any]) -> str:
+    errors = results["errors"]
+    if not errors:
+        return "errors: 0"
+    detail = ", ".join(f"{k}={v}" for k, v in sorted(errors.items()))
+    return f"errors: {results['errors_total']} ({detail})"
+
+
+def _format_vllm_summary(results: Mapping[str, Any]) -> str:
+    """The summary of a run against vLLM: time to first token and the connector's counts."""
+    opts = results["options"]
+    run = results["vllm"]
+    connector = run["connector"]
+    if connector == "sidecar":
+        connector = f"sidecar {opts['url']}"
+    chunk = results["chunk_size"]
+    ran = (
+        f"ran {results['wall_seconds']:.1f} s: {results['requests']} requests "
+        f"({_fmt(results['requests_per_second'], '.1f')} req/s)"
+    )
+    if results.get("conversations") is not None:
+        ran += f", {results['conversations']} conversations"
+    hit_rate = results["hit_rate"]
+    warmup = run["warmup_seconds"]
+    lines = [
+        f"lmcache-async bench: {results['workload']} against vllm (connector: {connector})",
+        f"model: {run['model']}, max_model_len {run['max_model_len']}, "
+        f"{opts['max_tokens']} output token(s) per request"
+        + (f", chunk {chunk}" if chunk is not None else ""),
+        f"vllm: started in {run['startup_seconds']:.1f} s"
+        + (f", warm-up request {warmup:.2f} s" if warmup is not None else ""),
+        f"workload: {results['workload_description']}",
+        f"load: {_load_line(results)}",
+        ran,
+        "",
+        f"hit rate: {_fmt(None if hit_rate is None else hit_rate * 100, '.1f')} % "
+        f"({results['tokens_loaded']} of {results['prompt_tokens']} prompt tokens loaded by "
+        f"the connector, in {results['requests_loading']} requests; "
+        f"{results['external_tokens']} offered, {results['load_failed_tokens']} failed)",
+        f"stored: {results['tokens_stored']} tokens "
+        f"({_fmt(results['tokens_per_second_stored'], '.0f')} tokens/s), loaded: "
+        f"{_fmt(results['tokens_per_second_loaded'], '.0f')} tokens/s",
+        "",
+        _latency_table(results, {"ttft": "time to first token", "request": "request"}),
+        "",
+        _errors_line(results),
+    ]
     return "\n".join(lines)
 
 
@@ -846,8 +1137,9 @@ def write_plot(results: Mapping[str, Any], path: str | os.PathLike[str]) -> None
     """Draw latency and hit rate over the run as a PNG at ``path``.
 
     Top: every request's latency of each step (log scale). Bottom: the hit rate (prefix
-    hit tokens over prompt tokens) of the requests started in each time bin, and the
-    running hit rate. Works on :func:`run_load` results and on their JSON read back.
+    hit tokens over prompt tokens; against vLLM, the tokens the connector loaded) of the
+    requests started in each time bin, and the running hit rate. Works on :func:`run_load`
+    results and on their JSON read back.
 
     Raises:
         InvalidInputError: matplotlib is not installed (the ``bench`` extra).
@@ -860,7 +1152,8 @@ def write_plot(results: Mapping[str, Any], path: str | os.PathLike[str]) -> None
     times: list[float] = [float(t) for t in samples["t"]]
     fig = Figure(figsize=(9.0, 6.5), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
-    for op in OPERATIONS:
+    operations = list(results["latency_ms"])
+    for op in operations:
         xs, ys = _points(times, samples[f"{op}_ms"])
         if xs:
             top.scatter(xs, ys, s=9, alpha=0.6, label=op, marker="o" if op != "request" else "x")
@@ -868,7 +1161,7 @@ def write_plot(results: Mapping[str, Any], path: str | os.PathLike[str]) -> None
     top.set_ylabel("latency (ms)")
     top.grid(True, which="both", alpha=0.3)
     if times:
-        top.legend(loc="upper left", fontsize="small", ncols=len(OPERATIONS))
+        top.legend(loc="upper left", fontsize="small", ncols=len(operations))
 
     duration = max([results["wall_seconds"], *times, 1e-3])
     width = max(duration / 40.0, 0.25)
