@@ -111,6 +111,11 @@ class CpuKVPacking(enum.StrEnum):
     """Keys ``[D, block_size]`` (``d * block_size + t``), values ``[block_size, D]``
     (``t * D + d``). vLLM's ``vec``, ``vec16``, ``vxe``, ``vsx`` and ``rvv`` kernels, and
     ``neon`` for fp32 and fp16: every dtype on x86 CPUs without AMX."""
+    TOKEN_ROWS = "token_rows"
+    """Each token one row of ``2 * D``, its keys then its values: per block and head
+    ``[block_size, 2 * D]`` (``t * 2D + d``, values at ``+ D``). Not a CPU kernel's packing:
+    vLLM 0.32's GPU flash-attention backend keeps its cache ``[num_blocks, H, block_size,
+    2 * D]`` this way (it reads ``kv_cache.transpose(1, 2).split(D, -1)``)."""
     AMX = "amx"
     """bf16 on CPUs with AMX: keys ``[block_size / 16, D / 2, 16, 2]`` (groups of 16 tokens,
     pairs of dimensions), values ``[D / 16, block_size / 2, 16, 2]`` (groups of 16
@@ -328,7 +333,8 @@ class KVLayout:
 
         ``packing`` says how vLLM packs each block and head; it depends on the attention
         kernel vLLM picks (:meth:`CpuKVPacking.for_vllm_isa`). The default is what vLLM
-        writes on CPUs without AMX, for every dtype.
+        writes on CPUs without AMX, for every dtype. With
+        :attr:`CpuKVPacking.TOKEN_ROWS` it is also vLLM 0.32's GPU flash-attention layout.
 
         Raises:
             InvalidInputError: an unknown packing, or one the dtype or sizes do not fit.
@@ -756,6 +762,10 @@ class KVLayout:
                 (keys, (h, d // pair, pair), (head_stride, tokens * pair, 1)),
                 (values, (h, d // dims, dims), (head_stride, dims * bs, pair)),
             ]
+        elif self.cpu_packing is CpuKVPacking.TOKEN_ROWS:
+            # [bs, 2D]: a token's row holds its keys, then its values.
+            rows = keys + offsets * (2 * d)
+            specs = [(rows, (h, d), (head_stride, 1)), (rows + d, (h, d), (head_stride, 1))]
         else:
             # Keys [D, bs] (a token is a column), values [bs, D] (a token is a row).
             specs = [

@@ -95,6 +95,9 @@ def token_view(layout: KVLayout, layer: torch.Tensor, part: int, slot: int) -> t
             return keys[block, :, 0, offset // 16, :, offset % 16, :]
         values = layer.view(nb, h, 2, d // 16, bs // 2, 16, 2)  # values [D/16, bs/2, 16, 2]
         return values[block, :, 1, :, offset // 2, :, offset % 2]
+    if layout.cpu_packing is CpuKVPacking.TOKEN_ROWS:  # as vLLM's flash-attn reads it
+        keys, values = layer.transpose(1, 2).split(d, dim=-1)  # [nb, bs, H, D] each
+        return (keys if part == 0 else values)[block, offset]
     if part == 0:  # keys [D, bs]: a token is a column
         return layer.view(nb, h, 2, d, bs)[block, :, 0, :, offset]
     return layer.view(nb, h, 2, bs, d)[block, :, 1, offset]  # values [bs, D]
@@ -343,6 +346,8 @@ def vllm_cpu_offset(layout: KVLayout, block: int, head: int, *, part: int, t: in
         if part == 0:  # 4-byte words of two dims, 16 tokens per group row
             return start + (t // 16) * 16 * dim + (d // 2) * 32 + (t % 16) * 2 + d % 2
         return start + (d // 16) * 16 * bs + (t // 2) * 32 + (d % 16) * 2 + t % 2
+    if layout.cpu_packing is CpuKVPacking.TOKEN_ROWS:
+        return (block * h + head) * 2 * region + t * 2 * dim + part * dim + d
     if part == 0:
         return start + d * bs + t
     return start + t * dim + d
@@ -372,6 +377,8 @@ CPU_PACKINGS = [
     pytest.param(CpuKVPacking.KEYS_TRANSPOSED, torch.float32, 5, 3, 4, id="transposed-fp32"),
     pytest.param(CpuKVPacking.KEYS_TRANSPOSED, torch.float16, 8, 2, 6, id="transposed-fp16"),
     pytest.param(CpuKVPacking.KEYS_TRANSPOSED, torch.bfloat16, 4, 1, 3, id="transposed-bf16"),
+    pytest.param(CpuKVPacking.TOKEN_ROWS, torch.float16, 16, 2, 8, id="token-rows-fp16"),
+    pytest.param(CpuKVPacking.TOKEN_ROWS, torch.bfloat16, 5, 3, 4, id="token-rows-bf16"),
     pytest.param(CpuKVPacking.AMX, torch.bfloat16, 32, 2, 32, id="amx-bf16"),
     pytest.param(CpuKVPacking.AMX, torch.bfloat16, 64, 1, 64, id="amx-bf16-wide"),
 ]

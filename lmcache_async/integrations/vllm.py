@@ -265,6 +265,8 @@ def detect_layout(
       block size and CPU wants (``cpu_isa``, asked from vLLM when not given). The packing
       is checked by writing one block with vLLM's own ``cpu_attn_reshape_and_cache`` and
       reading it back;
+    * vLLM's GPU flash-attention (0.32): ``[num_blocks, H, block_size, 2 * D]`` on the
+      device, each token's row its keys then its values (``CpuKVPacking.TOKEN_ROWS``);
     * flash-attention: ``[2, num_blocks, block_size, H, D]`` (NHD, or HND strides);
     * FlashInfer-style: ``[num_blocks, 2, block_size, H, D]``;
     * MLA (``use_mla``): ``[num_blocks, block_size, latent]`` or
@@ -320,10 +322,17 @@ def detect_layout(
             )
     elif first.ndim == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_size:
         if first.device.type != "cpu":
-            raise InvalidInputError(
-                f"unsupported KV cache layout: {seen}; [num_blocks, H, block_size, 2 * D] "
-                "is only known for vLLM's CPU attention backend, which keeps it on the CPU"
+            # vLLM's GPU flash-attention backend: each token's row holds K then V.
+            layout = KVLayout.vllm_cpu(
+                num_layers=len(tensors),
+                num_kv_heads=num_kv_heads,
+                head_size=head_size,
+                block_size=shape[2],
+                packing=CpuKVPacking.TOKEN_ROWS,
+                **common,
             )
+            layout.check_kv_caches(tensors)
+            return layout, tensors
         isa = cpu_isa or _vllm_cpu_isa(first.dtype, shape[2], head_size)
         layout = KVLayout.vllm_cpu(
             num_layers=len(tensors),

@@ -191,6 +191,32 @@ def test_vllm_cpu_packing_is_asked_from_vllm_and_checked() -> None:
         _check_cpu_packing(amx, "vec")
 
 
+def test_detects_vllm_gpu_flash_attention_layout() -> None:
+    """vLLM 0.32's GPU flash-attention cache: [num_blocks, H, block_size, 2 * D] on the
+    device, read by vLLM as ``kv_cache.transpose(1, 2).split(D, -1)``. A meta tensor
+    stands in for the device: the shape and strides decide."""
+    from lmcache_async.integrations.vllm import detect_layout
+    from lmcache_async.layouts import CpuKVPacking, LayoutKind
+
+    caches = [torch.empty(8, 4, 16, 2 * 64, dtype=torch.bfloat16, device="meta")] * 2
+    layout, tensors = detect_layout(caches, num_kv_heads=4, head_size=64)
+    assert layout.kind is LayoutKind.VLLM_CPU
+    assert layout.cpu_packing is CpuKVPacking.TOKEN_ROWS
+    assert (layout.num_layers, layout.block_size, layout.num_kv_heads) == (2, 16, 4)
+    assert all(a is b for a, b in zip(tensors, caches, strict=True))
+    # The same bytes as vLLM's split of K and V, token by token (on the CPU).
+    host = layout.allocate_kv_caches(3, generator=torch.Generator().manual_seed(3))
+    slots = torch.tensor([0, 17, 5, 40])
+    out = torch.empty(layout.payload_shape(4), dtype=layout.dtype)
+    layout.gather(host, slots, out)
+    for li, layer in enumerate(host):
+        keys, values = layer.transpose(1, 2).split(64, dim=-1)
+        for t, slot in enumerate(slots.tolist()):
+            block, offset = divmod(slot, 16)
+            assert torch.equal(out[0, li, t].view(4, 64), keys[block, offset])
+            assert torch.equal(out[1, li, t].view(4, 64), values[block, offset])
+
+
 def test_detects_flash_attention_nhd_and_hnd() -> None:
     from lmcache_async.integrations.vllm import detect_layout
     from lmcache_async.layouts import LayoutKind
@@ -221,8 +247,9 @@ def test_unknown_layouts_fail_naming_what_was_seen() -> None:
 
     with pytest.raises(InvalidInputError, match=r"unknown KV cache layout.*\(8, 3, 16, 64\)"):
         detect_layout([torch.zeros(8, 3, 16, 64)], num_kv_heads=2, head_size=64)
-    with pytest.raises(InvalidInputError, match="only known for vLLM's CPU attention"):
-        detect_layout([torch.empty(8, 2, 16, 128, device="meta")], num_kv_heads=2, head_size=64)
+    strided = torch.empty(8, 16, 2, 128, device="meta").transpose(1, 2)
+    with pytest.raises(InvalidInputError, match=r"expected memory ordered contiguous"):
+        detect_layout([strided], num_kv_heads=2, head_size=64)
     with pytest.raises(InvalidInputError, match="no KV cache tensors"):
         detect_layout([], num_kv_heads=2, head_size=64)
 
