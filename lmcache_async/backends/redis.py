@@ -7,7 +7,8 @@ binds model, weights and KV layout, so engines of different models share a serve
 
 Batches travel through pipelines: one round trip of ``EXISTS`` for a prefix lookup, of
 ``GET`` for a read, of ``SET NX`` for a write, split into sub-batches of about
-``batch_bytes`` so that memory and each socket write stay bounded. In cluster mode
+``batch_bytes`` so that memory and each socket write stay bounded (a write in quarters of
+that, so the checksums and copy of the next quarter run while this one is sent). In cluster mode
 (``redis-cluster://``) the cluster pipeline splits every batch by node. Checksums, copies
 and codecs of large batches run in worker threads, never on the event loop.
 
@@ -77,6 +78,11 @@ CLUSTER_SCHEME: Final = "redis-cluster"
 
 _MIN_RATE: Final = 50e6
 """Bytes/s a call is always allowed (its deadline grows by ``bytes / _MIN_RATE``)."""
+
+_PUT_SPLIT: Final = 4
+"""A put sends its values in batches this many times smaller than ``batch_bytes``, so that
+checking and copying the next batch overlaps sending this one (a put of one full batch
+would otherwise do all its CPU work before its first byte leaves)."""
 
 _INLINE_BYTES: Final = 256 * 1024
 """Batches with fewer payload bytes are checked and copied on the loop (a thread hop costs
@@ -599,7 +605,8 @@ class RedisBackend(StorageBackend):
         rkeys = [self._key(k) for k in keys]
         # Skipping stored keys saves sending their payloads; SET NX still guards the race.
         todo = [i for i, present in enumerate(await self._exists(rkeys)) if not present]
-        batches = [[todo[i] for i in batch] for batch in self._batches(len(todo))]
+        step = -(-self._batch_keys // _PUT_SPLIT)
+        batches = [todo[i : i + step] for i in range(0, len(todo), step)]
         added = 0
 
         async def encode(n: int) -> _Encoded:
