@@ -55,6 +55,7 @@ from .record import RecordHeader, RecordSpec
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
+    "PUT_SPLIT",
     "DEFAULT_KEY_PREFIX",
     "DEFAULT_TIMEOUT",
     "RedisBackend",
@@ -79,7 +80,7 @@ CLUSTER_SCHEME: Final = "redis-cluster"
 _MIN_RATE: Final = 50e6
 """Bytes/s a call is always allowed (its deadline grows by ``bytes / _MIN_RATE``)."""
 
-_PUT_SPLIT: Final = 4
+PUT_SPLIT: Final = 4
 """A put sends its values in batches this many times smaller than ``batch_bytes``, so that
 checking and copying the next batch overlaps sending this one (a put of one full batch
 would otherwise do all its CPU work before its first byte leaves)."""
@@ -605,7 +606,7 @@ class RedisBackend(StorageBackend):
         rkeys = [self._key(k) for k in keys]
         # Skipping stored keys saves sending their payloads; SET NX still guards the race.
         todo = [i for i, present in enumerate(await self._exists(rkeys)) if not present]
-        step = -(-self._batch_keys // _PUT_SPLIT)
+        step = -(-self._batch_keys // PUT_SPLIT)
         batches = [todo[i : i + step] for i in range(0, len(todo), step)]
         added = 0
 

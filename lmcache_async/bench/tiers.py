@@ -336,7 +336,8 @@ async def bench_redis(
     back both ways. The sides take turns ``call_bytes`` of values at a time (who goes
     first alternates), so the machine's drift weighs on both alike: one ``put``/``get``
     call of the tier, and raw, one pipelined round trip after another of ``batch_bytes``
-    of values each (the tier's batch size, ``DEFAULT_BATCH_BYTES`` by default).
+    of values each (the tier's batch size, ``DEFAULT_BATCH_BYTES`` by default; a quarter
+    of that for SET, as the tier's put sends).
 
     The tier's put includes computing every payload's checksum (reset before each run, as
     for a chunk written for the first time) and checking which keys exist; its get
@@ -362,6 +363,7 @@ async def bench_redis(
 
     from lmcache_async.backends.redis import (  # noqa: PLC0415
         DEFAULT_BATCH_BYTES,
+        PUT_SPLIT,
         RedisBackend,
         parse_remote_url,
     )
@@ -432,6 +434,8 @@ async def bench_redis(
             keys=[b"{" + _redis_tier_key(key) + _REDIS_RAW_SUFFIX for key in keys],
             records=records,
             per_trip=per_trip,
+            # As many values per SET round trip as the tier's put sends (a quarter batch).
+            set_per_trip=-(-per_trip // PUT_SPLIT),
         )
         runs = [
             await _redis_run(tier, side, keys=keys, sources=sources, per_call=per_call, run=run)
@@ -482,22 +486,23 @@ class _RawRedis:
         keys: list[bytes],
         records: list[bytes],
         per_trip: int,
+        set_per_trip: int,
     ) -> None:
         self._client = client
         self._cluster = cluster
         self._keys = keys
         self._records = records
         self._per_trip = per_trip
+        self._set_per_trip = set_per_trip
 
     def _pipeline(self) -> Any:
         return self._client.pipeline() if self._cluster else self._client.pipeline(False)
 
-    def _trips(self, lo: int, hi: int) -> list[range]:
-        step = self._per_trip
+    def _trips(self, lo: int, hi: int, step: int) -> list[range]:
         return [range(i, min(hi, i + step)) for i in range(lo, hi, step)]
 
     async def set(self, lo: int, hi: int) -> None:
-        for trip in self._trips(lo, hi):
+        for trip in self._trips(lo, hi, self._set_per_trip):
             async with self._pipeline() as pipe:
                 for i in trip:
                     pipe.set(self._keys[i], self._records[i])
@@ -505,7 +510,7 @@ class _RawRedis:
 
     async def get(self, lo: int, hi: int) -> None:
         got: list[bytes | None] = []
-        for trip in self._trips(lo, hi):
+        for trip in self._trips(lo, hi, self._per_trip):
             async with self._pipeline() as pipe:
                 for i in trip:
                     pipe.get(self._keys[i])
