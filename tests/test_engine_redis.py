@@ -71,6 +71,34 @@ async def test_another_engine_hits_through_standalone_redis(redis_server: RedisS
 
 
 @pytest.mark.anyio
+async def test_sender_and_receiver_share_redis(redis_server: RedisServer) -> None:
+    """Disaggregated prefill over a shared Redis: the sender writes Redis only; the
+    receiver loads from it bit-exact and removes what it loaded."""
+    client = redis.Redis.from_url(redis_server.url)
+    before = set(client.keys("*"))  # the server may be shared with other tests
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(
+            redis_server.url, store_location=["redis"], wait_for_slow_tiers=True
+        ) as sender:
+            assert await store(sender, 90, 5) == 90
+            assert sender.stats().tiers["cpu"].chunks == 0
+            assert sender.stats().tiers["redis"].chunks == 6
+        async with open_engine(
+            redis_server.url,
+            retrieve_locations=["redis"],
+            remove_after_retrieve=True,
+            local_cpu=False,
+        ) as receiver:
+            assert await receiver.lookup(tokens_of(90, 5)) == 90
+            await retrieve_checked(receiver, 90, 5, 90)
+            assert await receiver.lookup(tokens_of(90, 5)) == 0
+    try:
+        assert set(client.keys("*")) == before
+    finally:
+        client.close()
+
+
+@pytest.mark.anyio
 @pytest.mark.slow
 async def test_another_engine_hits_through_a_redis_cluster(redis_cluster: RedisCluster) -> None:
     with anyio.fail_after(TIMEOUT):
