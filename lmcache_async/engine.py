@@ -671,14 +671,20 @@ class CacheEngine:
         this returns or raises, nothing of the request still touches the caller's memory.
         Raises InvalidInputError (input found invalid off the loop) and EngineClosedError.
         """
-        if inline:
-            return await self._execute_inline(pipeline, request, completion, timeout)
         submitted = False
         deadline = asyncio.timeout(timeout)
         try:
             # asyncio's own timeout: an anyio cancel scope costs tens of microseconds, paid
             # on every request.
             async with deadline:
+                if inline:
+                    # In this task (see _runs_inline): its only wait is for host memory,
+                    # which the stage waiting hands back at the deadline or a cancellation;
+                    # its copies run on the loop, so none is under way when it stops.
+                    await pipeline.run_inline(request)
+                    if not completion.done:  # every batch went through the last stage
+                        raise RuntimeError("an inline request did not finish")
+                    return completion.result()
                 await pipeline.submit(request)
                 submitted = True
                 return await completion.wait()
@@ -701,35 +707,6 @@ class CacheEngine:
         except BaseException:
             await self._abandon(request, completion, submitted)
             raise
-
-    async def _execute_inline(
-        self, pipeline: Pipeline, request: Request, completion: Completion[T], timeout: float
-    ) -> T | None:
-        """Run ``request`` through ``pipeline`` in this task (see :meth:`_runs_inline`);
-        the outcomes are those of :meth:`_execute`. The only wait such a request can meet is
-        for host memory; at the deadline (or a cancellation) the stage waiting returns
-        what it took, and the copies, on the loop, are never under way."""
-        deadline = asyncio.timeout(timeout)
-        try:
-            async with deadline:
-                await pipeline.run_inline(request)
-            if not completion.done:  # every batch went through the last stage: never
-                raise RuntimeError("an inline request did not finish")
-            return completion.result()
-        except TimeoutError:
-            if not deadline.expired():
-                self._counters.failed_requests += 1
-                log.exception("request_failed", req_id=request.req_id, pipeline=pipeline.name)
-                return None
-            self._counters.timed_out_requests += 1
-            log.warning("request_timed_out", req_id=request.req_id, pipeline=pipeline.name)
-            return None
-        except (EngineClosedError, InvalidInputError):
-            raise
-        except Exception:
-            self._counters.failed_requests += 1
-            log.exception("request_failed", req_id=request.req_id, pipeline=pipeline.name)
-            return None
 
     async def _abandon(self, request: Request, completion: Completion[T], submitted: bool) -> None:
         """Drop what remains of ``request`` and wait for a copy of it already under way."""
