@@ -54,7 +54,7 @@ import difflib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import structlog
 import torch
@@ -128,6 +128,8 @@ CONNECTOR_KEYS: Final = (
 SIDECAR_ENGINE_KEYS: Final = ("chunk_size", "save_unfull_chunk", "log_level", "log_format")
 """Engine keys the connector accepts with ``sidecar_url``: the scheduler side plans chunks
 with them. Storage keys (tiers, sizes, timeouts) are the sidecar's own."""
+
+_R = TypeVar("_R")
 
 REQUEST_STATS_KEY: Final = "lmcache_async"
 """Key of the per-request counts in ``kv_transfer_params`` (with ``request_stats``)."""
@@ -1007,17 +1009,25 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
             self._step_to(layer_save.steps, position + 1, layer_save.save.req_id)
 
     def _start_layer_saves(self) -> list[_LayerSave]:
-        meta = self._get_connector_metadata()
         engine = self._engine
-        if not isinstance(meta, LMCacheAsyncConnectorMetadata) or engine is None:
+        if engine is None:
             return []
-        started = []
+        return [_LayerSave(save, steps) for save, steps in self._each_save(engine.store_layer)]
+
+    def _each_save(self, store: Callable[..., _R]) -> list[tuple[SaveSpec, _R]]:
+        """Call ``store`` (the engine's ``store`` or ``store_layer``) for each of this
+        step's saves, skipping requests whose load failed; a failure is logged and that
+        save left out."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, LMCacheAsyncConnectorMetadata):
+            return []
+        done = []
         for save in meta.saves:
             if self._failed_epochs.get(save.req_id) == save.epoch:
                 continue  # computed over a prefix that failed to load
             try:
                 slots, mask = self._save_args(save)
-                steps = engine.store_layer(
+                result = store(
                     save.tokens,
                     kv_caches=self._kv_caches,
                     slot_mapping=slots,
@@ -1027,8 +1037,8 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
             except Exception:
                 log.exception("vllm_store_failed", req_id=save.req_id)
                 continue
-            started.append(_LayerSave(save, steps))
-        return started
+            done.append((save, result))
+        return done
 
     def _save_args(self, save: SaveSpec) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self._settings.engine.chunk_size
@@ -1045,27 +1055,10 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
         if self._layerwise:
             self._finish_layer_saves()
             return
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, LMCacheAsyncConnectorMetadata) or not meta.saves:
-            return
         engine = self._engine
         if engine is None:
             return
-        for save in meta.saves:
-            if self._failed_epochs.get(save.req_id) == save.epoch:
-                continue  # computed over a prefix that failed to load
-            try:
-                slots, mask = self._save_args(save)
-                stored = engine.store(
-                    save.tokens,
-                    kv_caches=self._kv_caches,
-                    slot_mapping=slots,
-                    mask=mask,
-                    req_id=save.req_id,
-                )
-            except Exception:
-                log.exception("vllm_store_failed", req_id=save.req_id)
-                continue
+        for save, stored in self._each_save(engine.store):
             log.debug("vllm_kv_stored", req_id=save.req_id, start=save.start, tokens=stored)
 
     def _finish_layer_saves(self) -> None:

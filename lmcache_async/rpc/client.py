@@ -1116,14 +1116,7 @@ class RemoteCacheEngine:
         locations = self._check_tiers(search_range, "search_range")
         if locations is not None:
             header["search_range"] = locations
-        link = await self._usable()
-        if link is None or num_tokens == 0:
-            return 0
-        try:
-            return _count(await self._ask(link, MessageType.LOOKUP, header, payloads), "hits")
-        except (_Unavailable, ProtocolError) as exc:
-            log.debug("sidecar_lookup_missed", error=str(exc))
-            return 0
+        return await self._hits(MessageType.LOOKUP, header, payloads, num_tokens)
 
     async def prefetch(
         self,
@@ -1148,13 +1141,24 @@ class RemoteCacheEngine:
         locations = self._check_tiers(search_range, "search_range")
         if locations is not None:
             header["search_range"] = locations
+        return await self._hits(MessageType.PREFETCH, header, payloads, num_tokens)
+
+    async def _hits(
+        self,
+        msg_type: MessageType,
+        header: dict[str, Any],
+        payloads: Sequence[object],
+        num_tokens: int,
+    ) -> int:
+        """The ``hits`` a LOOKUP or PREFETCH answers; 0 for no tokens or an unreachable
+        sidecar (logged at debug)."""
         link = await self._usable()
         if link is None or num_tokens == 0:
             return 0
         try:
-            return _count(await self._ask(link, MessageType.PREFETCH, header, payloads), "hits")
+            return _count(await self._ask(link, msg_type, header, payloads), "hits")
         except (_Unavailable, ProtocolError) as exc:
-            log.debug("sidecar_prefetch_missed", error=str(exc))
+            log.debug("sidecar_request_missed", type=msg_type.name, error=str(exc))
             return 0
 
     async def lookup_unpin(self, lookup_id: Hashable) -> None:
