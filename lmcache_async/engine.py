@@ -795,6 +795,10 @@ class CacheEngine:
         locations: Sequence[str] | None,
     ) -> int:
         """The cached prefix tokens of a prompt's chunk keys (see :meth:`lookup`)."""
+        if locations is None:
+            answered = self._lookup_now(keys, ends, num_tokens, lookup_id=lookup_id, pin=pin)
+            if answered is not None:
+                return answered
         self._counters.lookup_requests += 1
         self._counters.lookup_tokens += num_tokens
         if not self.is_healthy():
@@ -824,6 +828,56 @@ class CacheEngine:
         hit_tokens = self._hit_tokens(hits, ends, num_tokens)
         self._counters.lookup_hit_tokens += hit_tokens
         return hit_tokens
+
+    def _lookup_now(
+        self,
+        keys: Sequence[bytes],
+        ends: list[int],
+        num_tokens: int,
+        *,
+        lookup_id: Hashable | None,
+        pin: bool,
+    ) -> int | None:
+        """:meth:`_lookup` over the configured tiers when the CPU tier answers it alone (it
+        holds the whole prefix, or there is no slower tier); None, with nothing pinned or
+        counted, when disk or Redis must be asked."""
+        if self.config.use_layerwise or not self.is_healthy():
+            return None
+        manager = self._manager
+        if manager.slow_tiers and manager.contains_prefix(keys) < len(keys):
+            return None
+        if pin and lookup_id is not None:
+            hits = manager.pin_prefix(keys, lookup_id)
+            self._pins_changed.set()
+        else:
+            hits = manager.contains_prefix(keys)
+        counters = self._counters
+        counters.lookup_requests += 1
+        counters.lookup_tokens += num_tokens
+        hit_tokens = self._hit_tokens(hits, ends, num_tokens)
+        counters.lookup_hit_tokens += hit_tokens
+        return hit_tokens
+
+    def lookup_digests_now(
+        self,
+        digests: Sequence[bytes],
+        num_tokens: int,
+        *,
+        lookup_id: Hashable | None = None,
+        pin: bool = False,
+    ) -> int | None:
+        """:meth:`lookup_digests` over the configured tiers, answered without waiting when
+        the CPU tier can answer it alone; None (nothing done) when disk or Redis must be
+        asked, the engine is layerwise or unhealthy: then await :meth:`lookup_digests`.
+        A caller on the event loop's own callbacks (a socket reader) answers most lookups
+        this way without starting a task.
+
+        Raises:
+            InvalidInputError: as :meth:`lookup_digests`.
+        """
+        self._check_open()
+        keys = self._digest_keys(digests, num_tokens, lookup_id=lookup_id, pin=pin)
+        return self._lookup_now(keys, [], num_tokens, lookup_id=lookup_id, pin=pin)
 
     async def prefetch(
         self,
@@ -1149,9 +1203,22 @@ class CacheEngine:
                 :meth:`lookup`.
         """
         self._check_open()
+        locations = self._locations(search_range, "search_range")
+        keys = self._digest_keys(digests, num_tokens, lookup_id=lookup_id, pin=pin)
+        return await self._lookup(
+            keys, [], num_tokens, lookup_id=lookup_id, pin=pin, locations=locations
+        )
+
+    def _digest_keys(
+        self, digests: Sequence[bytes], num_tokens: int, *, lookup_id: Hashable | None, pin: bool
+    ) -> Sequence[bytes]:
+        """The keys a lookup by chunk digests looks for, checked (see :meth:`lookup_digests`).
+
+        Raises:
+            InvalidInputError: as :meth:`lookup_digests`.
+        """
         if pin and lookup_id is None:
             raise InvalidInputError("pin=True needs a lookup_id")
-        locations = self._locations(search_range, "search_range")
         if not is_strict_int(num_tokens) or num_tokens < 0:
             raise InvalidInputError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         chunk = self.config.chunk_size
@@ -1165,12 +1232,9 @@ class CacheEngine:
             not set(map(type, digests)) <= {bytes} or set(map(len, digests)) != {DIGEST_SIZE}
         ):
             raise InvalidInputError(f"every digest must be {DIGEST_SIZE} bytes")
-        keys: Sequence[bytes] = digests
         if num_tokens % chunk and not self.config.save_unfull_chunk:
-            keys = keys[:-1]
-        return await self._lookup(
-            keys, [], num_tokens, lookup_id=lookup_id, pin=pin, locations=locations
-        )
+            return digests[:-1]
+        return digests
 
     @property
     def accepts_writes(self) -> bool:

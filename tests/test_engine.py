@@ -370,6 +370,41 @@ async def test_lookup_by_digests_matches_lookup_by_tokens(save_unfull: bool) -> 
 
 
 @pytest.mark.anyio
+async def test_lookup_digests_now_answers_from_the_cpu_tier_or_leaves_it_to_the_await(
+    tmp_path: Path,
+) -> None:
+    n = 3 * CHUNK
+    scene = Scene.build("flash_nhd", torch.float16, n, seed=25)
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(scene.layout) as engine:
+            await scene.store(engine)
+            digests = engine.key_hasher.digests(scene.tokens)
+            assert engine.lookup_digests_now(digests, n) == n
+            assert engine.lookup_digests_now(digests[:1], CHUNK) == CHUNK
+            assert engine.lookup_digests_now(digests, n, lookup_id="a", pin=True) == n
+            assert engine.stats().pinned_chunks == 3
+            assert engine.stats().lookup_requests == 3
+            await engine.lookup_unpin("a")
+            with pytest.raises(InvalidInputError, match="lookup_id"):
+                engine.lookup_digests_now(digests, n, pin=True)
+            with pytest.raises(InvalidInputError, match="digests"):
+                engine.lookup_digests_now(digests[:-1], n)
+        async with open_engine(scene.layout, local_disk=str(tmp_path / "disk")) as engine:
+            await scene.store(engine)
+            assert await engine.flush()  # the disk writes behind the CPU tier
+            assert engine.lookup_digests_now(digests, n) == n  # the CPU tier holds it all
+            await engine.clear(["cpu"])
+            before = engine.stats()
+            # Only the disk has it: nothing answered, pinned or counted without the await.
+            assert engine.lookup_digests_now(digests, n, lookup_id="b", pin=True) is None
+            after = engine.stats()
+            assert after.pinned_chunks == 0
+            assert after.lookup_requests == before.lookup_requests
+            assert await engine.lookup_digests(digests, n, lookup_id="b", pin=True) == n
+            await engine.lookup_unpin("b")
+
+
+@pytest.mark.anyio
 async def test_cancelling_an_inline_store_waiting_for_memory_returns_it() -> None:
     scene = Scene.build("flash_nhd", torch.float16, CHUNK, seed=22)
     other = Scene.build("flash_nhd", torch.float16, 3 * CHUNK, seed=23)

@@ -677,6 +677,8 @@ class SidecarServer:
             session = self._sessions.get(identity)
             if session is not None:
                 session.last_seen = time.monotonic()
+            if self._answered_now(identity, frames):
+                return
             slot = not _is_probe(frames)
             if slot:
                 self._free_slots -= 1
@@ -700,6 +702,50 @@ class SidecarServer:
                 with anyio.CancelScope(shield=True):
                     await asyncio.wait(tasks)
             self._io = None
+
+    def _answered_now(self, identity: bytes, frames: Sequence[FrameLike]) -> bool:
+        """Answer a LOOKUP by chunk digests right in the socket's reader callback when the
+        engine can answer it without waiting (its CPU tier suffices): no task, no extra
+        loop iteration. False when it must go the task's way (anything else, any doubt:
+        that path also words every error reply)."""
+        engine, io = self._engine, self._io
+        if engine is None or io is None or len(frames) != 4 or not _is_lookup(frames):
+            return False
+        started = time.perf_counter()
+        limits = self.settings.limits
+        try:
+            message = decode(
+                frames[1:],
+                max_header_bytes=limits.max_header_bytes,
+                max_payload_bytes=limits.max_payload_bytes,
+            )
+            session = self._sessions.get(identity)
+            header = message.header
+            if session is None or "digests_of" not in header or "search_range" in header:
+                return False
+            pin = _flag(header, "pin")
+            lookup_id = _lookup_id(header, required=pin)
+            hits = engine.lookup_digests_now(
+                _digests(message),
+                _int(header, "digests_of", -1),
+                lookup_id=None if lookup_id is None else session.scoped(lookup_id),
+                pin=pin,
+            )
+            if hits is None:
+                return False
+            if pin and lookup_id is not None:
+                session.lookup_ids.add(lookup_id)
+        except (ProtocolError, InvalidInputError, EngineClosedError):
+            return False
+        reply = encode(MessageType.LOOKUP, {"hits": hits}, (), request_id=message.request_id)
+        self.latency.record("lookup", time.perf_counter() - started)
+        try:
+            if not io.send_nowait([frames[0], *reply], copy=False):
+                log.warning("sidecar_reply_dropped", reason="the client's queue is full")
+        except zmq.ZMQError as exc:
+            if not io.closed:
+                log.warning("sidecar_reply_failed", error=str(exc))
+        return True
 
     async def wait_idle(self) -> None:
         """Wait until no request is being served."""
@@ -1253,6 +1299,12 @@ def _is_probe(frames: Sequence[FrameLike]) -> bool:
         return False
     kind = _frame_bytes(frames[1])
     return len(kind) == 1 and kind[0] in _PROBES
+
+
+def _is_lookup(frames: Sequence[FrameLike]) -> bool:
+    """Whether a raw message (identity first) is a LOOKUP."""
+    kind = _frame_bytes(frames[1])
+    return len(kind) == 1 and kind[0] == MessageType.LOOKUP
 
 
 def _frame_bytes(frame: FrameLike) -> bytes:

@@ -645,6 +645,72 @@ async def test_curve_server_refuses_a_client_without_its_key(tmp_path: Path) -> 
     assert (stored, hits) == (2 * CHUNK, 2 * CHUNK)
 
 
+async def flush_sidecar(server: SidecarServer) -> None:
+    """Wait for the in-process sidecar's engine to finish its writes behind the CPU tier
+    (no reference to the engine is kept: its memory lives in the server's segment)."""
+    engine = server.engine
+    assert engine is not None
+    assert await engine.flush()
+
+
+@pytest.mark.anyio
+async def test_digest_lookups_the_cpu_tier_answers_skip_the_request_task(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"ipc://{short_dir}/now.sock"
+    settings = SidecarSettings(
+        listen=url,
+        config=EngineConfig(
+            chunk_size=CHUNK,
+            max_local_cpu_size=0.01,
+            local_disk=str(short_dir / "disk"),
+            max_local_disk_size=0.01,
+        ),
+    )
+    tasked: list[MessageType] = []
+    answer = SidecarServer._answer
+
+    async def counting(self: SidecarServer, identity: bytes, body: Any) -> Any:
+        tasked.append(MessageType(bytes(body[0])[0]))
+        return await answer(self, identity, body)
+
+    monkeypatch.setattr(SidecarServer, "_answer", counting)
+    servers: list[SidecarServer] = []
+    ready = anyio.Event()
+
+    def on_ready(server: SidecarServer) -> None:
+        servers.append(server)
+        ready.set()
+
+    tokens = prompt(3 * CHUNK + 5, 77)
+    kv, slots = kv_for(len(tokens), 12)
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: serve(settings, on_ready=on_ready, handle_signals=False))
+            await ready.wait()
+            async with connect(url, timeout=10) as engine:
+                stored = await engine.store(tokens, kv_caches=kv, slot_mapping=slots)
+                tasked.clear()
+                assert await engine.lookup(tokens) == len(tokens)
+                assert await engine.lookup(tokens, lookup_id="n", pin=True) == len(tokens)
+                assert tasked == []  # both answered in the reader callback
+                engine_stats, _ = await server_state(engine)
+                assert engine_stats["pinned_chunks"] == 4
+                await engine.lookup_unpin("n")
+                engine_stats, _ = await server_state(engine)
+                assert engine_stats["pinned_chunks"] == 0
+                # Only the disk holds the prefix now: the lookup takes a task to read it.
+                await flush_sidecar(servers[0])
+                assert await engine.clear(["cpu"]) == 4
+                tasked.clear()
+                assert await engine.lookup(tokens) == len(tokens)
+                assert await engine.lookup(prompt(2 * CHUNK, 78)) == 0
+                assert tasked == [MessageType.LOOKUP, MessageType.LOOKUP]
+            servers[0].stopping.set()
+    assert stored == len(tokens)
+    assert servers[0].latency.summary("lookup").count == 4  # the fast ones are timed too
+
+
 @pytest.mark.anyio
 async def test_a_namespace_given_at_start_is_the_only_one_served(short_dir: Path) -> None:
     url = f"ipc://{short_dir}/fixed.sock"
