@@ -375,6 +375,39 @@ def _encode_block_hash(index: int, value: int | bytes) -> bytes:
         ) from None
 
 
+_MemoKey = tuple[str, int]
+"""A memo entry's key: the dtype the token bytes are in, and a fast hash of them."""
+
+_INT32_TAG: Final = "<i4"  # the hashed form's dtype (see TOKEN_BYTES)
+
+
+def _raw_tokens(tokens: Tokens) -> tuple[str, memoryview] | None:
+    """The bytes of a 1-D integer tensor or ndarray as they lie in host memory (no
+    conversion, no copy) and their dtype, or None for anything else (a list, a device
+    tensor, strided memory)."""
+    if isinstance(tokens, torch.Tensor):
+        if (
+            tokens.device.type != "cpu"
+            or tokens.dim() != 1
+            or not tokens.is_contiguous()
+            or tokens.dtype.is_floating_point
+            or tokens.dtype.is_complex
+            or tokens.dtype == torch.bool
+        ):
+            return None
+        try:
+            array = tokens.numpy()
+        except (TypeError, RuntimeError):
+            return None
+    elif isinstance(tokens, np.ndarray):
+        array = tokens
+    else:
+        return None
+    if array.ndim != 1 or array.dtype.kind not in "iu" or not array.flags.c_contiguous:
+        return None
+    return array.dtype.str, array.data.cast("B")
+
+
 class _DigestMemo:
     """The chained digests of recently hashed long prompts.
 
@@ -382,18 +415,20 @@ class _DigestMemo:
     scheduler, a retrieve, a store after prefill), and hashing a long prompt costs far more
     than recognising it. An entry is found by a fast hash of the token bytes and used only
     if the stored bytes are equal to the new ones, so a hit is exact by construction.
+    A prompt that came as, say, int64 is also remembered in that form, so asking again
+    with the same tensor spares its conversion to int32 as well.
     """
 
     __slots__ = ("_capacity", "_entries", "_lock")
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
-        self._entries: collections.OrderedDict[int, tuple[bytes, list[bytes]]] = (
+        self._entries: collections.OrderedDict[_MemoKey, tuple[bytes, list[bytes]]] = (
             collections.OrderedDict()
         )
         self._lock = threading.Lock()  # digests() may run on worker threads too
 
-    def get(self, fingerprint: int, data: bytes) -> list[bytes] | None:
+    def get(self, fingerprint: _MemoKey, data: bytes) -> list[bytes] | None:
         with self._lock:
             entry = self._entries.get(fingerprint)
             if entry is None or entry[0] != data:
@@ -401,7 +436,7 @@ class _DigestMemo:
             self._entries.move_to_end(fingerprint)
             return list(entry[1])
 
-    def put(self, fingerprint: int, data: bytes, digests: list[bytes]) -> None:
+    def put(self, fingerprint: _MemoKey, data: bytes, digests: list[bytes]) -> None:
         with self._lock:
             self._entries[fingerprint] = (data, list(digests))
             self._entries.move_to_end(fingerprint)
@@ -457,7 +492,8 @@ class ChunkHasher:
         self._chain = _chain_blake3 if self._algorithm is HashAlgorithm.BLAKE3 else _chain_xxh3
         if not is_strict_int(memo_size) or memo_size < 0:
             raise InvalidInputError(f"memo_size must be an int >= 0, got {memo_size!r}")
-        self._memo = _DigestMemo(memo_size) if memo_size else None
+        # Two entries a prompt at most: its int32 form and the form it came in.
+        self._memo = _DigestMemo(2 * memo_size) if memo_size else None
         self._memo_min_bytes = memo_min_tokens * TOKEN_BYTES
 
     def remembered(self, tokens: Tokens) -> list[bytes] | None:
@@ -469,11 +505,42 @@ class ChunkHasher:
         """
         if self._memo is None or not isinstance(tokens, (torch.Tensor, np.ndarray)):
             return None
-        data, _ = token_bytes(tokens)
-        if len(data) < self._memo_min_bytes:
+        return self._recall(tokens)[0]
+
+    def _recall(self, tokens: Tokens) -> tuple[list[bytes] | None, _MemoKey | None, bytes]:
+        """The memo's digests of a tensor or ndarray (None when it has none), with the key
+        and bytes to remember them under in the form they came in (None when that form is
+        the int32 one, or the memo does not take them).
+
+        Raises:
+            InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
+        """
+        memo = self._memo
+        raw = _raw_tokens(tokens)
+        if memo is None or raw is None or raw[0] == _INT32_TAG:
+            data, _ = token_bytes(tokens)
+            return self._recall_int32(data), None, b""
+        tag, view = raw
+        if len(view) // view.itemsize * TOKEN_BYTES < self._memo_min_bytes:
+            return None, None, b""
+        # Only bytes that are equal to a remembered prompt's (which passed the checks of
+        # token_array) are used, so a hit needs neither the conversion nor the checks.
+        key = (tag, xxhash.xxh3_64_intdigest(view))
+        content = view.tobytes()
+        digests = memo.get(key, content)
+        if digests is None:
+            data, _ = token_bytes(tokens)
+            digests = self._recall_int32(data)
+            if digests is not None:
+                memo.put(key, content, digests)
+        return digests, key, content
+
+    def _recall_int32(self, data: memoryview) -> list[bytes] | None:
+        memo = self._memo
+        if memo is None or len(data) < self._memo_min_bytes:
             return None
         content = data.tobytes()
-        return self._memo.get(xxhash.xxh3_64_intdigest(content), content)
+        return memo.get((_INT32_TAG, xxhash.xxh3_64_intdigest(content)), content)
 
     def _all_digests(self, data: memoryview) -> list[bytes]:
         """Digests of every chunk of ``data`` (token bytes), from the memo when it has them."""
@@ -483,11 +550,11 @@ class ChunkHasher:
             return self._chain(self._seed, data, step, len(data))
         # bytes == bytes is one memcmp; comparing through a memoryview goes item by item.
         content = data.tobytes()
-        fingerprint = xxhash.xxh3_64_intdigest(content)
-        digests = memo.get(fingerprint, content)
+        key = (_INT32_TAG, xxhash.xxh3_64_intdigest(content))
+        digests = memo.get(key, content)
         if digests is None:
             digests = self._chain(self._seed, data, step, len(data))
-            memo.put(fingerprint, content, digests)
+            memo.put(key, content, digests)
         return digests
 
     @property
@@ -523,6 +590,15 @@ class ChunkHasher:
         Raises:
             InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
         """
+        if self._memo is not None and isinstance(tokens, (torch.Tensor, np.ndarray)):
+            digests, key, content = self._recall(tokens)
+            if digests is not None:
+                return digests
+            data, _ = token_bytes(tokens)
+            digests = self._all_digests(data)
+            if key is not None:
+                self._memo.put(key, content, digests)
+            return digests
         data, _ = token_bytes(tokens)
         return self._all_digests(data)
 

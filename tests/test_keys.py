@@ -699,3 +699,33 @@ def test_remembered_probes_the_memo_without_hashing() -> None:
     assert memo.remembered(tokens) == digests
     assert memo.remembered(tokens.tolist()) is None  # lists are never probed
     assert ChunkHasher(NS, chunk_size=16).remembered(tokens) is None  # no memo
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8])
+def test_remembered_knows_a_prompt_in_the_dtype_it_came_in(dtype: torch.dtype) -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=2, memo_min_tokens=64)
+    plain = ChunkHasher(NS, chunk_size=16)
+    tokens = torch.arange(0, 200).to(dtype)
+    assert memo.digests(tokens) == plain.digests(tokens)
+    for same in (tokens, tokens.clone(), tokens.to(torch.int32), tokens.numpy()):
+        assert memo.remembered(same) == plain.digests(tokens)
+    changed = tokens.clone()
+    changed[150] += 1
+    assert memo.remembered(changed) is None
+    assert memo.remembered(tokens[::2]) is None  # strided: hashed, never misread
+    if dtype.is_signed:
+        negative = tokens.clone()
+        negative[3] = -1
+        with pytest.raises(InvalidInputError, match=">= 0"):
+            memo.remembered(negative)  # its bytes match nothing: checked as usual
+
+
+def test_the_memo_holds_memo_size_prompts_in_both_forms() -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=2, memo_min_tokens=64)
+    prompts = [torch.arange(start, start + 100, dtype=torch.int64) for start in (0, 1000, 2000)]
+    for tokens in prompts:
+        memo.digests(tokens)  # the third makes room: the first goes, in both forms
+    assert memo.remembered(prompts[0]) is None
+    assert memo.remembered(prompts[0].to(torch.int32)) is None
+    assert all(memo.remembered(t) is not None for t in prompts[1:])
+    assert all(memo.remembered(t.to(torch.int32)) is not None for t in prompts[1:])
