@@ -7,8 +7,11 @@ Every test ends with the pool empty: the tier never leaks a MemoryObj.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -20,10 +23,12 @@ import redis.asyncio
 import redis.asyncio.cluster
 import torch
 
+from lmcache_async.backends import redis as redis_backend
 from lmcache_async.backends.codec import Codec
 from lmcache_async.backends.record import RecordSpec
 from lmcache_async.backends.redis import (
     DEFAULT_KEY_PREFIX,
+    PUT_SPLIT,
     RedisBackend,
     _overlapped,
     parse_remote_url,
@@ -407,6 +412,211 @@ async def test_overlapped_stops_when_asked_and_keeps_order() -> None:
         await _overlapped(6, first, second)
     assert seen == [0, 1, 2]
     assert max(started) <= 3, "at most one item is produced ahead"
+
+
+# -- standalone put: SET commands written from the objects' memory --------------------------
+
+# 64 KiB per token (heads=16, head=512): 4 tokens make exactly one write piece (256 KiB),
+# so these sizes cover payloads joined with their command, at the limit, and sent as views.
+BIG = {"heads": 16, "head": 512}
+MIXED_TOKENS = [CHUNK, 1, 4, CHUNK, 3, CHUNK, CHUNK, 2, 5, CHUNK, 1, CHUNK] * 2
+
+
+async def stored_bytes(server: RedisServer, keys: list[ChunkKey]) -> int:
+    raw: Any = redis.asyncio.Redis.from_url(server.url)
+    try:
+        return sum([int(await raw.strlen(rkey(k))) for k in keys])
+    finally:
+        await raw.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("ttl", [None, 60.0])
+async def test_large_and_small_values_round_trip_byte_exact(
+    redis_server: RedisServer, open_tier: Opener, ttl: float | None
+) -> None:
+    env = await open_tier(
+        redis_server.url, capacity=64 * 1024 * 1024, batch_bytes=16 << 20, ttl=ttl, **BIG
+    )
+    keys = [key(i) for i in range(len(MIXED_TOKENS))]
+    objs = await put_random(env, keys, MIXED_TOKENS)
+    got = await env.tier.get(keys)
+    try:
+        for obj, back in zip(objs, got, strict=True):
+            assert back is not None and torch.equal(raw_bytes(back), raw_bytes(obj))
+    finally:
+        release(objs, got)
+    assert env.tier.stats().bytes == await stored_bytes(redis_server, keys)
+    raw: Any = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        ttls = [int(await raw.pttl(rkey(k))) for k in keys]
+    finally:
+        await raw.aclose()
+    if ttl is None:
+        assert set(ttls) == {-1}
+    else:
+        assert all(0 < t <= ttl * 1000 for t in ttls)
+
+
+@pytest.mark.anyio
+async def test_put_without_a_known_stream_uses_redis_py_send(
+    redis_server: RedisServer, open_tier: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis_backend, "_stream_writer", lambda conn: None)
+    env = await open_tier(redis_server.url, capacity=32 * 1024 * 1024, **BIG)
+    keys = [key(i) for i in range(8)]
+    objs = await put_random(env, keys, MIXED_TOKENS[:8])
+    got = await env.tier.get(keys)
+    try:
+        for obj, back in zip(objs, got, strict=True):
+            assert back is not None and torch.equal(raw_bytes(back), raw_bytes(obj))
+    finally:
+        release(objs, got)
+
+
+def in_use_connections(env: Env) -> int:
+    return len(env.tier._client.connection_pool._in_use_connections)
+
+
+async def assert_whole_or_absent(env: Env, keys: list[ChunkKey], objs: list[Any]) -> None:
+    """Every key holds the exact bytes put, or nothing: a cut-short put never stores a
+    partial or mixed-up record."""
+    got = await env.tier.get(keys)
+    try:
+        for obj, back in zip(objs, got, strict=True):
+            assert back is None or torch.equal(raw_bytes(back), raw_bytes(obj))
+    finally:
+        release(got)
+    assert env.tier.stats().corrupt == 0
+
+
+@pytest.mark.anyio
+async def test_cancelled_put_leaves_nothing_behind_and_the_client_still_works(
+    redis_server: RedisServer, open_tier: Opener
+) -> None:
+    env = await open_tier(
+        redis_server.url, capacity=64 * 1024 * 1024, batch_bytes=8 << 20, timeout=5.0, **BIG
+    )
+    keys = [key(i) for i in range(24)]
+    objs = [
+        await filled(env.pool, env.layout.payload_shape(CHUNK), env.layout.dtype, seed=i)
+        for i in range(24)
+    ]
+    for salt, delay in enumerate((0, 0.001, 0.003, 0.01, 0.03), start=1):
+        salted = [key(i, salt) for i in range(24)]
+        with anyio.move_on_after(delay):
+            await env.tier.put(salted, objs)
+        assert env.pool.stats().num_objects == 24, "only the caller's objects are alive"
+        assert all(obj.ref_count == 1 for obj in objs)
+        assert in_use_connections(env) == 0
+        await assert_whole_or_absent(env, salted, objs)
+    with anyio.fail_after(10):
+        assert await env.tier.put(keys, objs) == 24
+    got = await env.tier.get(keys)
+    try:
+        for obj, back in zip(objs, got, strict=True):
+            assert back is not None and torch.equal(raw_bytes(back), raw_bytes(obj))
+    finally:
+        release(objs, got)
+    assert in_use_connections(env) == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fault", ["killed", "hung", "cancelled"])
+async def test_put_cut_short_mid_write_fails_fast_and_leaves_nothing_behind(
+    redis_server: RedisServer,
+    open_tier: Opener,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+) -> None:
+    # The server stops reading once the put knows what to send; the put's one batch of
+    # 24 MiB does not fit in the socket buffers, so it is mid-write when, after 0.3 s, the
+    # server is killed (the put fails at once), or stays hung (the put fails at its
+    # deadline: the timeout plus 24 MiB at 50 MB/s), or the caller gives up.
+    timeout = 0.5 if fault == "hung" else 5.0
+    env = await open_tier(
+        redis_server.url,
+        capacity=64 * 1024 * 1024,
+        batch_bytes=PUT_SPLIT * (24 << 20),
+        timeout=timeout,
+        **BIG,
+    )
+    tier = env.tier
+    pid = redis_server.pid
+    assert pid is not None
+    keys = [key(i) for i in range(24)]
+    objs = [
+        await filled(env.pool, env.layout.payload_shape(CHUNK), env.layout.dtype, seed=i)
+        for i in range(24)
+    ]
+    real_exists = tier._exists
+
+    async def exists_then_stop(rkeys: list[bytes]) -> list[bool]:
+        found = await real_exists(rkeys)
+        os.kill(pid, signal.SIGSTOP)
+        return found
+
+    monkeypatch.setattr(tier, "_exists", exists_then_stop)
+    try:
+        start = time.monotonic()
+        with anyio.fail_after(timeout + 3):
+            if fault == "cancelled":
+                with anyio.move_on_after(0.3) as scope:
+                    await tier.put(keys, objs)
+                assert scope.cancelled_caught
+            else:
+                async with anyio.create_task_group() as tg:
+                    if fault == "killed":
+                        tg.start_soon(kill_after, pid, 0.3)
+                    with pytest.raises(TierUnavailableError):
+                        await tier.put(keys, objs)
+        elapsed = time.monotonic() - start
+        assert elapsed < (timeout + 1.5 if fault == "hung" else 1.5), elapsed
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        monkeypatch.undo()
+    if fault != "killed":
+        # The connection cut mid-command was closed, so the server drops the half it has
+        # (kept open, it would take the next command for the rest of the value).
+        with anyio.fail_after(2):
+            await poll_until(lambda: no_half_received_command(redis_server))
+    assert tier.healthy() is (fault == "cancelled")
+    assert env.pool.stats().num_objects == 24, "only the caller's objects are alive"
+    assert all(obj.ref_count == 1 for obj in objs)
+    assert in_use_connections(env) == 0
+
+    if fault == "killed":
+        redis_server.restart()  # same port, empty
+    # The same client goes on at once.
+    with anyio.fail_after(timeout):
+        assert await tier.check_health()
+        await assert_whole_or_absent(env, keys, objs)
+    assert tier.stats().errors == (0 if fault == "cancelled" else 1)
+    with anyio.fail_after(10):
+        await tier.put(keys, objs)
+    got = await tier.get(keys)
+    try:
+        for obj, back in zip(objs, got, strict=True):
+            assert back is not None and torch.equal(raw_bytes(back), raw_bytes(obj))
+    finally:
+        release(objs, got)
+
+
+async def no_half_received_command(server: RedisServer) -> bool:
+    """Whether no client of ``server`` (but the one asking) has part of a command buffered
+    (a large argument is read straight into its own object, counted in ``argv-mem``)."""
+    clients = server.command("CLIENT", "LIST").decode().splitlines()
+    return all(
+        " qbuf=0 " in line and " argv-mem=0 " in line
+        for line in clients
+        if "addr=" in line and "cmd=client|list" not in line
+    )
+
+
+async def kill_after(pid: int, delay: float) -> None:
+    await anyio.sleep(delay)
+    os.kill(pid, signal.SIGKILL)
 
 
 # -- remove, clear, TTL -------------------------------------------------------------------
