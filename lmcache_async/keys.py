@@ -381,22 +381,12 @@ _MemoKey = tuple[str, int]
 _INT32_TAG: Final = "<i4"  # the hashed form's dtype (see TOKEN_BYTES)
 
 
-def _raw_tokens(tokens: Tokens) -> tuple[str, memoryview] | None:
-    """The bytes of a 1-D integer tensor or ndarray as they lie in host memory (no
-    conversion, no copy) and their dtype, or None for anything else (a list, a device
-    tensor, strided memory)."""
+def _raw_tokens(tokens: Tokens) -> npt.NDArray[np.integer] | None:
+    """A 1-D integer tensor or ndarray as an ndarray on the same memory (no conversion,
+    no copy), or None for anything else (a list, a device tensor, strided memory)."""
     if isinstance(tokens, torch.Tensor):
-        if (
-            tokens.device.type != "cpu"
-            or tokens.dim() != 1
-            or not tokens.is_contiguous()
-            or tokens.dtype.is_floating_point
-            or tokens.dtype.is_complex
-            or tokens.dtype == torch.bool
-        ):
-            return None
         try:
-            array = tokens.numpy()
+            array = tokens.numpy()  # only a plain CPU tensor has a view as an ndarray
         except (TypeError, RuntimeError):
             return None
     elif isinstance(tokens, np.ndarray):
@@ -405,7 +395,7 @@ def _raw_tokens(tokens: Tokens) -> tuple[str, memoryview] | None:
         return None
     if array.ndim != 1 or array.dtype.kind not in "iu" or not array.flags.c_contiguous:
         return None
-    return array.dtype.str, array.data.cast("B")
+    return array
 
 
 class _DigestMemo:
@@ -499,6 +489,8 @@ class ChunkHasher:
     def remembered(self, tokens: Tokens) -> list[bytes] | None:
         """The digests of ``tokens`` if the memo holds them, else None. Cheap for tensors
         and arrays (no hashing); lists are not probed, their conversion alone is long work.
+        Bytes equal to a remembered prompt's are valid tokens; others may be checked only
+        by the hashing that follows the miss.
 
         Raises:
             InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
@@ -516,18 +508,21 @@ class ChunkHasher:
             InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
         """
         memo = self._memo
-        raw = _raw_tokens(tokens)
-        if memo is None or raw is None or raw[0] == _INT32_TAG:
+        array = _raw_tokens(tokens)
+        if memo is None or array is None:
             data, _ = token_bytes(tokens)
             return self._recall_int32(data), None, b""
-        tag, view = raw
-        if len(view) // view.itemsize * TOKEN_BYTES < self._memo_min_bytes:
+        if len(array) * TOKEN_BYTES < self._memo_min_bytes:
             return None, None, b""
         # Only bytes that are equal to a remembered prompt's (which passed the checks of
         # token_array) are used, so a hit needs neither the conversion nor the checks.
+        view = array.data.cast("B")
+        tag = array.dtype.str
         key = (tag, xxhash.xxh3_64_intdigest(view))
         content = view.tobytes()
         digests = memo.get(key, content)
+        if tag == _INT32_TAG:
+            return digests, None, b""  # the int32 form is the one remembered anyway
         if digests is None:
             data, _ = token_bytes(tokens)
             digests = self._recall_int32(data)
