@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias, cast
+from typing import Any, Final, TypeAlias, cast
 
 import structlog
 import zmq
@@ -26,6 +26,13 @@ log = structlog.get_logger(__name__)
 
 FrameLike: TypeAlias = zmq.Frame | bytes | bytearray | memoryview
 OnMessage: TypeAlias = Callable[[list[zmq.Frame]], None]
+
+# pyzmq's constants are enum members: `events & zmq.POLLIN` builds a flag object (2 us
+# here), and the reader tests events several times per message. Plain ints cost nothing.
+_EVENTS: Final = int(zmq.EVENTS)
+_POLLIN: Final = int(zmq.POLLIN)
+_POLLOUT: Final = int(zmq.POLLOUT)
+_NOBLOCK: Final = int(zmq.NOBLOCK)
 
 
 class LoopSocket:
@@ -69,12 +76,12 @@ class LoopSocket:
         try:
             while not self.closed:
                 events = self._events()
-                if events & zmq.POLLOUT and self._writable is not None:
+                if events & _POLLOUT and self._writable is not None:
                     self._writable.set()
-                if not events & zmq.POLLIN or self._paused:
+                if not events & _POLLIN or self._paused:
                     return
                 try:
-                    frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = self.socket.recv_multipart(_NOBLOCK, copy=False)
                 except zmq.Again:
                     return
                 self._on_message(frames)
@@ -83,7 +90,7 @@ class LoopSocket:
                 log.warning("zmq_receive_failed", error=str(exc))
 
     def _events(self) -> int:
-        return cast(int, self.socket.getsockopt(zmq.EVENTS))
+        return cast(int, self.socket.getsockopt(_EVENTS))
 
     def send_nowait(self, frames: Sequence[FrameLike], *, copy: bool = True) -> bool:
         """Queue a message without waiting; False when the socket cannot take it now (its
@@ -95,7 +102,7 @@ class LoopSocket:
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK)
         try:
-            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+            self.socket.send_multipart(frames, _NOBLOCK, copy=copy)
         except zmq.Again:
             return False
         self._schedule_drain()
@@ -115,7 +122,7 @@ class LoopSocket:
                 self._writable = asyncio.Event()
             self._writable.clear()
             # The descriptor only signals changes: look once more before sleeping on it.
-            if self._events() & zmq.POLLOUT:
+            if self._events() & _POLLOUT:
                 continue
             await self._writable.wait()
 
