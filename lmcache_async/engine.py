@@ -818,7 +818,9 @@ class CacheEngine:
             hits = self._manager.pin_prefix(keys, lookup_id)
             self._pins_changed.set()
         else:
-            hits = self._manager.contains_prefix(keys) if locations is None else 0
+            # Here the CPU tier alone could not answer (_lookup_now, or named tiers):
+            # lookup_prefix below counts the prefix across tiers, starting there.
+            hits = 0
         if (
             not self.config.use_layerwise
             and hits < len(keys)
