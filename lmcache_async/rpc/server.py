@@ -723,13 +723,9 @@ class SidecarServer:
             header = message.header
             if session is None or "digests_of" not in header or "search_range" in header:
                 return False
-            pin = _flag(header, "pin")
-            lookup_id = _lookup_id(header, required=pin)
+            pin, lookup_id, scoped = _pin_fields(session, header)
             hits = engine.lookup_digests_now(
-                _digests(message),
-                _int(header, "digests_of", -1),
-                lookup_id=None if lookup_id is None else session.scoped(lookup_id),
-                pin=pin,
+                _digests(message), _int(header, "digests_of", -1), lookup_id=scoped, pin=pin
             )
             if hits is None:
                 return False
@@ -739,12 +735,7 @@ class SidecarServer:
             return False
         reply = encode(MessageType.LOOKUP, {"hits": hits}, (), request_id=message.request_id)
         self.latency.record("lookup", time.perf_counter() - started)
-        try:
-            if not io.send_nowait([frames[0], *reply], copy=False):
-                log.warning("sidecar_reply_dropped", reason="the client's queue is full")
-        except zmq.ZMQError as exc:
-            if not io.closed:
-                log.warning("sidecar_reply_failed", error=str(exc))
+        _send_reply(io, frames[0], reply)
         return True
 
     async def wait_idle(self) -> None:
@@ -758,12 +749,7 @@ class SidecarServer:
             io = self._io
             if reply is None or io is None:
                 return
-            try:
-                if not io.send_nowait([frames[0], *reply], copy=False):
-                    log.warning("sidecar_reply_dropped", reason="the client's queue is full")
-            except zmq.ZMQError as exc:
-                if not io.closed:
-                    log.warning("sidecar_reply_failed", error=str(exc))
+            _send_reply(io, frames[0], reply)
         except Exception:  # a plain task: nobody else would see it
             log.exception("sidecar_handler_failed")
         finally:
@@ -886,9 +872,7 @@ class SidecarServer:
         assert session is not None
         engine = self._need_engine()
         header = message.header
-        pin = _flag(header, "pin")
-        lookup_id = _lookup_id(header, required=pin)
-        scoped = None if lookup_id is None else session.scoped(lookup_id)
+        pin, lookup_id, scoped = _pin_fields(session, header)
         search_range = _locations(header, "search_range")
         if "digests_of" in header:
             # The client hashed the prompt: one frame of DIGEST_SIZE-byte chunk digests.
@@ -1299,6 +1283,26 @@ def _is_probe(frames: Sequence[FrameLike]) -> bool:
         return False
     kind = _frame_bytes(frames[1])
     return len(kind) == 1 and kind[0] in _PROBES
+
+
+def _send_reply(io: LoopSocket, identity: FrameLike, reply: Sequence[FrameLike]) -> None:
+    """Queue a reply to the client ``identity`` names (logged, not raised, when it fails)."""
+    try:
+        if not io.send_nowait([identity, *reply], copy=False):
+            log.warning("sidecar_reply_dropped", reason="the client's queue is full")
+    except zmq.ZMQError as exc:
+        if not io.closed:
+            log.warning("sidecar_reply_failed", error=str(exc))
+
+
+def _pin_fields(
+    session: _Session, header: dict[str, Any]
+) -> tuple[bool, int | str | None, tuple[str, bytes, int | str] | None]:
+    """A LOOKUP's ``pin`` flag, its ``lookup_id`` (required with a pin) and that id as
+    scoped to ``session``."""
+    pin = _flag(header, "pin")
+    lookup_id = _lookup_id(header, required=pin)
+    return pin, lookup_id, None if lookup_id is None else session.scoped(lookup_id)
 
 
 def _is_lookup(frames: Sequence[FrameLike]) -> bool:
