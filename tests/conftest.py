@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+import structlog
 
 if TYPE_CHECKING:
     from tests.servers import RedisCluster, RedisServer
@@ -26,6 +28,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """Put the root logger's handlers and level and structlog's configuration back as
+    they were (for tests of commands that configure logging)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    saved = structlog.get_config()
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(level)
+    structlog.configure(**saved)
 
 
 @pytest.fixture

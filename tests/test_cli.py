@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 import yaml
 
 from lmcache_async.cli import main
@@ -19,19 +16,8 @@ from lmcache_async.config import EngineConfig
 TINY_SHAPE = ["--layers", "2", "--kv-heads", "2", "--head-size", "16", "--chunk-size", "32"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """``main`` configures logging onto the captured stderr; undo it after each test."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    saved = structlog.get_config()
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    structlog.configure(**saved)
+# ``main`` configures logging onto the captured stderr: undone after each test.
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 @pytest.fixture(autouse=True)

@@ -440,12 +440,7 @@ async def test_large_and_small_values_round_trip_byte_exact(
     )
     keys = [key(i) for i in range(len(MIXED_TOKENS))]
     objs = await put_random(env, keys, MIXED_TOKENS)
-    got = await env.tier.get(keys)
-    try:
-        for obj, back in zip(objs, got, strict=True):
-            assert back is not None and torch.equal(raw_bytes(back), raw_bytes(obj))
-    finally:
-        release(objs, got)
+    await assert_all_back(env.tier, keys, objs)
     assert env.tier.stats().bytes == await stored_bytes(redis_server, keys)
     raw: Any = redis.asyncio.Redis.from_url(redis_server.url)
     try:
@@ -466,7 +461,12 @@ async def test_put_without_a_known_stream_uses_redis_py_send(
     env = await open_tier(redis_server.url, capacity=32 * 1024 * 1024, **BIG)
     keys = [key(i) for i in range(8)]
     objs = await put_random(env, keys, MIXED_TOKENS[:8])
-    got = await env.tier.get(keys)
+    await assert_all_back(env.tier, keys, objs)
+
+
+async def assert_all_back(tier: Any, keys: list[ChunkKey], objs: list[Any]) -> None:
+    """Every key reads back byte-exact; then ``objs`` and what was read are released."""
+    got = await tier.get(keys)
     try:
         for obj, back in zip(objs, got, strict=True):
             assert back is not None and torch.equal(raw_bytes(back), raw_bytes(obj))
@@ -512,12 +512,7 @@ async def test_cancelled_put_leaves_nothing_behind_and_the_client_still_works(
         await assert_whole_or_absent(env, salted, objs)
     with anyio.fail_after(10):
         assert await env.tier.put(keys, objs) == 24
-    got = await env.tier.get(keys)
-    try:
-        for obj, back in zip(objs, got, strict=True):
-            assert back is not None and torch.equal(raw_bytes(back), raw_bytes(obj))
-    finally:
-        release(objs, got)
+    await assert_all_back(env.tier, keys, objs)
     assert in_use_connections(env) == 0
 
 
@@ -595,12 +590,7 @@ async def test_put_cut_short_mid_write_fails_fast_and_leaves_nothing_behind(
     assert tier.stats().errors == (0 if fault == "cancelled" else 1)
     with anyio.fail_after(10):
         await tier.put(keys, objs)
-    got = await tier.get(keys)
-    try:
-        for obj, back in zip(objs, got, strict=True):
-            assert back is not None and torch.equal(raw_bytes(back), raw_bytes(obj))
-    finally:
-        release(objs, got)
+    await assert_all_back(tier, keys, objs)
 
 
 async def no_half_received_command(server: RedisServer) -> bool:

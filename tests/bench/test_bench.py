@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import math
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 import torch
 
 from lmcache_async import KVLayout
@@ -26,19 +23,8 @@ from lmcache_async.errors import InvalidInputError
 TINY_SHAPE = ["--layers", "2", "--kv-heads", "2", "--head-size", "16", "--chunk-size", "64"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """``main`` configures logging onto the captured stderr; undo it after each test."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    saved = structlog.get_config()
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    structlog.configure(**saved)
+# ``main`` configures logging onto the captured stderr: undone after each test.
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def test_percentiles_interpolate_between_ranks() -> None:

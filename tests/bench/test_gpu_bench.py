@@ -4,15 +4,12 @@ CUDA path at small sizes."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 import torch
 
 from lmcache_async import EngineConfig
@@ -30,19 +27,8 @@ TINY = ["--layers", "2", "--kv-heads", "2", "--head-size", "16", "--chunk-size",
 NUMBER = r"(-?[0-9.]+)"
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """``main`` configures logging onto the captured stderr; undo it after each test."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    saved = structlog.get_config()
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    structlog.configure(**saved)
+# ``main`` configures logging onto the captured stderr: undone after each test.
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def _positive(value: object) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import shutil
 import struct
@@ -18,7 +17,6 @@ from typing import Any
 
 import anyio
 import pytest
-import structlog
 import torch
 
 from lmcache_async import EngineConfig, RemoteCacheEngine, TierUnavailableError
@@ -65,19 +63,8 @@ def options(workload: str, **overrides: Any) -> LoadOptions:
     return LoadOptions(**settings)
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """``main`` configures logging onto the captured stderr; undo it after each test."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    saved = structlog.get_config()
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    structlog.configure(**saved)
+# ``main`` configures logging onto the captured stderr: undone after each test.
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def check_consistent(results: dict[str, Any], *, embedded: bool = True) -> None:

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 
 from lmcache_async.bench.loadgen import VLLM_OPERATIONS, LoadOptions, format_summary
 from lmcache_async.cli import main
@@ -32,19 +29,8 @@ TURN_TOKENS = 256
 RUN_TIMEOUT = 240.0  # vLLM starts in 25-60 s on a 2-core machine
 
 
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """``main`` configures logging onto the captured stderr; undo it after each test."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    saved = structlog.get_config()
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    structlog.configure(**saved)
+# ``main`` configures logging onto the captured stderr: undone after each test.
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def fake_model(directory: Path, **config: Any) -> Path:
