@@ -8,9 +8,13 @@ Each figure is measured in the same run, on the same tensors, as its baseline:
 - **retrieve** GB/s: ``engine.retrieve`` of those tokens into other blocks, against the
   plain ``index_copy_`` scatter of the same bytes;
 - **lookup** latency of a fully cached long prompt, tokens as a tensor and as a list;
-- **hashing** tokens/s of :class:`~lmcache_async.keys.ChunkHasher` (blake3, xxh3_128);
+- **hashing** tokens/s of :class:`~lmcache_async.keys.ChunkHasher` (blake3, xxh3_128),
+  against the plain way to get the same digests from a tensor: convert it to int32 bytes,
+  then one ``H(previous digest + chunk bytes)`` call per chunk;
 - **per-request overhead** of a short store and retrieve: engine time minus the plain copy
-  time of the same bytes.
+  of the same chunk payloads (per chunk, layer and K/V one ``index_select`` into a
+  preallocated chunk buffer; ``index_copy_`` back). Beside it, the cost of chunking: that
+  per-chunk copy against one copy of the whole request into a single buffer.
 
 Every figure is the median over ``repeat`` measured runs (lookups and hashing: over many
 more iterations) after warm-up runs; the best run is reported beside it in the JSON.
@@ -26,13 +30,15 @@ from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 import anyio
+import blake3
 import torch
+import xxhash
 
 from lmcache_async import CacheEngine, EngineConfig, KVLayout
 from lmcache_async.bench import format_table, parse_dtype, percentiles
 from lmcache_async.config import GB
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.keys import ChunkHasher, HashAlgorithm, Namespace
+from lmcache_async.keys import DIGEST_SIZE, ChunkHasher, HashAlgorithm, Namespace
 from lmcache_async.memory import DEFAULT_PAGE_SIZE
 
 __all__ = [
@@ -280,11 +286,27 @@ async def _overhead_bench(
     toks, src, dst = tokens[:n].clone(), src_slots[:n].clone(), dst_slots[:n].clone()
     views = _row_views(layout, kv)
     buf = torch.empty(layout.payload_shape(n), dtype=layout.dtype)
+    chunk = engine.config.chunk_size
+    bounds = [(start, min(start + chunk, n)) for start in range(0, n, chunk)]
+    chunk_bufs = [torch.empty(layout.payload_shape(e - s), dtype=layout.dtype) for s, e in bounds]
+    src_parts = [src[s:e].clone() for s, e in bounds]
+    dst_parts = [dst[s:e].clone() for s, e in bounds]
+
+    def chunk_gather() -> None:
+        for rows, out in zip(src_parts, chunk_bufs, strict=True):
+            _raw_gather(views, rows, out)
+
+    def chunk_scatter() -> None:
+        for rows, payload in zip(dst_parts, chunk_bufs, strict=True):
+            _raw_scatter(views, rows, payload)
+
     times: dict[str, list[float]] = {
         "store": [],
         "raw_gather": [],
+        "raw_chunk_gather": [],
         "retrieve": [],
         "raw_scatter": [],
+        "raw_chunk_scatter": [],
     }
     # Engine first, raw copies after (see _copy_bench for why they are not interleaved).
     for run in range(2 + options.overhead_iterations):
@@ -295,21 +317,28 @@ async def _overhead_bench(
             times["store"].append(t_store)
             times["retrieve"].append(t_retrieve)
     for run in range(2 + options.overhead_iterations):
-        t_gather = _timed(lambda: _raw_gather(views, src, buf))
-        t_scatter = _timed(lambda: _raw_scatter(views, dst, buf))
+        measured = {
+            "raw_chunk_gather": _timed(chunk_gather),
+            "raw_chunk_scatter": _timed(chunk_scatter),
+            "raw_gather": _timed(lambda: _raw_gather(views, src, buf)),
+            "raw_scatter": _timed(lambda: _raw_scatter(views, dst, buf)),
+        }
         if run >= 2:
-            times["raw_gather"].append(t_gather)
-            times["raw_scatter"].append(t_scatter)
+            for name, seconds in measured.items():
+                times[name].append(seconds)
     med = {name: statistics.median(values) * 1e6 for name, values in times.items()}
     return {
         "tokens": n,
+        "chunks": len(bounds),
         "iterations": options.overhead_iterations,
         "store_engine_us": med["store"],
-        "store_raw_us": med["raw_gather"],
-        "store_overhead_us": med["store"] - med["raw_gather"],
+        "store_raw_us": med["raw_chunk_gather"],
+        "store_overhead_us": med["store"] - med["raw_chunk_gather"],
+        "store_raw_whole_us": med["raw_gather"],
         "retrieve_engine_us": med["retrieve"],
-        "retrieve_raw_us": med["raw_scatter"],
-        "retrieve_overhead_us": med["retrieve"] - med["raw_scatter"],
+        "retrieve_raw_us": med["raw_chunk_scatter"],
+        "retrieve_overhead_us": med["retrieve"] - med["raw_chunk_scatter"],
+        "retrieve_raw_whole_us": med["raw_scatter"],
         "target_us": TARGETS["overhead_us"],
     }
 
@@ -398,6 +427,7 @@ def _hash_bench(options: MicroOptions, chunk_size: int, gen: torch.Generator) ->
         "iterations": options.hash_iterations,
         "chunk_size": chunk_size,
     }
+    problems: list[str] = []
     for algorithm in _HASH_ALGORITHMS:
         namespace = Namespace(
             model_name="lmcache-async-micro", layout_fingerprint=layout.fingerprint
@@ -411,10 +441,59 @@ def _hash_bench(options: MicroOptions, chunk_size: int, gen: torch.Generator) ->
             target = TARGETS[f"hash_{name}_mtps"]
             entry[f"{name}_mtps"] = rate
             entry[f"{name}_ok"] = rate >= target
+        plain = _PLAIN_CHAINS[algorithm]
+        if plain(hasher.seed, as_tensor, chunk_size) != hasher.digests(as_tensor):
+            problems.append(f"{algorithm}: the plain chain gives other digests than the hasher")
+        plain_samples = _plain_times(
+            plain, hasher.seed, as_tensor, chunk_size, options.hash_iterations
+        )
+        entry["tensor_plain_mtps"] = n / statistics.median(plain_samples) / 1e6
+        entry["tensor_ratio"] = entry["tensor_mtps"] / entry["tensor_plain_mtps"]
         out[algorithm] = entry
     out["target_list_mtps"] = TARGETS["hash_list_mtps"]
     out["target_tensor_mtps"] = TARGETS["hash_tensor_mtps"]
+    out["problems"] = problems
     return out
+
+
+def _plain_blake3(seed: bytes, tokens: torch.Tensor, chunk_size: int) -> list[bytes]:
+    """The plain way to chain blake3 over a token tensor's chunks (the hashing baseline)."""
+    data = tokens.to(torch.int32).numpy().tobytes()
+    step = chunk_size * 4
+    digests: list[bytes] = []
+    prev = seed
+    for offset in range(0, len(data), step):
+        prev = blake3.blake3(prev + data[offset : offset + step]).digest(length=DIGEST_SIZE)
+        digests.append(prev)
+    return digests
+
+
+def _plain_xxh3(seed: bytes, tokens: torch.Tensor, chunk_size: int) -> list[bytes]:
+    """As :func:`_plain_blake3`, with xxh3-128."""
+    data = tokens.to(torch.int32).numpy().tobytes()
+    step = chunk_size * 4
+    digests: list[bytes] = []
+    prev = seed
+    for offset in range(0, len(data), step):
+        prev = xxhash.xxh3_128_digest(prev + data[offset : offset + step])
+        digests.append(prev)
+    return digests
+
+
+_PlainChain = Callable[[bytes, torch.Tensor, int], list[bytes]]
+_PLAIN_CHAINS: Final[Mapping[str, _PlainChain]] = {
+    "blake3": _plain_blake3,
+    "xxh3_128": _plain_xxh3,
+}
+
+
+def _plain_times(
+    chain: _PlainChain, seed: bytes, tokens: torch.Tensor, chunk_size: int, runs: int
+) -> list[float]:
+    """Seconds of ``runs`` plain chains over ``tokens`` after three warm-up runs."""
+    for _ in range(3):
+        chain(seed, tokens, chunk_size)
+    return [_timed(lambda: chain(seed, tokens, chunk_size)) for _ in range(runs)]
 
 
 def _hash_times(hasher: ChunkHasher, tokens: torch.Tensor | list[int], runs: int) -> list[float]:
@@ -455,7 +534,7 @@ async def run_micro_async(options: MicroOptions, config: EngineConfig) -> dict[s
         "copy": copies,
         "lookup": lookup,
         "hashing": hashing,
-        "problems": copies["problems"] + lookup["problems"],
+        "problems": copies["problems"] + lookup["problems"] + hashing["problems"],
         "seconds": time.perf_counter() - started,
     }
 
@@ -518,12 +597,13 @@ def format_micro(results: Mapping[str, Any]) -> str:
         for name in ("list", "tensor"):
             is_default = algorithm == "blake3"
             target = hashing[f"target_{name}_mtps"]
+            plain = name == "tensor"
             rows.append(
                 [
                     f"hash {algorithm} ({name})",
                     f"{_f(entry[f'{name}_mtps'], '.1f')} M tok/s",
-                    "",
-                    "",
+                    f"plain chain {_f(entry['tensor_plain_mtps'], '.1f')} M/s" if plain else "",
+                    f"{_f(entry['tensor_ratio'], '.2f')}x" if plain else "",
                     f">= {target:g} M/s" if is_default else "(info)",
                     _status(entry[f"{name}_ok"]) if is_default else "",
                 ]
@@ -540,6 +620,17 @@ def format_micro(results: Mapping[str, Any]) -> str:
                 "",
                 f"<= {over['target_us']:g} us",
                 _status(value <= over["target_us"]),
+            ]
+        )
+    for name, verb in (("store", "gather"), ("retrieve", "scatter")):
+        rows.append(
+            [
+                f"{over['chunks']} chunks vs 1 buffer ({name})",
+                f"{_f(over[f'{name}_raw_us'] - over[f'{name}_raw_whole_us'], '.0f')} us",
+                f"raw {verb} {_f(over[f'{name}_raw_whole_us'], '.0f')} us",
+                "",
+                "(info)",
+                "",
             ]
         )
     opts = results["options"]

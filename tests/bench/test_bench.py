@@ -93,10 +93,14 @@ def _figures(results: dict[str, Any]) -> dict[str, Any]:
         "hash.blake3.tensor": hashing["blake3"]["tensor_mtps"],
         "hash.xxh3_128.list": hashing["xxh3_128"]["list_mtps"],
         "hash.xxh3_128.tensor": hashing["xxh3_128"]["tensor_mtps"],
+        "hash.blake3.tensor_plain": hashing["blake3"]["tensor_plain_mtps"],
+        "hash.xxh3_128.tensor_plain": hashing["xxh3_128"]["tensor_plain_mtps"],
         "overhead.store_engine_us": copy["overhead"]["store_engine_us"],
         "overhead.store_raw_us": copy["overhead"]["store_raw_us"],
         "overhead.retrieve_engine_us": copy["overhead"]["retrieve_engine_us"],
         "overhead.retrieve_raw_us": copy["overhead"]["retrieve_raw_us"],
+        "overhead.store_raw_whole_us": copy["overhead"]["store_raw_whole_us"],
+        "overhead.retrieve_raw_whole_us": copy["overhead"]["retrieve_raw_whole_us"],
     }
 
 
@@ -137,13 +141,24 @@ def test_micro_produces_every_figure(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert math.isclose(
         over["retrieve_overhead_us"], over["retrieve_engine_us"] - over["retrieve_raw_us"]
     )
+    assert over["tokens"] == 512
+    # The raw per-chunk baseline copies the engine's chunks, chunk_size tokens at a time.
+    assert over["chunks"] == math.ceil(512 / results["engine_config"]["chunk_size"])
     assert copy["verified_bit_exact"] is True
     assert results["lookup"]["tokens"] == 4096
-    assert results["hashing"]["tokens"] == 4096
+    hashing = results["hashing"]
+    assert hashing["tokens"] == 4096
+    for algorithm in ("blake3", "xxh3_128"):
+        entry = hashing[algorithm]
+        assert math.isclose(
+            entry["tensor_ratio"], entry["tensor_mtps"] / entry["tensor_plain_mtps"]
+        )
+    assert hashing["problems"] == []  # the plain chains gave the hasher's digests
     assert results["problems"] == []
 
     table = capsys.readouterr().out
-    for needle in ("store 512 tok", "raw gather", "raw scatter", "lookup 4096 tok", "blake3"):
+    needles = ("store 512 tok", "raw gather", "raw scatter", "lookup 4096 tok", "blake3")
+    for needle in (*needles, "plain chain", f"{over['chunks']} chunks vs 1 buffer (store)"):
         assert needle in table
     assert "retrieve bit-exact: yes" in table
 
