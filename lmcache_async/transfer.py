@@ -52,6 +52,7 @@ class TransferPlan:
     """
 
     __slots__ = (
+        "_common_shape",
         "_device",
         "_fused",
         "_layer_index",
@@ -80,6 +81,10 @@ class TransferPlan:
         self._device = device
         # Parts on one row view move together, one index per layer, in per-layer transfers.
         self._fused = all(p.views is first.views and p.row_shape == first.row_shape for p in parts)
+        # With one row shape for all parts, a chunk payload is cut into its rows by one view
+        # per chunk instead of one per layer and part.
+        same_shape = all(p.row_shape == first.row_shape for p in parts)
+        self._common_shape = first.row_shape if same_shape else None
         self._layer_index: torch.Tensor | None = None  # built on first per-layer transfer
 
     @property
@@ -144,13 +149,15 @@ class TransferPlan:
             if out.device != self._device:
                 dst = torch.empty_like(out, device=self._device)
                 copies.append((out, dst))
-            dst_parts = dst.view(len(parts) * num_layers, -1, self._width).unbind(0)
-            staged.append((dst_parts, self._slice_rows(start, end)))
+            staged.append((self._blocks(dst), self._slice_rows(start, end)))
+        common = self._common_shape
         for layer in range(num_layers):
             for p, part in enumerate(parts):
                 src = part.views[layer]
                 for dst_parts, rows in staged:
-                    dst_rows = dst_parts[p * num_layers + layer].view(-1, *part.row_shape)
+                    dst_rows = dst_parts[p * num_layers + layer]
+                    if common is None:
+                        dst_rows = dst_rows.view(-1, *part.row_shape)
                     torch.index_select(src, 0, rows[p], out=dst_rows)
         for out, dst in copies:
             out.copy_(dst, non_blocking=True)
@@ -183,13 +190,24 @@ class TransferPlan:
                 rows = [index.index_select(0, keep_rows) for index in rows]
             if not source.is_contiguous():
                 source = source.contiguous()
-            staged.append((source.view(len(parts) * num_layers, -1, self._width).unbind(0), rows))
+            staged.append((self._blocks(source), rows))
+        common = self._common_shape
         for layer in range(num_layers):
             for p, part in enumerate(parts):
                 dst = part.views[layer]
                 for src_parts, rows in staged:
-                    src_rows = src_parts[p * num_layers + layer].view(-1, *part.row_shape)
+                    src_rows = src_parts[p * num_layers + layer]
+                    if common is None:
+                        src_rows = src_rows.view(-1, *part.row_shape)
                     dst.index_copy_(0, rows[p], src_rows)
+
+    def _blocks(self, payload: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A contiguous chunk payload cut into its part-major, then layer-major blocks: as
+        ``[rows, *row_shape]`` when every part has one row shape, else as
+        ``[tokens, width]``."""
+        count = len(self._parts) * self._layout.num_layers
+        shape = self._common_shape or (self._width,)
+        return payload.view(count, -1, *shape).unbind(0)
 
     def _slice_rows(self, start: int, end: int) -> list[torch.Tensor]:
         rpt = self._rpt
