@@ -22,6 +22,7 @@ more iterations) after warm-up runs; the best run is reported beside it in the J
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -434,20 +435,23 @@ def _hash_bench(options: MicroOptions, chunk_size: int, gen: torch.Generator) ->
         )
         hasher = ChunkHasher(namespace, chunk_size=chunk_size, algorithm=HashAlgorithm(algorithm))
         entry: dict[str, Any] = {}
-        inputs: dict[str, torch.Tensor | list[int]] = {"list": as_list, "tensor": as_tensor}
-        for name, tokens in inputs.items():
-            samples = _hash_times(hasher, tokens, options.hash_iterations)
-            rate = n / statistics.median(samples) / 1e6
-            target = TARGETS[f"hash_{name}_mtps"]
-            entry[f"{name}_mtps"] = rate
-            entry[f"{name}_ok"] = rate >= target
         plain = _PLAIN_CHAINS[algorithm]
-        if plain(hasher.seed, as_tensor, chunk_size) != hasher.digests(as_tensor):
+        seed = hasher.seed
+        if plain(seed, as_tensor, chunk_size) != hasher.digests(as_tensor):
             problems.append(f"{algorithm}: the plain chain gives other digests than the hasher")
-        plain_samples = _plain_times(
-            plain, hasher.seed, as_tensor, chunk_size, options.hash_iterations
+        runs = options.hash_iterations
+        from_list, _ = _paired_times(functools.partial(hasher.digests, as_list), None, runs)
+        from_tensor, from_plain = _paired_times(
+            functools.partial(hasher.digests, as_tensor),
+            functools.partial(plain, seed, as_tensor, chunk_size),
+            runs,
         )
-        entry["tensor_plain_mtps"] = n / statistics.median(plain_samples) / 1e6
+        samples = {"list": from_list, "tensor": from_tensor}
+        for name, times in samples.items():
+            rate = n / statistics.median(times) / 1e6
+            entry[f"{name}_mtps"] = rate
+            entry[f"{name}_ok"] = rate >= TARGETS[f"hash_{name}_mtps"]
+        entry["tensor_plain_mtps"] = n / statistics.median(from_plain) / 1e6
         entry["tensor_ratio"] = entry["tensor_mtps"] / entry["tensor_plain_mtps"]
         out[algorithm] = entry
     out["target_list_mtps"] = TARGETS["hash_list_mtps"]
@@ -487,20 +491,22 @@ _PLAIN_CHAINS: Final[Mapping[str, _PlainChain]] = {
 }
 
 
-def _plain_times(
-    chain: _PlainChain, seed: bytes, tokens: torch.Tensor, chunk_size: int, runs: int
-) -> list[float]:
-    """Seconds of ``runs`` plain chains over ``tokens`` after three warm-up runs."""
+def _paired_times(
+    first: Callable[[], object], second: Callable[[], object] | None, runs: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of ``runs`` calls of ``first`` and of ``second`` (when given), one of each
+    in turn after three warm-up calls each: a machine that speeds up or slows down while
+    they are measured weighs on both alike."""
     for _ in range(3):
-        chain(seed, tokens, chunk_size)
-    return [_timed(lambda: chain(seed, tokens, chunk_size)) for _ in range(runs)]
-
-
-def _hash_times(hasher: ChunkHasher, tokens: torch.Tensor | list[int], runs: int) -> list[float]:
-    """Seconds of ``runs`` calls of ``hasher.digests(tokens)`` after three warm-up calls."""
-    for _ in range(3):
-        hasher.digests(tokens)
-    return [_timed(lambda: hasher.digests(tokens)) for _ in range(runs)]
+        first()
+        if second is not None:
+            second()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(runs):
+        times[0].append(_timed(first))
+        if second is not None:
+            times[1].append(_timed(second))
+    return times
 
 
 async def run_micro_async(options: MicroOptions, config: EngineConfig) -> dict[str, Any]:
