@@ -149,6 +149,31 @@ def _raw_scatter(views: list[list[torch.Tensor]], rows: torch.Tensor, src: torch
             dst.index_copy_(0, rows, src[k, layer])
 
 
+async def _engine_warmup(
+    engine: CacheEngine,
+    tokens: torch.Tensor,
+    kv: list[torch.Tensor],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+) -> None:
+    """An untimed store and retrieve of the request, then an empty cache: what comes
+    between the raw copies and the next timed engine request.
+
+    A raw copy runs on torch's OpenMP threads, which keep spinning for several
+    milliseconds after it: an engine request timed at once would share the two cores with
+    them (on this kind of machine a 1k-token store took 12.6-13.4 ms right after the raw
+    copies, 9.4-9.5 ms 20 ms later). A pause instead would leave the engine to start cold
+    where the raw copies, timed right after it, start warm (idle or busy elsewhere for a
+    few milliseconds, a small store's validation here takes four times as long). This
+    request runs through the spinning, and the timed one then starts as warm as the raw
+    copies do.
+    """
+    await engine.clear()
+    await engine.store(tokens, kv_caches=kv, slot_mapping=src)
+    await engine.retrieve(tokens, kv_caches=kv, slot_mapping=dst)
+    await engine.clear()
+
+
 def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -212,12 +237,11 @@ async def _copy_bench(
     }
     problems: list[str] = []
     async with CacheEngine.open(cfg, layout, model_name="lmcache-async-micro") as engine:
-        # The engine's runs come first and the raw copies after, each with its own warm-up:
-        # interleaving them would charge the engine for OpenMP threads that the raw copy
-        # left spinning (the engine's own copy threads run torch single-threaded).
+        # Engine and raw runs alternate, so a change in the machine's speed during the
+        # measurement weighs on both alike (see _engine_warmup for what comes between).
         for run in range(_WARMUP + options.repeat):
             measured = run >= _WARMUP
-            await engine.clear()
+            await _engine_warmup(engine, tokens, kv, src_slots, dst_slots)
             t_store, stored = await _atimed(
                 lambda: engine.store(tokens, kv_caches=kv, slot_mapping=src_slots)
             )
@@ -228,13 +252,11 @@ async def _copy_bench(
             )
             if not isinstance(mask, torch.Tensor) or not bool(mask.all()):
                 problems.append("retrieve did not load every token")
+            t_gather = _timed(lambda: _raw_gather(views, src_slots, buf))
+            t_scatter = _timed(lambda: _raw_scatter(views, dst_slots, buf))
             if measured:
                 times["store"].append(t_store)
                 times["retrieve"].append(t_retrieve)
-        for run in range(_WARMUP + options.repeat):
-            t_gather = _timed(lambda: _raw_gather(views, src_slots, buf))
-            t_scatter = _timed(lambda: _raw_scatter(views, dst_slots, buf))
-            if run >= _WARMUP:
                 times["raw_gather"].append(t_gather)
                 times["raw_scatter"].append(t_scatter)
 
@@ -309,16 +331,14 @@ async def _overhead_bench(
         "raw_scatter": [],
         "raw_chunk_scatter": [],
     }
-    # Engine first, raw copies after (see _copy_bench for why they are not interleaved).
+    # Engine and raw runs alternate, as in _copy_bench.
     for run in range(2 + options.overhead_iterations):
-        await engine.clear()
+        await _engine_warmup(engine, toks, kv, src, dst)
         t_store, _ = await _atimed(lambda: engine.store(toks, kv_caches=kv, slot_mapping=src))
         t_retrieve, _ = await _atimed(lambda: engine.retrieve(toks, kv_caches=kv, slot_mapping=dst))
-        if run >= 2:
-            times["store"].append(t_store)
-            times["retrieve"].append(t_retrieve)
-    for run in range(2 + options.overhead_iterations):
         measured = {
+            "store": t_store,
+            "retrieve": t_retrieve,
             "raw_chunk_gather": _timed(chunk_gather),
             "raw_chunk_scatter": _timed(chunk_scatter),
             "raw_gather": _timed(lambda: _raw_gather(views, src, buf)),
