@@ -738,14 +738,18 @@ class CacheEngine:
         if tokens is None:
             raise InvalidInputError("tokens (or hashes with offsets) are required")
         _, num_tokens, inline = self._keys(tokens, None, offsets, None)
-        digest = functools.partial(self._hasher.digests, tokens)
+        hasher = self._hasher
         keys: Sequence[bytes]
         if inline:
-            keys = digest()
+            keys = hasher.digests(tokens)
         else:
             # A long prompt asked about again is recognised here, without a thread hop.
-            remembered = self._hasher.remembered(tokens)
-            keys = remembered if remembered is not None else await anyio.to_thread.run_sync(digest)
+            probe = hasher.probe(tokens)
+            if probe.digests is not None:
+                keys = probe.digests
+            else:
+                hash_all = functools.partial(hasher.digests, tokens, probe=probe)
+                keys = await anyio.to_thread.run_sync(hash_all)
         if num_tokens % self.config.chunk_size and not self.config.save_unfull_chunk:
             keys = keys[:-1]
         return keys, [], num_tokens

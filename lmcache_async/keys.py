@@ -43,6 +43,7 @@ __all__ = [
     "ChunkHasher",
     "ChunkKey",
     "ChunkSpan",
+    "DigestProbe",
     "HashAlgorithm",
     "Namespace",
     "Tokens",
@@ -434,6 +435,17 @@ class _DigestMemo:
                 self._entries.popitem(last=False)
 
 
+@dataclass(frozen=True, slots=True)
+class DigestProbe:
+    """What :meth:`ChunkHasher.probe` found: the remembered digests, or None; on a miss,
+    what the hashing that follows reuses (the int32 token bytes when they were converted,
+    and the memo entries to fill)."""
+
+    digests: list[bytes] | None
+    data: memoryview | None = None
+    entries: tuple[tuple[_MemoKey, bytes], ...] = ()
+
+
 class ChunkHasher:
     """Cuts tokens into chunks of ``chunk_size`` and chains their hashes.
 
@@ -487,69 +499,75 @@ class ChunkHasher:
         self._memo_min_bytes = memo_min_tokens * TOKEN_BYTES
 
     def remembered(self, tokens: Tokens) -> list[bytes] | None:
-        """The digests of ``tokens`` if the memo holds them, else None. Cheap for tensors
-        and arrays (no hashing); lists are not probed, their conversion alone is long work.
-        Bytes equal to a remembered prompt's are valid tokens; others may be checked only
-        by the hashing that follows the miss.
+        """The digests of ``tokens`` if the memo holds them, else None (see :meth:`probe`).
 
         Raises:
             InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
         """
-        if self._memo is None or not isinstance(tokens, (torch.Tensor, np.ndarray)):
-            return None
-        return self._recall(tokens)[0]
+        return self.probe(tokens).digests
 
-    def _recall(self, tokens: Tokens) -> tuple[list[bytes] | None, _MemoKey | None, bytes]:
-        """The memo's digests of a tensor or ndarray (None when it has none), with the key
-        and bytes to remember them under in the form they came in (None when that form is
-        the int32 one, or the memo does not take them).
+    def probe(self, tokens: Tokens) -> DigestProbe:
+        """Look for the digests of ``tokens`` in the memo. Cheap for tensors and arrays (no
+        hashing); lists are not probed, their conversion alone is long work. Bytes equal to
+        a remembered prompt's are valid tokens; others may be checked only by the hashing
+        that follows a miss, which takes the probe (:meth:`digests`) so as to do nothing
+        twice.
 
         Raises:
             InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
         """
         memo = self._memo
+        if memo is None or not isinstance(tokens, (torch.Tensor, np.ndarray)):
+            return DigestProbe(None)
         array = _raw_tokens(tokens)
-        if memo is None or array is None:
+        if array is None:  # a device tensor or strided memory: converted (and checked) first
             data, _ = token_bytes(tokens)
-            return self._recall_int32(data), None, b""
+            entry = self._int32_entry(data)
+            if entry is None:
+                return DigestProbe(None, data)
+            return DigestProbe(memo.get(*entry), data, (entry,))
         if len(array) * TOKEN_BYTES < self._memo_min_bytes:
-            return None, None, b""
+            return DigestProbe(None)
         # Only bytes that are equal to a remembered prompt's (which passed the checks of
         # token_array) are used, so a hit needs neither the conversion nor the checks.
         view = array.data.cast("B")
         tag = array.dtype.str
-        key = (tag, xxhash.xxh3_64_intdigest(view))
-        content = view.tobytes()
-        digests = memo.get(key, content)
-        if tag == _INT32_TAG:
-            return digests, None, b""  # the int32 form is the one remembered anyway
-        if digests is None:
-            data, _ = token_bytes(tokens)
-            digests = self._recall_int32(data)
-            if digests is not None:
-                memo.put(key, content, digests)
-        return digests, key, content
+        raw = ((tag, xxhash.xxh3_64_intdigest(view)), view.tobytes())
+        digests = memo.get(*raw)
+        if digests is not None or tag == _INT32_TAG:
+            return DigestProbe(digests, None, (raw,))  # an int32 form is the hashed form
+        data, _ = token_bytes(tokens)
+        entry = self._int32_entry(data)
+        if entry is None:
+            return DigestProbe(None, data, (raw,))
+        digests = memo.get(*entry)
+        if digests is not None:
+            memo.put(*raw, digests)
+        return DigestProbe(digests, data, (raw, entry))
 
-    def _recall_int32(self, data: memoryview) -> list[bytes] | None:
-        memo = self._memo
-        if memo is None or len(data) < self._memo_min_bytes:
+    def _int32_entry(self, data: memoryview) -> tuple[_MemoKey, bytes] | None:
+        """The memo key and content of int32 token bytes, None when the memo takes none."""
+        if self._memo is None or len(data) < self._memo_min_bytes:
             return None
+        # bytes == bytes is one memcmp; comparing through a memoryview goes item by item.
         content = data.tobytes()
-        return memo.get((_INT32_TAG, xxhash.xxh3_64_intdigest(content)), content)
+        return (_INT32_TAG, xxhash.xxh3_64_intdigest(content)), content
 
     def _all_digests(self, data: memoryview) -> list[bytes]:
         """Digests of every chunk of ``data`` (token bytes), from the memo when it has them."""
-        step = self._chunk_size * TOKEN_BYTES
-        memo = self._memo
-        if memo is None or len(data) < self._memo_min_bytes:
-            return self._chain(self._seed, data, step, len(data))
-        # bytes == bytes is one memcmp; comparing through a memoryview goes item by item.
-        content = data.tobytes()
-        key = (_INT32_TAG, xxhash.xxh3_64_intdigest(content))
-        digests = memo.get(key, content)
-        if digests is None:
-            digests = self._chain(self._seed, data, step, len(data))
-            memo.put(key, content, digests)
+        memo, entry = self._memo, self._int32_entry(data)
+        if memo is not None and entry is not None:
+            digests = memo.get(*entry)
+            if digests is not None:
+                return digests
+        return self._remember(data, () if entry is None else (entry,))
+
+    def _remember(self, data: memoryview, entries: Sequence[tuple[_MemoKey, bytes]]) -> list[bytes]:
+        """Hash ``data`` (int32 token bytes) and remember the digests under ``entries``."""
+        digests = self._chain(self._seed, data, self._chunk_size * TOKEN_BYTES, len(data))
+        if self._memo is not None:
+            for key, content in entries:
+                self._memo.put(key, content, digests)
         return digests
 
     @property
@@ -579,23 +597,23 @@ class ChunkHasher:
             f"algorithm={self._algorithm.value!r})"
         )
 
-    def digests(self, tokens: Tokens) -> list[bytes]:
+    def digests(self, tokens: Tokens, *, probe: DigestProbe | None = None) -> list[bytes]:
         """The chained digests of every chunk of ``tokens`` (the last one may be short).
+
+        ``probe``: what :meth:`probe` found for these same tokens, when the caller looked
+        already; its conversion and memo look-ups are not done again.
 
         Raises:
             InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
         """
-        if self._memo is not None and isinstance(tokens, (torch.Tensor, np.ndarray)):
-            digests, key, content = self._recall(tokens)
-            if digests is not None:
-                return digests
-            data, _ = token_bytes(tokens)
-            digests = self._all_digests(data)
-            if key is not None:
-                self._memo.put(key, content, digests)
-            return digests
-        data, _ = token_bytes(tokens)
-        return self._all_digests(data)
+        if probe is None:
+            probe = self.probe(tokens)
+        if probe.digests is not None:
+            return probe.digests
+        data = probe.data if probe.data is not None else token_bytes(tokens)[0]
+        if not probe.entries:  # not probed (a list, a short prompt): the int32 memo only
+            return self._all_digests(data)
+        return self._remember(data, probe.entries)
 
     def spans(
         self,

@@ -734,3 +734,24 @@ def test_the_memo_holds_memo_size_prompts_in_both_forms() -> None:
     assert memo.remembered(prompts[0].to(torch.int32)) is None
     assert all(memo.remembered(t) is not None for t in prompts[1:])
     assert all(memo.remembered(t.to(torch.int32)) is not None for t in prompts[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_hashing_after_a_probe_reuses_it_and_fills_the_memo(dtype: torch.dtype) -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=2, memo_min_tokens=64)
+    plain = ChunkHasher(NS, chunk_size=16)
+    tokens = torch.arange(500, 700).to(dtype)
+    probe = memo.probe(tokens)
+    assert probe.digests is None
+    assert memo.digests(tokens, probe=probe) == plain.digests(tokens)
+    # Remembered in the form it came in and in the int32 form, like digests() alone.
+    assert memo.remembered(tokens) == plain.digests(tokens)
+    assert memo.remembered(tokens.to(torch.int32)) == plain.digests(tokens)
+    hit = memo.probe(tokens.clone())
+    assert hit.digests == plain.digests(tokens)
+    assert memo.digests(tokens, probe=hit) == plain.digests(tokens)
+    # Tokens that fail the checks still fail when hashed after a miss.
+    bad = tokens.clone()
+    bad[7] = -1
+    with pytest.raises(InvalidInputError, match=">= 0"):
+        memo.digests(bad, probe=memo.probe(bad))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -647,12 +648,14 @@ class RemoteCacheEngine:
     async def _digests(self, hasher: ChunkHasher, tokens: Tokens) -> list[bytes]:
         """The chunk digests of ``tokens``: remembered, hashed here when short, else in a
         worker thread. Raises InvalidInputError for bad tokens."""
-        digests = hasher.remembered(tokens)
-        if digests is not None:
-            return digests
+        probe = hasher.probe(tokens)
+        if probe.digests is not None:
+            return probe.digests
         if len(tokens) < DEFAULT_INLINE_HASH_TOKENS:
-            return hasher.digests(tokens)
-        return await anyio.to_thread.run_sync(hasher.digests, tokens)
+            return hasher.digests(tokens, probe=probe)
+        return await anyio.to_thread.run_sync(
+            functools.partial(hasher.digests, tokens, probe=probe)
+        )
 
     def _attach(self, welcome: _Welcome) -> _Segment | None:
         if welcome.shm is None or self._shared_memory is False:
