@@ -819,8 +819,7 @@ class CacheEngine:
             else:
                 hits = await self._layerwise.lookup(keys, locations)
         elif pin and lookup_id is not None:
-            hits = self._manager.pin_prefix(keys, lookup_id)
-            self._pins_changed.set()
+            hits = self._pin_cpu(keys, lookup_id)
         else:
             # Here the CPU tier alone could not answer (_lookup_now, or named tiers):
             # lookup_prefix below counts the prefix across tiers, starting there.
@@ -831,9 +830,7 @@ class CacheEngine:
             and (self._manager.slow_tiers or locations is not None)
         ):
             hits = await self._manager.lookup_prefix(keys, locations)
-        hit_tokens = self._hit_tokens(hits, ends, num_tokens)
-        self._counters.lookup_hit_tokens += hit_tokens
-        return hit_tokens
+        return self._count_hits(hits, ends, num_tokens)
 
     def _lookup_now(
         self,
@@ -853,15 +850,23 @@ class CacheEngine:
         if manager.slow_tiers and manager.contains_prefix(keys) < len(keys):
             return None
         if pin and lookup_id is not None:
-            hits = manager.pin_prefix(keys, lookup_id)
-            self._pins_changed.set()
+            hits = self._pin_cpu(keys, lookup_id)
         else:
             hits = manager.contains_prefix(keys)
-        counters = self._counters
-        counters.lookup_requests += 1
-        counters.lookup_tokens += num_tokens
+        self._counters.lookup_requests += 1
+        self._counters.lookup_tokens += num_tokens
+        return self._count_hits(hits, ends, num_tokens)
+
+    def _pin_cpu(self, keys: Sequence[bytes], lookup_id: Hashable) -> int:
+        """Pin for ``lookup_id`` the leading keys the CPU tier holds; returns how many."""
+        hits = self._manager.pin_prefix(keys, lookup_id)
+        self._pins_changed.set()
+        return hits
+
+    def _count_hits(self, hits: int, ends: list[int], num_tokens: int) -> int:
+        """The prefix tokens ``hits`` leading chunks cover, counted as a lookup's hits."""
         hit_tokens = self._hit_tokens(hits, ends, num_tokens)
-        counters.lookup_hit_tokens += hit_tokens
+        self._counters.lookup_hit_tokens += hit_tokens
         return hit_tokens
 
     def lookup_digests_now(
