@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Iterator
 
 import pytest
 import structlog
@@ -13,19 +12,8 @@ import structlog
 from lmcache_async.errors import ConfigError
 from lmcache_async.logging import configure_logging, get_logger
 
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """Leave structlog and the root logger as they were for the other tests."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    structlog.reset_defaults()
+# Leave structlog and the root logger as they were for the other tests.
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def _records(stream: io.StringIO) -> list[dict[str, object]]:

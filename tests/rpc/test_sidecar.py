@@ -9,7 +9,6 @@ CURVE and dead-server tests run their server or client in this process.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
@@ -26,7 +25,6 @@ from typing import IO, Any
 import anyio
 import msgpack
 import pytest
-import structlog
 import torch
 import zmq
 import zmq.asyncio
@@ -205,20 +203,10 @@ def run_client(url: str, mode: str, tokens: int, seed: int, salt: int = 0) -> di
 
 
 @pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
+def _log_to_stderr(restore_logging: None) -> None:
     """Each test logs to its own stderr, and leaves logging as it found it: ``main``
     configures logging onto a captured stream, which is closed after its test."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    saved = structlog.get_config()
     configure_logging("INFO", stream=sys.stderr)
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="module")
