@@ -419,10 +419,12 @@ class _DigestMemo:
         )
         self._lock = threading.Lock()  # digests() may run on worker threads too
 
-    def get(self, fingerprint: _MemoKey, data: bytes) -> list[bytes] | None:
+    def get(self, fingerprint: _MemoKey, data: bytes | memoryview) -> list[bytes] | None:
+        """The digests remembered for ``data`` (bytes, or a view of bytes: compared in
+        place, one memcmp, where ``==`` on a view goes item by item)."""
         with self._lock:
             entry = self._entries.get(fingerprint)
-            if entry is None or entry[0] != data:
+            if entry is None or len(entry[0]) != len(data) or not entry[0].startswith(data):
                 return None
             self._entries.move_to_end(fingerprint)
             return list(entry[1])
@@ -532,10 +534,13 @@ class ChunkHasher:
         # token_array) are used, so a hit needs neither the conversion nor the checks.
         view = array.data.cast("B")
         tag = array.dtype.str
-        raw = ((tag, xxhash.xxh3_64_intdigest(view)), view.tobytes())
-        digests = memo.get(*raw)
-        if digests is not None or tag == _INT32_TAG:
-            return DigestProbe(digests, None, (raw,))  # an int32 form is the hashed form
+        key = (tag, xxhash.xxh3_64_intdigest(view))
+        digests = memo.get(key, view)
+        if digests is not None:
+            return DigestProbe(digests)
+        raw = (key, view.tobytes())  # what a miss remembers: copied only then
+        if tag == _INT32_TAG:
+            return DigestProbe(None, None, (raw,))  # an int32 form is the hashed form
         data, _ = token_bytes(tokens)
         entry = self._int32_entry(data)
         if entry is None:

@@ -725,6 +725,23 @@ def test_remembered_knows_a_prompt_in_the_dtype_it_came_in(dtype: torch.dtype) -
             memo.digests(negative)
 
 
+def test_the_memo_compares_bytes_when_fingerprints_collide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=4, memo_min_tokens=64)
+    plain = ChunkHasher(NS, chunk_size=16)
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data: 7)  # every key collides
+    tokens = torch.arange(300, 500, dtype=torch.int64)
+    memo.digests(tokens)
+    changed = tokens.clone()
+    changed[-1] += 1
+    for other in (changed, tokens[:192], torch.cat([tokens, tokens[:16]])):
+        assert memo.probe(other).digests is None  # a changed, a shorter, a longer prompt
+        assert memo.digests(other) == plain.digests(other)
+    assert memo.remembered(tokens.clone()) is None  # the last one hashed took the key
+    assert memo.digests(tokens) == plain.digests(tokens)
+
+
 def test_the_memo_holds_memo_size_prompts_in_both_forms() -> None:
     memo = ChunkHasher(NS, chunk_size=16, memo_size=2, memo_min_tokens=64)
     prompts = [torch.arange(start, start + 100, dtype=torch.int64) for start in (0, 1000, 2000)]
