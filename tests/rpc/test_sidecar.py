@@ -571,6 +571,33 @@ async def test_killed_sidecar_gives_misses_then_recovers_from_disk(
 
 
 @pytest.mark.anyio
+@pytest.mark.subprocess
+async def test_a_stopped_sidecar_gives_misses_at_the_timeout_then_answers_again(
+    sidecars: Sidecars, short_dir: Path
+) -> None:
+    sidecar = sidecars.start(f"ipc://{short_dir}/stopped.sock")
+    await wait_ready(sidecar)
+    timeout = 0.5
+    kv, slots = kv_for(2 * CHUNK, 31)
+    tokens = prompt(2 * CHUNK, 5000)
+    with anyio.fail_after(3 * READY_TIMEOUT):
+        async with connect(sidecar.url, timeout=timeout, reconnect_interval=0.2) as engine:
+            assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == 2 * CHUNK
+            sidecar.process.send_signal(signal.SIGSTOP)  # connected, but no reply comes
+            try:
+                began = time.monotonic()
+                assert await engine.lookup(tokens) == 0
+                assert timeout <= time.monotonic() - began < timeout + 1.0
+                stats = await engine.stats()
+                assert stats["engine"] is None and stats["client"]["timeouts"] >= 1
+            finally:
+                sidecar.process.send_signal(signal.SIGCONT)
+            # The late replies are dropped; the client reconnects by itself.
+            await engine.wait_connected()
+            assert await engine.lookup(tokens) == 2 * CHUNK
+
+
+@pytest.mark.anyio
 async def test_no_server_means_misses_and_bad_input_still_raises(short_dir: Path) -> None:
     url = f"ipc://{short_dir}/nobody.sock"
     kv, slots = kv_for(CHUNK, 1)
