@@ -45,6 +45,7 @@ from .keys import (
     HashAlgorithm,
     Namespace,
     check_mask,
+    split_digests,
     token_array,
 )
 from .layouts import KVFormat, KVLayout, LayoutKind
@@ -871,7 +872,7 @@ class CacheEngine:
 
     def lookup_digests_now(
         self,
-        digests: Sequence[bytes],
+        digests: Sequence[bytes] | bytes | memoryview,
         num_tokens: int,
         *,
         lookup_id: Hashable | None = None,
@@ -1197,7 +1198,7 @@ class CacheEngine:
 
     async def lookup_digests(
         self,
-        digests: Sequence[bytes],
+        digests: Sequence[bytes] | bytes | memoryview,
         num_tokens: int,
         *,
         lookup_id: Hashable | None = None,
@@ -1207,6 +1208,8 @@ class CacheEngine:
         """As :meth:`lookup`, for a prompt of ``num_tokens`` tokens whose chunk digests
         (:attr:`key_hasher`'s ``digests``, one per chunk, the last maybe short) were
         computed by the caller, e.g. a sidecar client: no tokens cross the wire.
+        ``digests`` may also come as their concatenation (bytes or a view, as a wire frame
+        holds them).
 
         Raises:
             InvalidInputError: ``num_tokens`` is not an int >= 0, the number of digests is
@@ -1221,7 +1224,12 @@ class CacheEngine:
         )
 
     def _digest_keys(
-        self, digests: Sequence[bytes], num_tokens: int, *, lookup_id: Hashable | None, pin: bool
+        self,
+        digests: Sequence[bytes] | bytes | memoryview,
+        num_tokens: int,
+        *,
+        lookup_id: Hashable | None,
+        pin: bool,
     ) -> Sequence[bytes]:
         """The keys a lookup by chunk digests looks for, checked (see :meth:`lookup_digests`).
 
@@ -1232,20 +1240,25 @@ class CacheEngine:
             raise InvalidInputError("pin=True needs a lookup_id")
         if not is_strict_int(num_tokens) or num_tokens < 0:
             raise InvalidInputError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        keys: Sequence[bytes]
+        if isinstance(digests, (bytes, bytearray, memoryview)):
+            keys = split_digests(digests)  # each DIGEST_SIZE bytes by construction
+        else:
+            keys = digests
+            # Checked with C-level maps: a 32k-token prompt has 128 digests.
+            if keys and (
+                not set(map(type, keys)) <= {bytes} or set(map(len, keys)) != {DIGEST_SIZE}
+            ):
+                raise InvalidInputError(f"every digest must be {DIGEST_SIZE} bytes")
         chunk = self.config.chunk_size
-        if len(digests) != -(-num_tokens // chunk):
+        if len(keys) != -(-num_tokens // chunk):
             raise InvalidInputError(
                 f"{num_tokens} tokens make {-(-num_tokens // chunk)} chunks of {chunk},"
-                f" got {len(digests)} digests"
+                f" got {len(keys)} digests"
             )
-        # Checked with C-level maps: a 32k-token prompt has 128 digests, on every lookup.
-        if digests and (
-            not set(map(type, digests)) <= {bytes} or set(map(len, digests)) != {DIGEST_SIZE}
-        ):
-            raise InvalidInputError(f"every digest must be {DIGEST_SIZE} bytes")
         if num_tokens % chunk and not self.config.save_unfull_chunk:
-            return digests[:-1]
-        return digests
+            return keys[:-1]
+        return keys
 
     @property
     def accepts_writes(self) -> bool:

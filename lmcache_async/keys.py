@@ -48,11 +48,14 @@ __all__ = [
     "Namespace",
     "Tokens",
     "check_mask",
+    "split_digests",
     "token_array",
 ]
 
 DIGEST_SIZE: Final = 16
 """Size in bytes of every key digest, whatever the algorithm."""
+
+_DIGEST_ITEM: Final = np.dtype(f"V{DIGEST_SIZE}")
 
 _LAYER_BYTES: Final = 4
 _MAX_LAYERS: Final = 1 << (8 * _LAYER_BYTES)
@@ -64,6 +67,24 @@ _STR_TAG: Final = b"\x01"
 _INT_HASH_TAG: Final = b"\x01"
 _BYTES_HASH_TAG: Final = b"\x02"
 _KEY_TEXT: Final = re.compile(r"([0-9a-f]{32})(?:@L(0|[1-9][0-9]*))?")
+
+
+def split_digests(data: bytes | bytearray | memoryview) -> list[bytes]:
+    """The digests in ``data``, a concatenation of :data:`DIGEST_SIZE`-byte digests (as a
+    lookup's wire frame carries them), each a bytes object of its own.
+
+    Raises:
+        InvalidInputError: the length of ``data`` is not a multiple of :data:`DIGEST_SIZE`.
+    """
+    view = memoryview(data)
+    if view.nbytes % DIGEST_SIZE:
+        raise InvalidInputError(
+            f"{view.nbytes} bytes of digests are not a multiple of {DIGEST_SIZE}"
+        )
+    # As fixed-size void items numpy cuts the bytes in one C loop: a quarter of the
+    # time of slicing them once per digest (128 times for a 32k-token prompt).
+    digests: list[bytes] = np.frombuffer(view, dtype=_DIGEST_ITEM).tolist()
+    return digests
 
 
 class HashAlgorithm(enum.StrEnum):

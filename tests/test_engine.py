@@ -355,6 +355,8 @@ async def test_lookup_by_digests_matches_lookup_by_tokens(save_unfull: bool) -> 
                 digests = hasher.digests(tokens) if length else []
                 by_digests = await engine.lookup_digests(digests, length)
                 assert by_digests == await engine.lookup(tokens), length
+                joined = memoryview(b"".join(digests))  # as a wire frame carries them
+                assert await engine.lookup_digests(joined, length) == by_digests, length
             digests = hasher.digests(scene.tokens)
             assert await engine.lookup_digests(digests, n, lookup_id="p", pin=True) > 0
             assert engine.stats().pinned_chunks == (4 if save_unfull else 3)
@@ -363,6 +365,10 @@ async def test_lookup_by_digests_matches_lookup_by_tokens(save_unfull: bool) -> 
                 await engine.lookup_digests(digests[:-1], n)
             with pytest.raises(InvalidInputError, match="16 bytes"):
                 await engine.lookup_digests([*digests[:-1], b"short"], n)
+            with pytest.raises(InvalidInputError, match="multiple of 16"):
+                await engine.lookup_digests(b"".join(digests)[:-1], n)
+            with pytest.raises(InvalidInputError, match="digests"):
+                await engine.lookup_digests(b"".join(digests[:-1]), n)
             with pytest.raises(InvalidInputError, match="num_tokens"):
                 await engine.lookup_digests(digests, -1)
             with pytest.raises(InvalidInputError, match="lookup_id"):

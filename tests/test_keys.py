@@ -30,6 +30,7 @@ from lmcache_async.keys import (
     HashAlgorithm,
     Namespace,
     check_mask,
+    split_digests,
     token_array,
 )
 from lmcache_async.segments import SegmentHasher
@@ -663,6 +664,17 @@ def test_prefix_keys_are_a_prefix(tokens: list[int], chunk_size: int, data: st.D
     full_chunks = cut // chunk_size
     assert hasher.digests(tokens[:cut])[:full_chunks] == hasher.digests(tokens)[:full_chunks]
     assert hasher.digests(np.array(tokens[:cut], dtype=np.int64)) == hasher.digests(tokens[:cut])
+
+
+def test_split_digests_gives_each_digest_whole() -> None:
+    digests = [bytes(16), b"a" * 15 + b"\0", b"\0" + b"b" * 15, bytes(range(16))]
+    for joined in (b"".join(digests), bytearray(b"".join(digests)), memoryview(b"".join(digests))):
+        got = split_digests(joined)
+        assert got == digests  # zero bytes kept
+        assert all(type(digest) is bytes for digest in got)
+    assert split_digests(b"") == []
+    with pytest.raises(InvalidInputError, match="multiple of 16"):
+        split_digests(bytes(17))
 
 
 # --------------------------------------------------------------------------- digest memo

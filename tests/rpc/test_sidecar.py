@@ -39,7 +39,6 @@ from lmcache_async import (
 from lmcache_async.cli import main
 from lmcache_async.errors import ConfigError, ProtocolError
 from lmcache_async.logging import configure_logging
-from lmcache_async.rpc import server as server_module
 from lmcache_async.rpc.protocol import MessageType, decode, encode
 from lmcache_async.rpc.server import (
     SidecarNamespace,
@@ -463,14 +462,6 @@ async def test_lookups_send_digests_that_match_the_servers_keys(sidecar: Sidecar
             assert stats["pinned_chunks"] == 0
             with pytest.raises(InvalidInputError):
                 await engine.lookup([[1, 2]])  # type: ignore[list-item]
-
-
-def test_a_digests_frame_splits_into_whole_digests() -> None:
-    digests = [bytes(16), b"a" * 15 + b"\0", b"\0" + b"b" * 15, bytes(range(16))]
-    frames = encode(MessageType.LOOKUP, {"digests_of": 4 * CHUNK}, [b"".join(digests)])
-    got = server_module._digests(decode(frames))
-    assert got == digests  # zero bytes kept, each a bytes object of its own
-    assert all(type(digest) is bytes for digest in got)
 
 
 @pytest.mark.anyio
