@@ -675,6 +675,10 @@ def test_split_digests_gives_each_digest_whole() -> None:
     assert split_digests(b"") == []
     with pytest.raises(InvalidInputError, match="multiple of 16"):
         split_digests(bytes(17))
+    as_words = memoryview(b"".join(digests)).cast("Q")  # any item format: read as bytes
+    assert split_digests(as_words) == digests
+    with pytest.raises(InvalidInputError, match="contiguous"):
+        split_digests(memoryview(b"".join(digests))[::2])
 
 
 # --------------------------------------------------------------------------- digest memo
