@@ -386,8 +386,13 @@ def _build_spans(
 
 
 def _encode_block_hash(index: int, value: int | bytes) -> bytes:
+    """A block hash as its chain link hashes it. Every encoding is one byte longer than a
+    multiple of 4 (bytes are padded with zeros after their stated length) while a chunk
+    of int32 tokens is a multiple of 4 long: a block hash and a chunk of tokens never feed
+    ``H`` the same input, so they never share a key."""
     if isinstance(value, (bytes, bytearray)):
-        return _BYTES_HASH_TAG + len(value).to_bytes(8, "little") + bytes(value)
+        padding = bytes(-len(value) % 4)
+        return _BYTES_HASH_TAG + len(value).to_bytes(8, "little") + bytes(value) + padding
     if not is_strict_int(value):
         raise InvalidInputError(
             f"hashes[{index}] must be an int or bytes, got {type(value).__name__}"
@@ -700,7 +705,9 @@ class ChunkHasher:
         block must hold exactly ``chunk_size`` tokens except the last (at most
         ``chunk_size``). Keys chain as ``h_i = H(h_{i-1} || enc(hashes[i]))`` where an int
         is encoded as a tag byte and 32 bytes little-endian signed, and bytes as a tag byte,
-        an 8-byte length and the bytes. The mask, if any, has length ``offsets[-1]``.
+        an 8-byte length, the bytes and zeros up to a multiple of 4 (so that no block hash
+        is encoded as long as a chunk of tokens). The mask, if any, has length
+        ``offsets[-1]``.
 
         Raises:
             InvalidInputError: mismatched lengths, bad offsets, a block of the wrong size,

@@ -418,7 +418,8 @@ def reference_hash_spans(
     out = []
     for item in hashes:
         if isinstance(item, bytes):
-            encoded = b"\x02" + len(item).to_bytes(8, "little") + item
+            padding = bytes(-len(item) % 4)
+            encoded = b"\x02" + len(item).to_bytes(8, "little") + item + padding
         else:
             encoded = b"\x01" + item.to_bytes(32, "little", signed=True)
         prev = h(prev + encoded)
@@ -429,18 +430,32 @@ def reference_hash_spans(
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_spans_from_hashes_chain_the_block_hashes(algorithm: HashAlgorithm) -> None:
     hasher = ChunkHasher(NS, chunk_size=4, algorithm=algorithm)
-    hashes: list[int | bytes] = [-(2**255), b"\x00" * 32, 2**255 - 1, b""]
-    spans = hasher.spans_from_hashes(hashes, [4, 8, 12, 14])
-    assert [(s.start, s.end) for s in spans] == [(0, 4), (4, 8), (8, 12), (12, 14)]
+    hashes: list[int | bytes] = [-(2**255), b"\x00" * 32, 2**255 - 1, b"", b"\x07" * 5]
+    spans = hasher.spans_from_hashes(hashes, [4, 8, 12, 16, 18])
+    assert [(s.start, s.end) for s in spans] == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 18)]
     expected = reference_hash_spans(hashes, algorithm)
     assert [s.key.digest for s in spans] == expected
-    assert [s.parent for s in spans] == [None, *[ChunkKey(d) for d in expected[:3]]]
+    assert [s.parent for s in spans] == [None, *[ChunkKey(d) for d in expected[:4]]]
     # an int and bytes with the same 32 bytes are different blocks
     as_int = hasher.spans_from_hashes([0], [4])
     as_bytes = hasher.spans_from_hashes([b"\x00" * 32], [4])
     assert as_int[0].key != as_bytes[0].key
     # block-hash keys never equal token keys of the same length
     assert as_int[0].key.digest not in hasher.digests([0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("length", [3, 7, 11, 27, 31, 55])
+def test_a_bytes_block_hash_never_shares_a_key_with_a_chunk_of_tokens(length: int) -> None:
+    # Without padding, a bytes hash of 3 mod 4 bytes is linked in as long as a chunk of
+    # int32 tokens: these tokens would spell its encoding and get its key.
+    hasher = ChunkHasher(NS, chunk_size=16)
+    value = b"\x01" * length
+    unpadded = b"\x02" + length.to_bytes(8, "little") + value
+    tokens = np.frombuffer(unpadded, dtype="<i4").tolist()
+    assert all(token >= 0 for token in tokens) and len(tokens) <= 16
+    by_hash = hasher.spans_from_hashes([value], [len(tokens)])
+    by_tokens = hasher.spans(tokens)
+    assert by_hash[0].key != by_tokens[0].key
 
 
 def test_spans_from_hashes_prefix_mask_and_unfull() -> None:
