@@ -553,10 +553,8 @@ class ChunkHasher:
         array = _raw_tokens(tokens)
         if array is None:  # a device tensor or strided memory: converted (and checked) first
             data, _ = token_bytes(tokens)
-            entry = self._int32_entry(data)
-            if entry is None:
-                return DigestProbe(None, data)
-            return DigestProbe(memo.get(*entry), data, (entry,))
+            digests, entries = self._recall_int32(data)
+            return DigestProbe(digests, data, entries)
         if len(array) * TOKEN_BYTES < self._memo_min_bytes:
             return DigestProbe(None)
         # Only bytes that are equal to a remembered prompt's (which passed the checks of
@@ -571,30 +569,29 @@ class ChunkHasher:
         if tag == _INT32_TAG:
             return DigestProbe(None, None, (raw,))  # an int32 form is the hashed form
         data, _ = token_bytes(tokens)
-        entry = self._int32_entry(data)
-        if entry is None:
-            return DigestProbe(None, data, (raw,))
-        digests = memo.get(*entry)
+        digests, entries = self._recall_int32(data)
         if digests is not None:
             memo.put(*raw, digests)
-        return DigestProbe(digests, data, (raw, entry))
+        return DigestProbe(digests, data, (raw, *entries))
 
-    def _int32_entry(self, data: memoryview) -> tuple[_MemoKey, bytes] | None:
-        """The memo key and content of int32 token bytes, None when the memo takes none."""
-        if self._memo is None or len(data) < self._memo_min_bytes:
-            return None
-        # bytes == bytes is one memcmp; comparing through a memoryview goes item by item.
-        content = data.tobytes()
-        return (_INT32_TAG, xxhash.xxh3_64_intdigest(content)), content
+    def _recall_int32(
+        self, data: memoryview
+    ) -> tuple[list[bytes] | None, tuple[tuple[_MemoKey, bytes], ...]]:
+        """The memo's digests of int32 token bytes (compared in place), or None and the
+        entry a miss fills, its bytes copied only then (none when the memo takes none)."""
+        memo = self._memo
+        if memo is None or len(data) < self._memo_min_bytes:
+            return None, ()
+        key = (_INT32_TAG, xxhash.xxh3_64_intdigest(data))
+        digests = memo.get(key, data)
+        if digests is not None:
+            return digests, ()
+        return None, ((key, data.tobytes()),)
 
     def _all_digests(self, data: memoryview) -> list[bytes]:
         """Digests of every chunk of ``data`` (token bytes), from the memo when it has them."""
-        memo, entry = self._memo, self._int32_entry(data)
-        if memo is not None and entry is not None:
-            digests = memo.get(*entry)
-            if digests is not None:
-                return digests
-        return self._remember(data, () if entry is None else (entry,))
+        digests, entries = self._recall_int32(data)
+        return digests if digests is not None else self._remember(data, entries)
 
     def _remember(self, data: memoryview, entries: Sequence[tuple[_MemoKey, bytes]]) -> list[bytes]:
         """Hash ``data`` (int32 token bytes) and remember the digests under ``entries``."""
