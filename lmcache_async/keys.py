@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import operator
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -406,9 +407,14 @@ def _encode_block_hash(index: int, value: int | bytes) -> bytes:
 
 
 _MemoKey = tuple[str, int]
-"""A memo entry's key: the dtype the token bytes are in, and a fast hash of them."""
+"""A memo entry's key: the form the tokens are in (a dtype, or a list), and a fast hash of
+them."""
 
 _INT32_TAG: Final = "<i4"  # the hashed form's dtype (see TOKEN_BYTES)
+_LIST_TAG: Final = "list"
+_LIST_SAME_ITEMS: Final = 64
+"""Leading items of a probed list that must be the very objects of the remembered copy
+before the two are compared on the caller's thread (see :meth:`_DigestMemo.get_list`)."""
 
 
 def _raw_tokens(tokens: Tokens) -> npt.NDArray[np.integer] | None:
@@ -436,14 +442,15 @@ class _DigestMemo:
     than recognising it. An entry is found by a fast hash of the token bytes and used only
     if the stored bytes are equal to the new ones, so a hit is exact by construction.
     A prompt that came as, say, int64 is also remembered in that form, so asking again
-    with the same tensor spares its conversion to int32 as well.
+    with the same tensor spares its conversion to int32 as well; one that came as a list
+    is remembered as a copy of the list, which the same list (or a copy of it) equals.
     """
 
     __slots__ = ("_capacity", "_entries", "_lock")
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
-        self._entries: collections.OrderedDict[_MemoKey, tuple[bytes, list[bytes]]] = (
+        self._entries: collections.OrderedDict[_MemoKey, tuple[bytes | list[int], list[bytes]]] = (
             collections.OrderedDict()
         )
         self._lock = threading.Lock()  # digests() may run on worker threads too
@@ -453,12 +460,42 @@ class _DigestMemo:
         place, one memcmp, where ``==`` on a view goes item by item)."""
         with self._lock:
             entry = self._entries.get(fingerprint)
-            if entry is None or len(entry[0]) != len(data) or not entry[0].startswith(data):
+            if entry is None:
+                return None
+            stored = entry[0]
+            if not isinstance(stored, bytes) or len(stored) != len(data):
+                return None
+            if not stored.startswith(data):  # bytes.startswith: one memcmp, in place
                 return None
             self._entries.move_to_end(fingerprint)
             return list(entry[1])
 
-    def put(self, fingerprint: _MemoKey, data: bytes, digests: list[bytes]) -> None:
+    def get_list(self, fingerprint: _MemoKey, tokens: list[int]) -> list[bytes] | None:
+        """The digests remembered for a list equal to ``tokens``.
+
+        The remembered copy holds the objects of the list it was made from, so the same
+        list, or a copy of it, compares equal by identity, item after item, in about a
+        microsecond per thousand tokens. A list of equal values in other int objects
+        (built anew, say by ``tolist()``) compares value by value, ten times slower:
+        unless its first items are the copy's very objects it is not compared here, and
+        is left to the hashing (which converts it and finds its int32 form remembered).
+        """
+        with self._lock:
+            entry = self._entries.get(fingerprint)
+        if entry is None:
+            return None
+        stored = entry[0]
+        if type(stored) is not list or len(stored) != len(tokens):
+            return None
+        head = _LIST_SAME_ITEMS
+        if not all(map(operator.is_, tokens[:head], stored[:head])) or tokens != stored:
+            return None
+        with self._lock:
+            if fingerprint in self._entries:
+                self._entries.move_to_end(fingerprint)
+        return list(entry[1])
+
+    def put(self, fingerprint: _MemoKey, data: bytes | list[int], digests: list[bytes]) -> None:
         with self._lock:
             self._entries[fingerprint] = (data, list(digests))
             self._entries.move_to_end(fingerprint)
@@ -475,6 +512,8 @@ class DigestProbe:
     digests: list[bytes] | None
     data: memoryview | None = None
     entries: tuple[tuple[_MemoKey, bytes], ...] = ()
+    list_key: _MemoKey | None = None
+    """A list's memo key, when the list is long enough to be remembered."""
 
 
 class ChunkHasher:
@@ -525,7 +564,8 @@ class ChunkHasher:
         self._chain = _chain_blake3 if self._algorithm is HashAlgorithm.BLAKE3 else _chain_xxh3
         if not is_strict_int(memo_size) or memo_size < 0:
             raise InvalidInputError(f"memo_size must be an int >= 0, got {memo_size!r}")
-        # Two entries a prompt at most: its int32 form and the form it came in.
+        # Two entries a prompt at most: its int32 form and the form it came in (a list,
+        # another dtype).
         self._memo = _DigestMemo(2 * memo_size) if memo_size else None
         self._memo_min_bytes = memo_min_tokens * TOKEN_BYTES
 
@@ -539,16 +579,21 @@ class ChunkHasher:
 
     def probe(self, tokens: Tokens) -> DigestProbe:
         """Look for the digests of ``tokens`` in the memo. Cheap for tensors and arrays (no
-        hashing); lists are not probed, their conversion alone is long work. Bytes equal to
-        a remembered prompt's are valid tokens; others may be checked only by the hashing
-        that follows a miss, which takes the probe (:meth:`digests`) so as to do nothing
-        twice.
+        hashing), and for a list that is, or is a copy of, a remembered list (other lists
+        are not compared: see :meth:`_DigestMemo.get_list`). Bytes equal to a remembered
+        prompt's are valid tokens, and so are the items of a list equal to a remembered
+        one; others may be checked only by the hashing that follows a miss, which takes
+        the probe (:meth:`digests`) so as to do nothing twice.
 
         Raises:
             InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
         """
         memo = self._memo
-        if memo is None or not isinstance(tokens, (torch.Tensor, np.ndarray)):
+        if memo is None:
+            return DigestProbe(None)
+        if type(tokens) is list:
+            return self._probe_list(memo, tokens)
+        if not isinstance(tokens, (torch.Tensor, np.ndarray)):
             return DigestProbe(None)
         array = _raw_tokens(tokens)
         if array is None:  # a device tensor or strided memory: converted (and checked) first
@@ -573,6 +618,18 @@ class ChunkHasher:
         if digests is not None:
             memo.put(*raw, digests)
         return DigestProbe(digests, data, (raw, *entries))
+
+    def _probe_list(self, memo: _DigestMemo, tokens: list[int]) -> DigestProbe:
+        """:meth:`probe` for a list: found by its length and three items, then compared."""
+        count = len(tokens)
+        if not count or count * TOKEN_BYTES < self._memo_min_bytes:
+            return DigestProbe(None)
+        try:
+            key = (_LIST_TAG, hash((count, tokens[0], tokens[count >> 1], tokens[-1])))
+        except TypeError:  # an unhashable item: invalid, left to the conversion to refuse
+            return DigestProbe(None)
+        digests = memo.get_list(key, tokens)
+        return DigestProbe(digests, list_key=None if digests is not None else key)
 
     def _recall_int32(
         self, data: memoryview
@@ -641,6 +698,13 @@ class ChunkHasher:
             probe = self.probe(tokens)
         if probe.digests is not None:
             return probe.digests
+        if probe.list_key is not None and self._memo is not None:
+            # The memo keeps a copy (the caller may change its list later), and the copy is
+            # what is hashed, so the two agree whatever the caller does meanwhile.
+            copy = list(tokens)
+            digests = self._all_digests(token_bytes(copy)[0])
+            self._memo.put(probe.list_key, copy, digests)
+            return digests
         data = probe.data if probe.data is not None else token_bytes(tokens)[0]
         if not probe.entries:  # not probed (a list, a short prompt): the int32 memo only
             return self._all_digests(data)

@@ -729,7 +729,7 @@ def test_remembered_probes_the_memo_without_hashing() -> None:
     assert memo.remembered(tokens) is None
     digests = memo.digests(tokens)
     assert memo.remembered(tokens) == digests
-    assert memo.remembered(tokens.tolist()) is None  # lists are never probed
+    assert memo.remembered(tokens.tolist()) is None  # a list is known once hashed as one
     assert ChunkHasher(NS, chunk_size=16).remembered(tokens) is None  # no memo
 
 
@@ -771,6 +771,55 @@ def test_the_memo_compares_bytes_when_fingerprints_collide(
         assert memo.digests(other) == plain.digests(other)
     assert memo.remembered(tokens.clone()) is None  # the last one hashed took the key
     assert memo.digests(tokens) == plain.digests(tokens)
+
+
+def test_a_list_asked_about_again_is_recognised_and_never_confused() -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=4, memo_min_tokens=64)
+    plain = ChunkHasher(NS, chunk_size=16)
+    tokens = list(range(100_000, 100_300))  # ints beyond the small-int cache: own objects
+    expected = plain.digests(tokens)
+    assert memo.remembered(tokens) is None
+    assert memo.digests(tokens) == expected
+    assert memo.remembered(tokens) == expected  # the same list
+    assert memo.remembered(list(tokens)) == expected  # a copy: the same int objects
+    # Three items find the entry, so a change anywhere else must be caught by comparing.
+    for position in (1, 70, 151, 298):
+        changed = list(tokens)
+        changed[position] += 1
+        assert memo.remembered(changed) is None
+        assert memo.digests(changed) == plain.digests(changed)
+    assert memo.remembered(tokens[:-1]) is None
+    assert memo.remembered([*tokens, 5]) is None
+    # Equal values in new int objects are not compared on the caller's thread; hashing
+    # finds their int32 form remembered.
+    rebuilt = [int(str(token)) for token in tokens]
+    assert memo.remembered(rebuilt) is None
+    assert memo.digests(rebuilt) == expected
+
+
+def test_a_remembered_list_is_a_copy_the_caller_cannot_change() -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=4, memo_min_tokens=64)
+    plain = ChunkHasher(NS, chunk_size=16)
+    tokens = list(range(200_000, 200_200))
+    memo.digests(tokens)
+    tokens[37] = 7  # changed in place after it was hashed (not one of the three items)
+    assert memo.remembered(tokens) is None
+    assert memo.digests(tokens) == plain.digests(tokens)
+    assert memo.remembered(tokens) == plain.digests(tokens)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[[1]] * 100, [1.5] * 100, [*range(99), "x"], [*range(99), -1], [*range(50), None, *range(49)]],
+    ids=["unhashable", "float", "str", "negative", "none"],
+)
+def test_a_bad_list_is_refused_whether_or_not_the_memo_was_asked(bad: list[object]) -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=4, memo_min_tokens=64)
+    assert memo.probe(bad).digests is None  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError):
+        memo.digests(bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError):
+        memo.digests(bad)  # type: ignore[arg-type]
 
 
 def test_the_memo_holds_memo_size_prompts_in_both_forms() -> None:
