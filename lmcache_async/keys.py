@@ -21,7 +21,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 import blake3
 import numpy as np
@@ -412,6 +412,8 @@ them."""
 
 _INT32_TAG: Final = "<i4"  # the hashed form's dtype (see TOKEN_BYTES)
 _LIST_TAG: Final = "list"
+_MEMO_LISTS: Final = 8
+"""Prompts a memo keeps as lists, at most (see :class:`_DigestMemo`)."""
 _LIST_SAME_ITEMS: Final = 64
 """Leading items of a probed list that must be the very objects of the remembered copy
 before the two are compared on the caller's thread (see :meth:`_DigestMemo.get_list`)."""
@@ -434,6 +436,9 @@ def _raw_tokens(tokens: Tokens) -> npt.NDArray[np.integer] | None:
     return array
 
 
+_Entry = TypeVar("_Entry")
+
+
 class _DigestMemo:
     """The chained digests of recently hashed long prompts.
 
@@ -442,15 +447,21 @@ class _DigestMemo:
     than recognising it. An entry is found by a fast hash of the token bytes and used only
     if the stored bytes are equal to the new ones, so a hit is exact by construction.
     A prompt that came as, say, int64 is also remembered in that form, so asking again
-    with the same tensor spares its conversion to int32 as well; one that came as a list
-    is remembered as a copy of the list, which the same list (or a copy of it) equals.
+    with the same tensor spares its conversion to int32 as well. One that came as a list
+    is remembered as a copy of the list, in a table of its own: a list holds 8 bytes a
+    token and keeps its int objects alive, several times the bytes of the other forms, so
+    fewer of them are kept (``list_capacity``).
     """
 
-    __slots__ = ("_capacity", "_entries", "_lock")
+    __slots__ = ("_capacity", "_entries", "_list_capacity", "_lists", "_lock")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, list_capacity: int) -> None:
         self._capacity = capacity
-        self._entries: collections.OrderedDict[_MemoKey, tuple[bytes | list[int], list[bytes]]] = (
+        self._list_capacity = list_capacity
+        self._entries: collections.OrderedDict[_MemoKey, tuple[bytes, list[bytes]]] = (
+            collections.OrderedDict()
+        )
+        self._lists: collections.OrderedDict[_MemoKey, tuple[list[int], list[bytes]]] = (
             collections.OrderedDict()
         )
         self._lock = threading.Lock()  # digests() may run on worker threads too
@@ -460,15 +471,14 @@ class _DigestMemo:
         place, one memcmp, where ``==`` on a view goes item by item)."""
         with self._lock:
             entry = self._entries.get(fingerprint)
-            if entry is None:
-                return None
-            stored = entry[0]
-            if not isinstance(stored, bytes) or len(stored) != len(data):
-                return None
-            if not stored.startswith(data):  # bytes.startswith: one memcmp, in place
+            if entry is None or len(entry[0]) != len(data) or not entry[0].startswith(data):
                 return None
             self._entries.move_to_end(fingerprint)
             return list(entry[1])
+
+    def put(self, fingerprint: _MemoKey, data: bytes, digests: list[bytes]) -> None:
+        with self._lock:
+            _put(self._entries, self._capacity, fingerprint, (data, list(digests)))
 
     def get_list(self, fingerprint: _MemoKey, tokens: list[int]) -> list[bytes] | None:
         """The digests remembered for a list equal to ``tokens``.
@@ -481,26 +491,34 @@ class _DigestMemo:
         is left to the hashing (which converts it and finds its int32 form remembered).
         """
         with self._lock:
-            entry = self._entries.get(fingerprint)
+            entry = self._lists.get(fingerprint)
         if entry is None:
             return None
-        stored = entry[0]
-        if type(stored) is not list or len(stored) != len(tokens):
-            return None
+        stored, digests = entry  # the copy is never changed: compared outside the lock
         head = _LIST_SAME_ITEMS
-        if not all(map(operator.is_, tokens[:head], stored[:head])) or tokens != stored:
+        if len(stored) != len(tokens) or not all(map(operator.is_, tokens[:head], stored[:head])):
+            return None
+        if tokens != stored:
             return None
         with self._lock:
-            if fingerprint in self._entries:
-                self._entries.move_to_end(fingerprint)
-        return list(entry[1])
+            if fingerprint in self._lists:
+                self._lists.move_to_end(fingerprint)
+        return list(digests)
 
-    def put(self, fingerprint: _MemoKey, data: bytes | list[int], digests: list[bytes]) -> None:
+    def put_list(self, fingerprint: _MemoKey, copy: list[int], digests: list[bytes]) -> None:
         with self._lock:
-            self._entries[fingerprint] = (data, list(digests))
-            self._entries.move_to_end(fingerprint)
-            while len(self._entries) > self._capacity:
-                self._entries.popitem(last=False)
+            _put(self._lists, self._list_capacity, fingerprint, (copy, list(digests)))
+
+
+def _put(
+    table: collections.OrderedDict[_MemoKey, _Entry], capacity: int, key: _MemoKey, value: _Entry
+) -> None:
+    """Put ``value`` in an LRU ``table`` as its newest entry, the oldest going beyond
+    ``capacity``."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > capacity:
+        table.popitem(last=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -564,9 +582,8 @@ class ChunkHasher:
         self._chain = _chain_blake3 if self._algorithm is HashAlgorithm.BLAKE3 else _chain_xxh3
         if not is_strict_int(memo_size) or memo_size < 0:
             raise InvalidInputError(f"memo_size must be an int >= 0, got {memo_size!r}")
-        # Two entries a prompt at most: its int32 form and the form it came in (a list,
-        # another dtype).
-        self._memo = _DigestMemo(2 * memo_size) if memo_size else None
+        # Two entries a prompt at most: its int32 form and the form it came in.
+        self._memo = _DigestMemo(2 * memo_size, min(memo_size, _MEMO_LISTS)) if memo_size else None
         self._memo_min_bytes = memo_min_tokens * TOKEN_BYTES
 
     def remembered(self, tokens: Tokens) -> list[bytes] | None:
@@ -703,7 +720,7 @@ class ChunkHasher:
             # what is hashed, so the two agree whatever the caller does meanwhile.
             copy = list(tokens)
             digests = self._all_digests(token_bytes(copy)[0])
-            self._memo.put(probe.list_key, copy, digests)
+            self._memo.put_list(probe.list_key, copy, digests)
             return digests
         data = probe.data if probe.data is not None else token_bytes(tokens)[0]
         if not probe.entries:  # not probed (a list, a short prompt): the int32 memo only

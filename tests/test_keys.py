@@ -808,6 +808,18 @@ def test_a_remembered_list_is_a_copy_the_caller_cannot_change() -> None:
     assert memo.remembered(tokens) == plain.digests(tokens)
 
 
+def test_the_memo_keeps_fewer_lists_than_prompts() -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=16, memo_min_tokens=64)
+    plain = ChunkHasher(NS, chunk_size=16)
+    prompts = [list(range(start, start + 100)) for start in range(10_000, 22_000, 1000)]
+    for tokens in prompts:
+        memo.digests(tokens)
+    kept = [memo.remembered(tokens) is not None for tokens in prompts]
+    assert kept == [False] * (len(prompts) - 8) + [True] * 8  # the newest 8 lists
+    for tokens in prompts:  # the int32 forms are all kept: hashing is spared for every one
+        assert memo.remembered(np.array(tokens, dtype=np.int32)) == plain.digests(tokens)
+
+
 @pytest.mark.parametrize(
     "bad",
     [[[1]] * 100, [1.5] * 100, [*range(99), "x"], [*range(99), -1], [*range(50), None, *range(49)]],
