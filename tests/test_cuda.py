@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -119,5 +120,66 @@ async def test_copy_thread_failure_reaches_the_caller() -> None:
             await transfers.run(
                 work, [1, 2], device=CPU, direction=Direction.STORE, nbytes=1, timeout=5
             )
+    finally:
+        transfers.close()
+
+
+async def test_a_failed_part_is_raised_only_once_every_part_has_ended() -> None:
+    """The caller hands the copy's memory back when run() returns or raises: never while
+    another part still writes it, even when one part failed at once."""
+    transfers = Transfers(inline_bytes=0, workers=2)
+    failed, release = threading.Event(), threading.Event()
+    ended: list[int] = []
+
+    def work(jobs: list[int]) -> None:
+        if jobs == [1]:
+            failed.set()
+            raise ValueError("bad copy")
+        release.wait(10)
+        ended.append(jobs[0])
+
+    outcome: list[str] = []
+
+    async def caller() -> None:
+        with pytest.raises(ValueError, match="bad copy"):
+            await transfers.run(
+                work, [1, 2], device=CPU, direction=Direction.STORE, nbytes=1, timeout=5
+            )
+        outcome.append(f"raised after {ended}")
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(caller)
+                await anyio.to_thread.run_sync(failed.wait)
+                for _ in range(20):  # let the loop run whatever the failure scheduled
+                    await anyio.lowlevel.checkpoint()
+                assert outcome == []
+                release.set()
+        assert outcome == ["raised after [2]"]
+    finally:
+        release.set()
+        transfers.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("lmcache-copy")]
+
+
+async def test_every_part_failing_raises_one_of_their_errors() -> None:
+    transfers = Transfers(inline_bytes=0, workers=2)
+
+    def work(jobs: list[int]) -> None:
+        raise ValueError(f"bad copy {jobs}")
+
+    try:
+        with anyio.fail_after(5), pytest.raises(ValueError, match=r"bad copy \[[12]\]"):
+            await transfers.run(
+                work, [1, 2], device=CPU, direction=Direction.LOAD, nbytes=1, timeout=5
+            )
+        # The copy threads are still usable after the failures.
+        seen: list[int] = []
+        with anyio.fail_after(5):
+            await transfers.run(
+                seen.extend, [3, 4], device=CPU, direction=Direction.LOAD, nbytes=1, timeout=5
+            )
+        assert sorted(seen) == [3, 4]
     finally:
         transfers.close()
