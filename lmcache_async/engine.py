@@ -48,7 +48,7 @@ from .keys import (
     split_digests,
     token_array,
 )
-from .layouts import KVFormat, KVLayout, LayoutKind
+from .layouts import KVCacheViews, KVFormat, KVLayout, LayoutKind
 from .memory import MemoryObj, MemoryPool
 from .pipelines.common import Keyer, Request
 from .pipelines.layerwise import LayerwisePipeline, RetrieveLayers, StoreLayers
@@ -104,6 +104,7 @@ class CacheEngine:
     ) -> None:
         self.config = config
         self.layout = layout
+        self._kv_views = KVCacheViews(layout)  # the serving engine's caches, checked once
         self.namespace = Namespace(
             model_name=model_name,
             layout_fingerprint=layout.fingerprint,
@@ -301,6 +302,7 @@ class CacheEngine:
         with anyio.CancelScope(shield=True):
             await self._manager.aclose(drain_timeout=self.config.store_timeout)
         self._pool.close()
+        self._kv_views.forget()
         log.info("engine_closed", model=self.namespace.model_name)
 
     @property
@@ -401,7 +403,7 @@ class CacheEngine:
             raise InvalidInputError("kv_caches must be a list of per-layer tensors")
         if not isinstance(slot_mapping, torch.Tensor):
             raise InvalidInputError("slot_mapping must be a 1-D integer tensor")
-        num_blocks = self.layout.check_kv_caches(kv_caches)
+        num_blocks, row_views = self._kv_views.check(kv_caches)
         slots = self.layout.check_slot_mapping(slot_mapping, num_tokens, num_blocks)
         slots_cpu = slots if slots.device.type == "cpu" else slots.cpu()
         request = request_type(
@@ -409,7 +411,7 @@ class CacheEngine:
             keyer=keyer,
             num_tokens=num_tokens,
             hash_inline=inline,
-            plan=self.layout.plan(kv_caches, slots, slots_cpu=slots_cpu),
+            plan=self.layout.plan(kv_caches, slots, slots_cpu=slots_cpu, row_views=row_views),
             slots_cpu=slots_cpu,
         )
         if inline:

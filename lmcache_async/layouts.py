@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ __all__ = [
     "DEFAULT_VLLM_CPU_BLOCK_SIZE",
     "SUPPORTED_DTYPES",
     "CpuKVPacking",
+    "KVCacheViews",
     "KVFormat",
     "KVLayout",
     "LayoutKind",
@@ -812,13 +814,16 @@ class KVLayout:
         slots: torch.Tensor,
         *,
         slots_cpu: torch.Tensor | None = None,
+        row_views: list[torch.Tensor] | None = None,
     ) -> TransferPlan:
         """Prepare the transfers of one request: row views and row indices computed once.
 
         ``slots`` must have passed :meth:`check_slot_mapping` for these caches (int64, in
         range); negative slots are allowed and are skipped by :meth:`TransferPlan.scatter`.
         ``slots_cpu`` is the same mapping on the CPU when ``slots`` lives on a device (it
-        spares a host synchronisation). Per-chunk gathers and scatters then only slice.
+        spares a host synchronisation). ``row_views``: these caches' row views, as
+        :class:`KVCacheViews` keeps them (made here when None). Per-chunk gathers and
+        scatters then only slice.
 
         Raises:
             InvalidInputError: a layer does not match this layout.
@@ -836,7 +841,7 @@ class KVLayout:
             parts = self._cpu_parts(kv_caches, slots, num_blocks)
         else:
             rows, width = self._rows(slots, num_blocks)
-            views = self._row_views(kv_caches, num_blocks)
+            views = row_views if row_views is not None else self._row_views(kv_caches, num_blocks)
             parts = [PlanPart(views, index, (width,)) for index in rows]
         return TransferPlan(
             self,
@@ -907,6 +912,85 @@ class KVLayout:
         self._slot_range(slots, num_blocks * self.block_size)
         if num_tokens:
             self.plan(kv_caches, slots).scatter(payload, 0, num_tokens)
+
+
+_LayerSignature = tuple[int, torch.Size, tuple[int, ...], torch.dtype, torch.device]
+
+
+def _signature(layer: torch.Tensor) -> _LayerSignature:
+    """What a layer's row view depends on: memory address, shape, strides, dtype, device."""
+    return (layer.data_ptr(), layer.shape, layer.stride(), layer.dtype, layer.device)
+
+
+class KVCacheViews:
+    """The checked KV caches of the last request, with their row views, for the next one.
+
+    A serving engine passes the same per-layer tensors with every request, and checking
+    each layer and viewing it as rows costs microseconds a layer, every request. A request
+    over the very same tensor objects, each with the memory address, shape, strides, dtype
+    and device it had when checked, reuses the check and the views; anything else is
+    checked and viewed anew. Only weak references to the tensors are kept, and the views
+    are dropped as soon as one of them is collected: this never keeps the serving
+    engine's memory alive. For one event loop (or one thread) at a time.
+    """
+
+    __slots__ = ("__weakref__", "_layers", "_layout", "_num_blocks", "_signatures", "_views")
+
+    def __init__(self, layout: KVLayout) -> None:
+        self._layout = layout
+        self._layers: list[weakref.ref[torch.Tensor]] = []
+        self._signatures: list[_LayerSignature] = []
+        self._num_blocks = 0
+        self._views: list[torch.Tensor] | None = None
+
+    def check(self, kv_caches: Sequence[torch.Tensor]) -> tuple[int, list[torch.Tensor] | None]:
+        """:meth:`KVLayout.check_kv_caches`, and the caches' row views for
+        :meth:`KVLayout.plan` (None for the vLLM CPU layout, whose plan makes its own).
+
+        Raises:
+            InvalidInputError: as :meth:`KVLayout.check_kv_caches`.
+        """
+        layers = self._layers
+        given: object = kv_caches
+        if (
+            layers
+            and isinstance(given, (list, tuple))
+            and len(kv_caches) == len(layers)
+            and all(ref() is layer for ref, layer in zip(layers, kv_caches, strict=True))
+            and list(map(_signature, kv_caches)) == self._signatures
+        ):
+            return self._num_blocks, self._views
+        self.forget()
+        layout = self._layout
+        num_blocks = layout.check_kv_caches(kv_caches)
+        views = None
+        if layout.kind is not LayoutKind.VLLM_CPU:
+            # Detached, a view no longer refers to the tensor it was made from (only to
+            # its memory), so the weak references below can see the tensors go.
+            views = [view.detach() for view in layout._row_views(kv_caches, num_blocks)]
+        forget = weakref.WeakMethod(self.forget)
+
+        def on_collected(_: weakref.ref[torch.Tensor]) -> None:
+            method = forget()
+            if method is not None:
+                method()
+
+        self._layers = [weakref.ref(layer, on_collected) for layer in kv_caches]
+        self._signatures = list(map(_signature, kv_caches))
+        self._num_blocks = num_blocks
+        self._views = views
+        return num_blocks, views
+
+    @property
+    def remembered(self) -> bool:
+        """Whether caches (and their views) are remembered for the next :meth:`check`."""
+        return bool(self._layers)
+
+    def forget(self) -> None:
+        """Drop what is remembered (the next :meth:`check` checks in full)."""
+        self._layers = []
+        self._signatures = []
+        self._views = None
 
 
 def _describe(value: object) -> str:

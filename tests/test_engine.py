@@ -295,6 +295,22 @@ async def test_round_trip_is_bit_exact(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_caches_given_other_memory_in_place_are_written_there(kind: str) -> None:
+    """The engine reuses its checked views of the caches from one request to the next:
+    never after the very same tensors were given other memory."""
+    n = 2 * CHUNK
+    scene = Scene.build(kind, torch.float16, n, seed=7)
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(scene.layout) as engine:
+            assert await scene.store(engine) == n
+            await scene.retrieve_and_check(engine, prefix_mask(n, 0, n))  # views remembered
+            for layer, fresh in zip(scene.target, new_caches(scene.layout, 8), strict=True):
+                layer.set_(fresh)  # same tensor objects, other memory
+            await scene.retrieve_and_check(engine, prefix_mask(n, 0, n))  # written there
+
+
+@pytest.mark.anyio
 async def test_small_cpu_requests_skip_the_stage_tasks(tmp_path: Path) -> None:
     """Small work runs in the caller's task; large copies and requests that reach a slow
     tier go through the pipeline (where copies may hop to a thread and tiers may wait)."""

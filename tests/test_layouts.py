@@ -14,6 +14,7 @@ from lmcache_async.errors import InvalidInputError
 from lmcache_async.layouts import (
     SUPPORTED_DTYPES,
     CpuKVPacking,
+    KVCacheViews,
     KVFormat,
     KVLayout,
     LayoutKind,
@@ -847,3 +848,43 @@ def test_cuda_caches_with_host_payload(kind: str) -> None:
     layout.gather(fresh, device_slots, back)
     torch.cuda.synchronize()
     assert torch.equal(back, out)
+
+
+# --------------------------------------------------------------------------- cache views
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cache_views_are_reused_only_for_the_same_unchanged_tensors(kind: str) -> None:
+    layout = make_layout(kind)
+    kv = layout.allocate_kv_caches(6, random=False)
+    views = KVCacheViews(layout)
+    blocks, first = views.check(kv)
+    assert blocks == 6 and views.remembered
+    assert (first is None) == (kind == "vllm_cpu")
+    again = views.check(tuple(kv))  # another sequence of the same tensors
+    assert again[0] == 6 and again[1] is first
+    # Another tensor of the same shape: checked and viewed anew.
+    other = [*kv[:-1], layout.allocate_kv_caches(6, random=False)[-1]]
+    _, fresh = views.check(other)
+    assert fresh is None if kind == "vllm_cpu" else fresh is not first
+    # The same tensor objects given other memory in place: checked and viewed anew.
+    for layer, bigger in zip(other, layout.allocate_kv_caches(9, random=False), strict=True):
+        layer.set_(bigger)
+    assert views.check(other)[0] == 9
+    other[1].resize_(other[1].numel())  # reshaped in place: refused, not reused
+    with pytest.raises(InvalidInputError, match=r"kv_caches\[1\]"):
+        views.check(other)
+    assert not views.remembered
+
+
+def test_cache_views_never_keep_the_caches_alive() -> None:
+    layout = make_layout("nhd")
+    views = KVCacheViews(layout)
+    kv = layout.allocate_kv_caches(4, random=False)
+    views.check(kv)
+    assert views.remembered
+    kv.pop()  # one layer is freed: the views, which would keep its memory, go with it
+    assert not views.remembered
+    views.check([*kv, layout.allocate_kv_caches(4, random=False)[0]])
+    views.forget()
+    assert not views.remembered

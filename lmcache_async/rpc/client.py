@@ -56,7 +56,7 @@ from lmcache_async.errors import (
     TierUnavailableError,
 )
 from lmcache_async.keys import ChunkHasher, HashAlgorithm, Namespace
-from lmcache_async.layouts import KVLayout
+from lmcache_async.layouts import KVCacheViews, KVLayout
 from lmcache_async.rpc.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -474,6 +474,7 @@ class RemoteCacheEngine:
             raise InvalidInputError("limits must be a MessageLimits")
         self.url = url
         self.layout = layout
+        self._kv_views = KVCacheViews(layout)  # the serving engine's caches, checked once
         self._hello = {
             "model_name": model_name,
             "revision": revision,
@@ -589,6 +590,7 @@ class RemoteCacheEngine:
         self._links.clear()
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._transfers.close)
+        self._kv_views.forget()
         if self._context is not None:
             self._context.term()  # every socket is closed: this returns at once
             self._context = None
@@ -843,10 +845,10 @@ class RemoteCacheEngine:
             raise InvalidInputError("kv_caches must be a list of per-layer tensors")
         if not isinstance(slot_mapping, torch.Tensor):
             raise InvalidInputError("slot_mapping must be a 1-D integer tensor")
-        num_blocks = self.layout.check_kv_caches(kv_caches)
+        num_blocks, row_views = self._kv_views.check(kv_caches)
         slots = self.layout.check_slot_mapping(slot_mapping, num_tokens, num_blocks)
         slots_cpu = slots if slots.device.type == "cpu" else slots.cpu()
-        plan = self.layout.plan(kv_caches, slots, slots_cpu=slots_cpu)
+        plan = self.layout.plan(kv_caches, slots, slots_cpu=slots_cpu, row_views=row_views)
         header["start"] = start
         return _Prepared(header, payloads, num_tokens, start, plan, slots_cpu)
 
