@@ -67,6 +67,7 @@ class EventBridge:
     async def wait(self, event: Any, *, timeout: float) -> None:
         """Wait until ``event`` (a ``torch.cuda.Event``) has completed.
 
+        Not interrupted by a cancellation, which is raised once the event has completed.
         Raises TimeoutError when it took longer than ``timeout`` seconds, but only once it
         has completed (the memory of the copy is then free to reuse); EngineClosedError
         after close().
@@ -76,16 +77,11 @@ class EventBridge:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         self._jobs.put((event, loop, future))
-        try:
-            with anyio.fail_after(timeout):
-                await asyncio.shield(future)
-        except TimeoutError:
-            # The copy is still queued on the device and its host memory must not be handed
-            # back before it completes: report it, wait it out, then fail the request.
-            log.error("cuda_copy_overdue", timeout=timeout)
-            with anyio.CancelScope(shield=True):
-                await future
-            raise
+        if await _wait_out(future, timeout=timeout):
+            # The copy was still queued on the device past the timeout; its host memory
+            # could not be handed back before it completed. Fail the request now.
+            raise TimeoutError(f"a CUDA copy took longer than {timeout} s")
+        future.result()  # a device error
 
     def close(self) -> None:
         """Stop the waiter thread once the events already queued have completed."""
@@ -94,6 +90,36 @@ class EventBridge:
         self._closed = True
         self._jobs.put(None)
         self._thread.join()
+
+
+async def _wait_out(future: asyncio.Future[None], *, timeout: float | None = None) -> bool:
+    """Wait until ``future`` is done, whatever happens to this task meanwhile; returns
+    whether that took longer than ``timeout`` seconds (logged then).
+
+    The future stands for a copy writing memory that the caller hands back once this
+    returns. AnyIO cancellation is held off by a shield; asyncio's own (``task.cancel()``,
+    ``asyncio.timeout``, ``wait_for``), which goes past anyio's shields, is caught and
+    raised again once the future is done. ``asyncio.wait`` leaves the future alone when the
+    wait is cancelled (awaiting it directly would cancel it).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    overdue = False
+    cancelled: asyncio.CancelledError | None = None
+    with anyio.CancelScope(shield=True):
+        while not future.done():
+            left = None if deadline is None or overdue else deadline - loop.time()
+            try:
+                await asyncio.wait((future,), timeout=left)
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+                continue
+            if not future.done():
+                overdue = True
+                log.error("copy_overdue", timeout=timeout)
+    if cancelled is not None:
+        raise cancelled
+    return overdue
 
 
 def _finish(future: asyncio.Future[None]) -> None:
@@ -107,18 +133,18 @@ def _fail(future: asyncio.Future[None], exc: BaseException) -> None:
 
 
 class _Countdown:
-    """Resolves :attr:`done` on the event loop once ``parts`` parts of a copy have ended,
+    """Wakes the task awaiting :meth:`wait` once ``parts`` parts of a copy have ended,
     from the thread that ends last: one wake-up of the loop for the whole copy, where a
     future per part wakes it once per part (each wake-up costs tens to hundreds of
     microseconds when the loop's thread sleeps)."""
 
-    __slots__ = ("_left", "_lock", "_loop", "done", "errors")
+    __slots__ = ("_done", "_left", "_lock", "_loop", "errors")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, parts: int) -> None:
         self._loop = loop
         self._left = parts
         self._lock = threading.Lock()
-        self.done: asyncio.Future[None] = loop.create_future()
+        self._done: asyncio.Future[None] = loop.create_future()
         self.errors: list[BaseException] = []  # in the order the parts failed
 
     def run(self, work: Callable[[list[J]], None], jobs: list[J]) -> None:
@@ -141,12 +167,32 @@ class _Countdown:
             last = self._left == 0
         if last:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                self._loop.call_soon_threadsafe(_settle, self.done)
+                self._loop.call_soon_threadsafe(self._wake)
 
+    def _wake(self) -> None:
+        if not self._done.done():
+            self._done.set_result(None)
 
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+    async def wait(self) -> None:
+        """Return once every part has ended, whatever happens to this task meanwhile: the
+        memory the parts write is handed back next.
+
+        AnyIO cancellation is held off by a shield. asyncio's own (``task.cancel()``,
+        ``asyncio.timeout``, ``wait_for``) goes past anyio's shields: it is caught, and
+        raised again once the parts have ended. Such a cancellation cancels the future
+        awaited, so a new one takes its place for the thread's wake-up.
+        """
+        cancelled: asyncio.CancelledError | None = None
+        with anyio.CancelScope(shield=True):
+            while self._left:
+                try:
+                    await self._done
+                except asyncio.CancelledError as exc:
+                    cancelled = exc
+                    if self._done.cancelled():
+                        self._done = self._loop.create_future()
+        if cancelled is not None:
+            raise cancelled
 
 
 class Transfers:
@@ -210,9 +256,7 @@ class Transfers:
                 self._executor.submit(countdown.run, work, jobs[i::split])
             except RuntimeError as exc:  # the executor was shut down meanwhile
                 countdown.fail(exc)
-        # Shielded: the memory the parts write must not be handed back under them.
-        with anyio.CancelScope(shield=True):
-            await countdown.done
+        await countdown.wait()
         if countdown.errors:
             raise countdown.errors[0]
 

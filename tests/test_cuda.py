@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import anyio
@@ -183,3 +184,56 @@ async def test_every_part_failing_raises_one_of_their_errors() -> None:
         assert sorted(seen) == [3, 4]
     finally:
         transfers.close()
+
+
+async def test_asyncio_cancellation_waits_for_the_copy_threads_then_is_raised() -> None:
+    """asyncio's own cancellation (task.cancel(), as asyncio.timeout and wait_for use)
+    goes past anyio's shields: a copy still must end before run() gives up its memory."""
+    transfers = Transfers(inline_bytes=0, workers=2)
+    started, release = threading.Barrier(3), threading.Event()
+    ended: list[int] = []
+
+    def work(jobs: list[int]) -> None:
+        started.wait(10)
+        release.wait(10)
+        ended.append(jobs[0])
+
+    try:
+        with anyio.fail_after(10):
+            task = asyncio.ensure_future(
+                transfers.run(
+                    work, [1, 2], device=CPU, direction=Direction.STORE, nbytes=1, timeout=5
+                )
+            )
+            await anyio.to_thread.run_sync(started.wait, 10)
+            task.cancel()
+            for _ in range(20):
+                await anyio.lowlevel.checkpoint()
+            assert not task.done()
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert sorted(ended) == [1, 2]
+    finally:
+        release.set()
+        transfers.close()
+
+
+async def test_asyncio_cancellation_waits_for_a_cuda_event_then_is_raised() -> None:
+    bridge = EventBridge("test")
+    held = HeldEvent()
+    try:
+        with anyio.fail_after(10):
+            task = asyncio.ensure_future(bridge.wait(held, timeout=5))
+            for _ in range(5):
+                await anyio.lowlevel.checkpoint()
+            task.cancel()
+            for _ in range(20):
+                await anyio.lowlevel.checkpoint()
+            assert not task.done()
+            held.released.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    finally:
+        held.released.set()
+        bridge.close()
