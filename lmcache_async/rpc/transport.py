@@ -123,7 +123,11 @@ class LoopSocket:
                 send(frame, _NOBLOCK | _SNDMORE if index < last else _NOBLOCK, copy=copy)
         except zmq.Again:
             return False
-        self._schedule_drain()
+        # A send can consume the descriptor's edge: read the socket's state now, and hand
+        # the loop a drain only when a message (or room a sender waits for) is already
+        # there. Otherwise the next message raises a new edge (one loop pass saved).
+        if self._events() & _POLLIN or self._writable is not None:
+            self._schedule_drain()
         return True
 
     async def send(self, frames: Sequence[FrameLike], *, copy: bool = True) -> None:
