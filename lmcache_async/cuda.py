@@ -17,7 +17,7 @@ import enum
 import functools
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 import anyio
@@ -26,7 +26,7 @@ import torch
 
 from .errors import EngineClosedError
 
-__all__ = ["Direction", "EventBridge", "Transfers"]
+__all__ = ["Direction", "EventBridge", "Transfers", "wait_out"]
 
 log = structlog.get_logger(__name__)
 
@@ -77,7 +77,7 @@ class EventBridge:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         self._jobs.put((event, loop, future))
-        if await _wait_out(future, timeout=timeout):
+        if await wait_out((future,), timeout=timeout):
             # The copy was still queued on the device past the timeout; its host memory
             # could not be handed back before it completed. Fail the request now.
             raise TimeoutError(f"a CUDA copy took longer than {timeout} s")
@@ -92,29 +92,31 @@ class EventBridge:
         self._thread.join()
 
 
-async def _wait_out(future: asyncio.Future[None], *, timeout: float | None = None) -> bool:
-    """Wait until ``future`` is done, whatever happens to this task meanwhile; returns
-    whether that took longer than ``timeout`` seconds (logged then).
+async def wait_out(
+    futures: Collection[asyncio.Future[Any]], *, timeout: float | None = None
+) -> bool:
+    """Wait until every one of ``futures`` is done, whatever happens to this task
+    meanwhile; returns whether that took longer than ``timeout`` seconds (logged then).
 
-    The future stands for a copy writing memory that the caller hands back once this
+    The futures stand for copies writing memory that the caller hands back once this
     returns. AnyIO cancellation is held off by a shield; asyncio's own (``task.cancel()``,
     ``asyncio.timeout``, ``wait_for``), which goes past anyio's shields, is caught and
-    raised again once the future is done. ``asyncio.wait`` leaves the future alone when the
-    wait is cancelled (awaiting it directly would cancel it).
+    raised again once they are done. ``asyncio.wait`` leaves the futures alone when the
+    wait is cancelled (awaiting one directly would cancel it).
     """
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     overdue = False
     cancelled: asyncio.CancelledError | None = None
     with anyio.CancelScope(shield=True):
-        while not future.done():
+        while not all(future.done() for future in futures):
             left = None if deadline is None or overdue else deadline - loop.time()
             try:
-                await asyncio.wait((future,), timeout=left)
+                await asyncio.wait(futures, timeout=left)
             except asyncio.CancelledError as exc:
                 cancelled = exc
                 continue
-            if not future.done():
+            if not all(future.done() for future in futures):
                 overdue = True
                 log.error("copy_overdue", timeout=timeout)
     if cancelled is not None:
@@ -170,8 +172,7 @@ class _Countdown:
                 self._loop.call_soon_threadsafe(self._wake)
 
     def _wake(self) -> None:
-        if not self._done.done():
-            self._done.set_result(None)
+        _finish(self._done)  # the future awaited now (a cancellation may have replaced it)
 
     async def wait(self) -> None:
         """Return once every part has ended, whatever happens to this task meanwhile: the

@@ -36,12 +36,11 @@ import functools
 from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-import anyio
 import structlog
 import torch
 
 from ..backends.manager import StorageManager
-from ..cuda import Direction, Transfers
+from ..cuda import Direction, Transfers, wait_out
 from ..errors import AllocationTimeoutError, EngineClosedError
 from ..keys import ChunkKey, ChunkSpan
 from ..layouts import KVLayout
@@ -142,18 +141,12 @@ class _Copies:
         """
         tasks = list(self._tasks.values())
         self._tasks.clear()
-        cancelled: BaseException | None = None
-        with anyio.CancelScope(shield=True):
-            while not all(task.done() for task in tasks):
-                try:
-                    await asyncio.wait(tasks)
-                except asyncio.CancelledError as exc:  # a native cancel goes past the shield
-                    cancelled = exc
-        for task in tasks:
-            if not task.cancelled():
-                task.exception()  # retrieved: a failure while closing is not news
-        if cancelled is not None:
-            raise cancelled
+        try:
+            await wait_out(tasks)
+        finally:
+            for task in tasks:
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: a failure while closing is not news
 
 
 @dataclass(eq=False, slots=True)
