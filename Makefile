@@ -13,8 +13,9 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 # torch is pinned and installed first so that the package's looser `torch>=2.4` is already
-# satisfied and pip never pulls a multi-GB CUDA build.
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+# satisfied and pip never pulls a multi-GB CUDA build. The install compiles the key chain
+# (lmcache_async/_native.c) next to its source: a changed source reinstalls.
+$(VENV)/.installed: $(BIN)/python pyproject.toml lmcache_async/_native.c
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e .
 	touch $@
@@ -55,7 +56,7 @@ lint: dev
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache lmcache_async/*.so
 
 # Wheels for scripts/gpu_check.sh on a GPU machine without network (CPython 3.12, x86_64,
 # CUDA torch already there): the dependencies it lacks, pinned to this venv's versions.

@@ -1,6 +1,6 @@
 """Segment keys for blending: one unchained key per separator-delimited segment.
 
-Each segment is hashed on its own, ``H(h_0 || segment)``, with the same seed ``h_0`` and
+Each segment is hashed on its own, ``H(segment || h_0)``, with the same seed ``h_0`` and
 hash ``H`` as chunk keys (:mod:`lmcache_async.keys`), so a document is found wherever it
 appears.
 """
@@ -108,6 +108,6 @@ class SegmentHasher:
         hash_function = self._hash
         seed = self._seed
         return [
-            _new_span(start, end, _new_key(hash_function(seed + array[start:end].tobytes())), None)
+            _new_span(start, end, _new_key(hash_function(array[start:end].tobytes() + seed)), None)
             for start, end in bounds
         ]

@@ -1,0 +1,131 @@
+"""Tests for lmcache_async._native: the blake3 key chain in C gives the blake3 package's keys."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sysconfig
+import threading
+
+import blake3
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache_async import keys
+from lmcache_async.keys import DIGEST_SIZE, NATIVE_CHAIN, ChunkHasher, HashAlgorithm, Namespace
+
+native = pytest.mark.skipif(not NATIVE_CHAIN, reason="lmcache_async._native was not built")
+
+# BLAKE3 hashes 1024-byte chunks of 64-byte blocks: pieces around those sizes (the piece
+# plus its 16-byte link) take every path of the C code.
+STEPS = [1, 4, 48, 64, 1004, 1008, 1012, 1020, 1024, 1028, 2032, 2048, 2064, 3072, 4096, 8196]
+
+
+def formula(seed: bytes, data: bytes, step: int) -> list[bytes]:
+    """The chain written from its definition with the blake3 package, one call a piece."""
+    out, prev = [], seed
+    for offset in range(0, len(data), step):
+        prev = blake3.blake3(data[offset : offset + step] + prev).digest(length=DIGEST_SIZE)
+        out.append(prev)
+    return out
+
+
+def test_the_chain_is_built_where_a_c_compiler_is() -> None:
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}) here: the package falls back to blake3")
+    assert NATIVE_CHAIN, "a C compiler is here but lmcache_async._native was not built"
+    assert keys._chain_blake3 is keys._native_chain
+
+
+@native
+@pytest.mark.parametrize("step", STEPS)
+def test_every_piece_size_gives_the_blake3_keys(step: int) -> None:
+    assert keys._native_chain is not None
+    rng = np.random.default_rng(step)
+    seed = rng.bytes(DIGEST_SIZE)
+    # Lengths around whole pieces, and enough pieces to fill the lanes and leave a rest.
+    for length in (0, 1, step - 1, step, step + 1, 3 * step + 5, 11 * step, 11 * step + 3):
+        if length < 0 or length > 300_000:
+            continue
+        data = rng.bytes(length)
+        expected = formula(seed, data, step)
+        assert keys._native_chain(seed, data, step) == expected, (step, length)
+        assert keys._chain_blake3_py(seed, memoryview(data), step) == expected, (step, length)
+
+
+@native
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.binary(min_size=DIGEST_SIZE, max_size=DIGEST_SIZE),
+    data=st.binary(max_size=20_000),
+    step=st.one_of(st.sampled_from(STEPS), st.integers(1, 5000)),
+)
+def test_random_input_gives_the_blake3_keys(seed: bytes, data: bytes, step: int) -> None:
+    assert keys._native_chain is not None
+    assert keys._native_chain(seed, data, step) == formula(seed, data, step)
+
+
+@native
+def test_a_long_prompt_gives_the_blake3_keys_from_any_buffer() -> None:
+    # 32k int32 tokens in chunks of 256: 128 pieces of exactly one BLAKE3 chunk each, past
+    # the size where the C code lets other threads run.
+    tokens = np.random.default_rng(7).integers(0, 2**31, 32768, dtype=np.int64).astype("<i4")
+    data = tokens.tobytes()
+    seed = os.urandom(DIGEST_SIZE)
+    expected = formula(seed, data, 1024)
+    assert keys._native_chain is not None
+    for buffer in (data, memoryview(data), tokens.data.cast("B"), bytearray(data)):
+        assert keys._native_chain(seed, buffer, 1024) == expected
+
+
+@native
+def test_threads_hash_at_once_and_agree() -> None:
+    data = os.urandom(1 << 20)
+    seed = os.urandom(DIGEST_SIZE)
+    expected = formula(seed, data, 1024)
+    results: list[list[bytes]] = []
+    assert keys._native_chain is not None
+    chain = keys._native_chain
+
+    def work() -> None:
+        results.append(chain(seed, data, 1024))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(results) == 4
+    assert all(result == expected for result in results)
+
+
+@native
+def test_bad_arguments_raise() -> None:
+    chain = keys._native_chain
+    assert chain is not None
+    with pytest.raises(ValueError, match="seed must be 16 bytes, got 15"):
+        chain(bytes(15), b"abcd", 4)
+    with pytest.raises(ValueError, match="step must be positive, got 0"):
+        chain(bytes(16), b"abcd", 0)
+    with pytest.raises(ValueError, match="step must be positive"):
+        chain(bytes(16), b"abcd", -4)
+    with pytest.raises(TypeError):
+        chain(bytes(16), "text", 4)  # type: ignore[arg-type]
+    with pytest.raises(BufferError):
+        chain(bytes(16), memoryview(bytes(64))[::2], 4)  # strided memory
+
+
+@pytest.mark.parametrize("algorithm", list(HashAlgorithm))
+def test_the_hasher_gives_the_same_keys_with_and_without_the_c_chain(
+    algorithm: HashAlgorithm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    namespace = Namespace("org/model", "layout-v1")
+    tokens = np.random.default_rng(3).integers(0, 50_000, 5000).tolist()
+    with_default = ChunkHasher(namespace, chunk_size=256, algorithm=algorithm).digests(tokens)
+    monkeypatch.setattr(keys, "_chain_blake3", keys._chain_blake3_py)
+    without = ChunkHasher(namespace, chunk_size=256, algorithm=algorithm).digests(tokens)
+    assert with_default == without
+    assert len(with_default) == 20
