@@ -15,7 +15,7 @@ $(BIN)/python:
 # torch is pinned and installed first so that the package's looser `torch>=2.4` is already
 # satisfied and pip never pulls a multi-GB CUDA build. The install compiles the key chain
 # (lmcache_async/_native.c) next to its source: a changed source reinstalls.
-$(VENV)/.installed: $(BIN)/python pyproject.toml lmcache_async/_native.c
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py lmcache_async/_native.c
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e .
 	touch $@

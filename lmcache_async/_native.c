@@ -301,7 +301,7 @@ static PyObject *blake3_chain(PyObject *module, PyObject *args) {
     size_t whole = 0;
     for (size_t i = 0; i < n; i++) whole += piece_len(total, (size_t)step, i) / CHUNK_LEN;
     digests = PyMem_Malloc(n * DIGEST_LEN + 1);
-    values = PyMem_Malloc((whole + 2 + LANES) * sizeof *values);
+    values = PyMem_Calloc(whole + 2 + LANES, sizeof *values);
     if (digests == NULL || values == NULL) {
         PyErr_NoMemory();
         goto done;
