@@ -10,7 +10,7 @@ Each figure is measured in the same run, on the same tensors, as its baseline:
 - **lookup** latency of a fully cached long prompt, tokens as a tensor and as a list;
 - **hashing** tokens/s of :class:`~lmcache_async.keys.ChunkHasher` (blake3, xxh3_128),
   against the plain way to get the same digests from a tensor: convert it to int32 bytes,
-  then one ``H(chunk bytes + previous digest)`` call per chunk of the hash's Python package;
+  then one ``H(chunk bytes + previous digest)`` call per chunk, with the hash's Python package;
 - **per-request overhead** of a short store and retrieve: engine time minus the plain copy
   of the same chunk payloads (per chunk, layer and K/V one ``index_select`` into a
   preallocated chunk buffer; ``index_copy_`` back). Beside it, the cost of chunking: that
