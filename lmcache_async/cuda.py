@@ -181,7 +181,8 @@ class _Countdown:
         AnyIO cancellation is held off by a shield. asyncio's own (``task.cancel()``,
         ``asyncio.timeout``, ``wait_for``) goes past anyio's shields: it is caught, and
         raised again once the parts have ended. Such a cancellation cancels the future
-        awaited, so a new one takes its place for the thread's wake-up.
+        awaited, so a new one takes its place for the thread's wake-up. (Not
+        :func:`wait_out`: its ``asyncio.wait`` costs the loop one more pass per copy.)
         """
         cancelled: asyncio.CancelledError | None = None
         with anyio.CancelScope(shield=True):

@@ -398,20 +398,13 @@ class CacheEngine:
     ) -> tuple[R, int]:
         keyer, num_tokens, inline = self._keys(tokens, hashes, offsets, mask)
         start = check_mask(mask, num_tokens, self.config.chunk_size)
-        given: object = kv_caches  # checked at run time: callers are not type-checked
-        if isinstance(given, torch.Tensor) or not isinstance(given, Sequence):
-            raise InvalidInputError("kv_caches must be a list of per-layer tensors")
-        if not isinstance(slot_mapping, torch.Tensor):
-            raise InvalidInputError("slot_mapping must be a 1-D integer tensor")
-        num_blocks, row_views = self._kv_views.check(kv_caches)
-        slots = self.layout.check_slot_mapping(slot_mapping, num_tokens, num_blocks)
-        slots_cpu = slots if slots.device.type == "cpu" else slots.cpu()
+        plan, slots_cpu = self._kv_views.plan(kv_caches, slot_mapping, num_tokens)
         request = request_type(
             req_id=req_id if req_id is not None else f"req-{next(self._request_ids)}",
             keyer=keyer,
             num_tokens=num_tokens,
             hash_inline=inline,
-            plan=self.layout.plan(kv_caches, slots, slots_cpu=slots_cpu, row_views=row_views),
+            plan=plan,
             slots_cpu=slots_cpu,
         )
         if inline:

@@ -981,6 +981,28 @@ class KVCacheViews:
         self._views = views
         return num_blocks, views
 
+    def plan(
+        self, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, num_tokens: int
+    ) -> tuple[TransferPlan, torch.Tensor]:
+        """One request's transfer plan over ``kv_caches`` (checked as :meth:`check` does)
+        and its slot mapping on the CPU.
+
+        Raises:
+            InvalidInputError: ``kv_caches`` is not a list of tensors of this layout, or the
+                slot mapping is not a 1-D int64 tensor of ``num_tokens`` slots in range.
+        """
+        given: object = kv_caches  # checked at run time: callers are not type-checked
+        if isinstance(given, torch.Tensor) or not isinstance(given, Sequence):
+            raise InvalidInputError("kv_caches must be a list of per-layer tensors")
+        if not isinstance(slot_mapping, torch.Tensor):
+            raise InvalidInputError("slot_mapping must be a 1-D integer tensor")
+        num_blocks, row_views = self.check(kv_caches)
+        layout = self._layout
+        slots = layout.check_slot_mapping(slot_mapping, num_tokens, num_blocks)
+        slots_cpu = slots if slots.device.type == "cpu" else slots.cpu()
+        plan = layout.plan(kv_caches, slots, slots_cpu=slots_cpu, row_views=row_views)
+        return plan, slots_cpu
+
     @property
     def remembered(self) -> bool:
         """Whether caches (and their views) are remembered for the next :meth:`check`."""

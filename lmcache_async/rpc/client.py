@@ -840,15 +840,7 @@ class RemoteCacheEngine:
         header, payloads, num_tokens = self._key_fields(tokens, hashes, offsets)
         chunk_size = self._welcome.chunk_size if self._welcome is not None else 1
         start = check_mask(mask, num_tokens, chunk_size)
-        given: object = kv_caches
-        if isinstance(given, torch.Tensor) or not isinstance(given, Sequence):
-            raise InvalidInputError("kv_caches must be a list of per-layer tensors")
-        if not isinstance(slot_mapping, torch.Tensor):
-            raise InvalidInputError("slot_mapping must be a 1-D integer tensor")
-        num_blocks, row_views = self._kv_views.check(kv_caches)
-        slots = self.layout.check_slot_mapping(slot_mapping, num_tokens, num_blocks)
-        slots_cpu = slots if slots.device.type == "cpu" else slots.cpu()
-        plan = self.layout.plan(kv_caches, slots, slots_cpu=slots_cpu, row_views=row_views)
+        plan, slots_cpu = self._kv_views.plan(kv_caches, slot_mapping, num_tokens)
         header["start"] = start
         return _Prepared(header, payloads, num_tokens, start, plan, slots_cpu)
 
