@@ -51,7 +51,9 @@ class LoopSocket:
         self._on_message = on_message
         self._loop = asyncio.get_running_loop()
         self._fd = cast(int, self.socket.getsockopt(zmq.FD))
+        # Set when the socket may take a message again; exists only while a sender waits.
         self._writable: asyncio.Event | None = None
+        self._send_waiters = 0
         self._paused = False
         self._drain_scheduled = False
         self.closed = False
@@ -137,16 +139,26 @@ class LoopSocket:
         Raises:
             zmq.ZMQError: the socket failed or is closed.
         """
-        while not self.send_nowait(frames, copy=copy):
-            if self.closed:
-                raise zmq.ZMQError(zmq.ENOTSOCK)
-            if self._writable is None:
-                self._writable = asyncio.Event()
-            self._writable.clear()
-            # The descriptor only signals changes: look once more before sleeping on it.
-            if self._events() & _POLLOUT:
-                continue
-            await self._writable.wait()
+        try:
+            while not self.send_nowait(frames, copy=copy):
+                if self.closed:
+                    raise zmq.ZMQError(zmq.ENOTSOCK)
+                if self._writable is None:
+                    self._writable = asyncio.Event()
+                self._writable.clear()
+                # The descriptor only signals changes: look once more before sleeping on it.
+                if self._events() & _POLLOUT:
+                    continue
+                writable = self._writable
+                self._send_waiters += 1
+                try:
+                    await writable.wait()
+                finally:
+                    self._send_waiters -= 1
+        finally:
+            if not self._send_waiters:
+                # Nobody waits: sends stop handing the loop a drain for a waiter.
+                self._writable = None
 
     def detach(self) -> None:
         """Stop reading and sending; the socket stays open for its owner. Idempotent."""

@@ -155,6 +155,8 @@ async def test_send_waits_until_the_socket_can_take_the_message(tmp_path: Path) 
             peer.bind(url)
             assert await peer_receive(peer) == [b"waited"]
         assert loop_socket.send_nowait([b"after"])
+        # No sender waits now: a send no longer hands the loop a drain (a pass per send).
+        assert loop_socket._writable is None and not loop_socket._drain_scheduled
         assert await peer_receive(peer) == [b"after"]
     finally:
         loop_socket.close()
