@@ -140,6 +140,7 @@ _SHM_DIR: Final = "/dev/shm"
 
 _Reply: TypeAlias = tuple[dict[str, Any], Sequence[object]]
 _Handler: TypeAlias = Callable[["_Session | None", Message], Awaitable["_Reply | None"]]
+_NowHandler: TypeAlias = Callable[["_Session | None", Message], "dict[str, Any] | None"]
 
 
 def default_endpoint() -> str:
@@ -410,6 +411,9 @@ class _Route:
     handler: _Handler
     needs_session: bool
     needs_engine: bool
+    now: _NowHandler | None = None
+    """Answers the request at once, in the socket's reader callback (a reply header, no
+    payloads), or returns None when it must wait: ``handler`` then serves it in a task."""
 
 
 @dataclass(eq=False, slots=True)
@@ -457,6 +461,10 @@ class SidecarServer:
         self._idle = anyio.Event()
         self._idle.set()
         self._routes: dict[MessageType, _Route] = self._route_table()
+        # The routes that may answer in the reader callback, by their raw type frame.
+        self._now_routes = {
+            bytes((int(kind),)): route for kind, route in self._routes.items() if route.now
+        }
         self.latency = LatencyTracker(tuple(TIMED_OPERATIONS.values()))
         self.publisher: EventPublisher | None = None
         self.metrics: MetricsServer | None = None
@@ -464,9 +472,9 @@ class SidecarServer:
     def _route_table(self) -> dict[MessageType, _Route]:
         return {
             MessageType.HELLO: _Route(self._on_hello, needs_session=False, needs_engine=False),
-            MessageType.HEARTBEAT: _Route(self._on_heartbeat, True, False),
-            MessageType.PING: _Route(self._on_ping, False, False),
-            MessageType.LOOKUP: _Route(self._on_lookup, True, True),
+            MessageType.HEARTBEAT: _Route(self._on_heartbeat, True, False, self._heartbeat_now),
+            MessageType.PING: _Route(self._on_ping, False, False, self._ping_now),
+            MessageType.LOOKUP: _Route(self._on_lookup, True, True, self._lookup_now),
             MessageType.PREFETCH: _Route(self._on_prefetch, True, True),
             MessageType.UNPIN: _Route(self._on_unpin, True, True),
             MessageType.STORE: _Route(self._on_store, True, True),
@@ -677,7 +685,7 @@ class SidecarServer:
             session = self._sessions.get(identity)
             if session is not None:
                 session.last_seen = time.monotonic()
-            if self._answered_now(identity, frames):
+            if self._answered_now(session, frames):
                 return
             slot = not _is_probe(frames)
             if slot:
@@ -703,13 +711,21 @@ class SidecarServer:
                     await asyncio.wait(tasks)
             self._io = None
 
-    def _answered_now(self, identity: bytes, frames: Sequence[FrameLike]) -> bool:
-        """Answer a LOOKUP by chunk digests right in the socket's reader callback when the
-        engine can answer it without waiting (its CPU tier suffices): no task, no extra
-        loop iteration. False when it must go the task's way (anything else, any doubt:
-        that path also words every error reply)."""
-        engine, io = self._engine, self._io
-        if engine is None or io is None or len(frames) != 4 or not _is_lookup(frames):
+    def _answered_now(self, session: _Session | None, frames: Sequence[FrameLike]) -> bool:
+        """Answer a request right in the socket's reader callback when its route can do so
+        without waiting (a PING, a HEARTBEAT, a LOOKUP by chunk digests that the CPU tier
+        answers alone): no task, no extra loop iteration. False when it must go the task's
+        way (anything else, any doubt: that path also words every error reply)."""
+        io = self._io
+        if io is None or len(frames) < 3:
+            return False
+        route = self._now_routes.get(_frame_bytes(frames[1]))
+        if (
+            route is None
+            or route.now is None
+            or (route.needs_session and session is None)
+            or (route.needs_engine and self._engine is None)
+        ):
             return False
         started = time.perf_counter()
         limits = self.settings.limits
@@ -719,23 +735,18 @@ class SidecarServer:
                 max_header_bytes=limits.max_header_bytes,
                 max_payload_bytes=limits.max_payload_bytes,
             )
-            session = self._sessions.get(identity)
-            header = message.header
-            if session is None or "digests_of" not in header or "search_range" in header:
-                return False
-            pin, lookup_id, scoped = _pin_fields(session, header)
-            hits = engine.lookup_digests_now(
-                _digests(message), _int(header, "digests_of", -1), lookup_id=scoped, pin=pin
-            )
-            if hits is None:
-                return False
-            if pin and lookup_id is not None:
-                session.lookup_ids.add(lookup_id)
+            header = route.now(session, message)
         except (ProtocolError, InvalidInputError, EngineClosedError):
             return False
-        reply = encode(MessageType.LOOKUP, {"hits": hits}, (), request_id=message.request_id)
-        self.latency.record("lookup", time.perf_counter() - started)
-        _send_reply(io, frames[0], reply)
+        except Exception:  # a reader callback must not raise: the task's way reports it
+            log.exception("sidecar_quick_answer_failed")
+            return False
+        if header is None:
+            return False
+        operation = TIMED_OPERATIONS.get(message.type)
+        if operation is not None:
+            self.latency.record(operation, time.perf_counter() - started)
+        _send_reply(io, frames[0], encode(message.type, header, (), request_id=message.request_id))
         return True
 
     async def wait_idle(self) -> None:
@@ -860,13 +871,36 @@ class SidecarServer:
         return reply, ()
 
     async def _on_heartbeat(self, session: _Session | None, message: Message) -> _Reply:
+        return self._heartbeat_now(session, message), ()
+
+    def _heartbeat_now(self, session: _Session | None, message: Message) -> dict[str, Any]:
         engine = self._engine
-        return {"server": self.instance, "healthy": engine is not None and engine.is_healthy()}, ()
+        return {"server": self.instance, "healthy": engine is not None and engine.is_healthy()}
 
     async def _on_ping(self, session: _Session | None, message: Message) -> _Reply:
-        return {"server": self.instance}, ()
+        return self._ping_now(session, message), ()
+
+    def _ping_now(self, session: _Session | None, message: Message) -> dict[str, Any]:
+        return {"server": self.instance}
 
     # -- handlers: lookups ----------------------------------------------------------------
+
+    def _lookup_now(self, session: _Session | None, message: Message) -> dict[str, Any] | None:
+        """A LOOKUP by chunk digests that the engine answers without waiting (its CPU tier
+        suffices); None for any other."""
+        assert session is not None
+        engine, header = self._engine, message.header
+        if engine is None or "digests_of" not in header or "search_range" in header:
+            return None
+        pin, lookup_id, scoped = _pin_fields(session, header)
+        hits = engine.lookup_digests_now(
+            _digests(message), _int(header, "digests_of", -1), lookup_id=scoped, pin=pin
+        )
+        if hits is None:
+            return None
+        if pin and lookup_id is not None:
+            session.lookup_ids.add(lookup_id)
+        return {"hits": hits}
 
     async def _on_lookup(self, session: _Session | None, message: Message) -> _Reply:
         assert session is not None
@@ -1303,12 +1337,6 @@ def _pin_fields(
     pin = _flag(header, "pin")
     lookup_id = _lookup_id(header, required=pin)
     return pin, lookup_id, None if lookup_id is None else session.scoped(lookup_id)
-
-
-def _is_lookup(frames: Sequence[FrameLike]) -> bool:
-    """Whether a raw message (identity first) is a LOOKUP."""
-    kind = _frame_bytes(frames[1])
-    return len(kind) == 1 and kind[0] == MessageType.LOOKUP
 
 
 def _frame_bytes(frame: FrameLike) -> bytes:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import anyio
+import anyio.lowlevel
 import msgpack
 import pytest
 import torch
@@ -39,7 +40,8 @@ from lmcache_async import (
 from lmcache_async.cli import main
 from lmcache_async.errors import ConfigError, ProtocolError
 from lmcache_async.logging import configure_logging
-from lmcache_async.rpc.protocol import MessageType, decode, encode
+from lmcache_async.rpc.client import _Link, _Unavailable
+from lmcache_async.rpc.protocol import MessageLimits, MessageType, decode, encode
 from lmcache_async.rpc.server import (
     SidecarNamespace,
     SidecarServer,
@@ -673,7 +675,7 @@ async def flush_sidecar(server: SidecarServer) -> None:
 
 
 @pytest.mark.anyio
-async def test_digest_lookups_the_cpu_tier_answers_skip_the_request_task(
+async def test_pings_and_digest_lookups_the_cpu_tier_answers_skip_the_request_task(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"ipc://{short_dir}/now.sock"
@@ -712,7 +714,8 @@ async def test_digest_lookups_the_cpu_tier_answers_skip_the_request_task(
                 tasked.clear()
                 assert await engine.lookup(tokens) == len(tokens)
                 assert await engine.lookup(tokens, lookup_id="n", pin=True) == len(tokens)
-                assert tasked == []  # both answered in the reader callback
+                assert await engine.ping()
+                assert tasked == []  # all answered in the reader callback
                 engine_stats, _ = await server_state(engine)
                 assert engine_stats["pinned_chunks"] == 4
                 await engine.lookup_unpin("n")
@@ -935,3 +938,40 @@ def test_rpc_modules_never_touch_pickle() -> None:
             assert word not in text, f"{path.name} mentions {word!r}"
         checked.add(path.name)
     assert checked >= {"protocol.py", "server.py", "client.py", "lookup.py"}
+
+
+@pytest.mark.anyio
+async def test_a_request_fails_at_its_own_deadline_beside_longer_ones(short_dir: Path) -> None:
+    """A link arms one timer for its earliest deadline: a short request sent after a long
+    one still fails on time, and the long one is not failed early."""
+    context = zmq.asyncio.Context()
+    url = f"ipc://{short_dir}/silent.sock"
+    silent = context.socket(zmq.ROUTER)  # takes requests and never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind(url)
+    link = _Link(context, url, b"client-1", None, MessageLimits())
+    long_failed = anyio.Event()
+
+    async def long_request() -> None:
+        with pytest.raises(_Unavailable):
+            await link.request(MessageType.PING, None, timeout=30.0)
+        long_failed.set()
+
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(long_request)
+                while not link._deadlines:  # the long request is on its way
+                    await anyio.lowlevel.checkpoint()
+                started = time.monotonic()
+                with pytest.raises(_Unavailable, match=r"within 0\.2 s"):
+                    await link.request(MessageType.PING, None, timeout=0.2)
+                assert time.monotonic() - started < 10
+                assert not long_failed.is_set() and len(link._deadlines) == 1
+                link.close()  # fails the long request at once
+                await long_failed.wait()
+    finally:
+        link.close()
+        silent.close(linger=0)
+        context.term()
+    assert link._deadlines == {} and link._timer is None
