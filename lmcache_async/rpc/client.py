@@ -255,6 +255,11 @@ class _Link:
         self._ids = itertools.count(1)
         # A future resolves to the reply, or to None when the link is closed.
         self._pending: dict[int, asyncio.Future[Message | None]] = {}
+        # Each waiting request's deadline, and one timer for the earliest of them: with
+        # requests of one timeout it is armed once per timeout, not once per request.
+        self._deadlines: dict[int, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
         self.dead = False
         self.welcome: _Welcome | None = None
         self.segment: _Segment | None = None
@@ -321,19 +326,19 @@ class _Link:
             if not self._socket.send_nowait(frames, copy=copy):
                 async with asyncio.timeout_at(deadline):
                     await self._socket.send(frames, copy=copy)
-            # A timer on the future rather than asyncio.timeout around the await: the
-            # same deadline for a third of the cost, paid on every request.
-            expiry = loop.call_at(deadline, _expire, future)
-            try:
-                reply = await future
-            finally:
-                expiry.cancel()
+            # The link's timer fails the future at the deadline: asyncio.timeout around
+            # the await, or a timer per request, would cost every request far more.
+            self._deadlines[request_id] = deadline
+            if deadline < self._timer_at:
+                self._arm(loop, deadline)
+            reply = await future
         except TimeoutError:
             raise _Unavailable(f"no reply to {msg_type.name} within {timeout} s") from None
         except zmq.ZMQError as exc:
             raise _Unavailable(f"{msg_type.name} failed: {exc}") from None
         finally:
             self._pending.pop(request_id, None)
+            self._deadlines.pop(request_id, None)
         if reply is None:
             raise _Unavailable(f"{msg_type.name}: the link was closed")
         if reply.type is MessageType.ERROR:
@@ -341,6 +346,25 @@ class _Link:
         if reply.type is not msg_type:
             raise ProtocolError(f"a {reply.type.name} reply to a {msg_type.name} request")
         return reply
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = loop.call_at(when, self._expire_due, loop)
+
+    def _expire_due(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Fail the requests whose deadline has come; arm the timer for the next one."""
+        self._timer, self._timer_at = None, math.inf
+        now = loop.time()
+        for request_id, deadline in list(self._deadlines.items()):
+            if deadline <= now:
+                del self._deadlines[request_id]
+                future = self._pending.get(request_id)
+                if future is not None and not future.done():
+                    future.set_exception(TimeoutError())
+        if self._deadlines:
+            self._arm(loop, min(self._deadlines.values()))
 
     async def notify(self, msg_type: MessageType, header: dict[str, Any], timeout: float) -> None:
         """Send a message that gets no reply (RELEASE, an aborted COMMIT); best effort,
@@ -359,6 +383,9 @@ class _Link:
     def close(self) -> None:
         """Close the socket; waiting requests fail at once."""
         self.dead = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
         for future in self._pending.values():
             if not future.done():
                 future.set_result(None)
@@ -366,11 +393,6 @@ class _Link:
         self._socket.close()
         if self.segment is not None:
             self.segment.retire()
-
-
-def _expire(future: asyncio.Future[Message | None]) -> None:
-    if not future.done():
-        future.set_exception(TimeoutError())
 
 
 def _copy_frames(frames: Sequence[bytes | memoryview]) -> bool:
