@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import os
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -771,6 +773,52 @@ def test_the_memo_compares_bytes_when_fingerprints_collide(
         assert memo.digests(other) == plain.digests(other)
     assert memo.remembered(tokens.clone()) is None  # the last one hashed took the key
     assert memo.digests(tokens) == plain.digests(tokens)
+
+
+def test_a_tensor_asked_about_again_is_viewed_once_while_it_lies_where_it_did() -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=4, memo_min_tokens=64)
+    plain = ChunkHasher(NS, chunk_size=16)
+    tokens = torch.arange(1000, 1300, dtype=torch.int64)
+    expected = plain.digests(tokens)
+    assert memo.digests(tokens) == expected
+    views = memo._tensor_views
+    assert views is not None
+    first = views.array(tokens)
+    assert first is not None and views.array(tokens) is first  # viewed once
+    assert first.base is not None and not isinstance(first.base, torch.Tensor)
+    tokens[7] += 1  # new content in the same memory: seen through the view, a miss
+    assert memo.remembered(tokens) is None
+    assert memo.digests(tokens) == plain.digests(tokens)
+    tokens[7] -= 1
+    assert memo.remembered(tokens) == expected
+    # Moved, reshaped or retyped in place: viewed anew, never read through the old view.
+    tokens.resize_(200)
+    assert views.array(tokens) is not first
+    assert memo.digests(tokens) == plain.digests(tokens)
+    moved = torch.arange(5000, 5300, dtype=torch.int64)
+    tokens.set_(moved.untyped_storage(), 0, (300,), (1,))
+    assert memo.digests(tokens) == plain.digests(moved)
+    tokens.data = torch.arange(1000, 1300, dtype=torch.int32)
+    assert memo.remembered(tokens) == expected  # its int32 form was remembered
+    assert views.array(tokens) is not None and views.array(tokens).dtype == np.int32
+
+
+def test_tensor_views_keep_no_tensor_alive_and_stay_bounded() -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=2, memo_min_tokens=64)
+    views = memo._tensor_views
+    assert views is not None
+    tokens = torch.arange(1000, 1300, dtype=torch.int64)
+    gone = weakref.ref(tokens)
+    memo.digests(tokens)
+    assert len(views._views) == 1
+    del tokens
+    gc.collect()
+    assert gone() is None and len(views._views) == 0
+    kept = [torch.arange(i, i + 300, dtype=torch.int64) for i in range(5)]
+    for tensor in kept:
+        memo.remembered(tensor)
+    assert len(views._views) == 2  # the two most recent
+    assert {id(kept[3]), id(kept[4])} == set(views._views)
 
 
 def test_a_list_asked_about_again_is_recognised_and_never_confused() -> None:
