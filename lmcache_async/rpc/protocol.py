@@ -263,8 +263,18 @@ def _unpack_header(data: memoryview) -> object:
         raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
 
 
+_SCALARS: Final = frozenset({type(None), bool, int, float, str, bytes})
+
+
 def _check_plain(value: object) -> None:
     """Refuse anything but nil, bool, int, float, str, bytes, lists and str-keyed maps."""
+    if type(value) is dict:  # most headers: scalars and lists of scalars, checked in C
+        for item in value.values():
+            kind = type(item)
+            if kind not in _SCALARS and not (kind is list and _SCALARS.issuperset(map(type, item))):
+                break
+        else:
+            return
     stack = [value]
     while stack:
         item = stack.pop()
