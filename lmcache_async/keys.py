@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import functools
 import operator
 import re
 import threading
@@ -488,8 +487,8 @@ class _TensorViews:
     prompt tensor is often asked about again (a lookup, then its retrieve, then its store).
     A view is used again only while its tensor lies where it did: the same object, still
     alive, on the CPU, with the same dtype, data pointer, shape and strides. A view holds
-    no reference to the tensor (its entry goes when the tensor is collected) and is read
-    only while the caller holds the tensor.
+    no reference to the tensor and is read only while the caller holds the tensor; the
+    entry of a collected tensor is never used again, and goes as the oldest does.
     """
 
     __slots__ = ("_capacity", "_lock", "_views")
@@ -520,23 +519,18 @@ class _TensorViews:
         key = id(tensor)
         entry = (
             tensor.dtype,
-            weakref.ref(tensor, functools.partial(self._forget, key)),
+            weakref.ref(tensor),
             np.asarray(_ArrayInterface(array.__array_interface__)),
             tensor.data_ptr(),
             tensor.shape,
             tensor.stride(),
         )
-        with self._lock:
+        with self._lock:  # other threads probe too
+            self._views.pop(key, None)
             while len(self._views) >= self._capacity:
                 del self._views[next(iter(self._views))]  # the oldest
             self._views[key] = entry
         return entry[2]
-
-    def _forget(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
-        with self._lock:
-            entry = self._views.get(key)
-            if entry is not None and entry[1] is ref:
-                del self._views[key]
 
 
 _Entry = TypeVar("_Entry")
