@@ -10,7 +10,9 @@ the same work:
 - **retrieve** GB/s: ``retrieve`` of those tokens into other blocks;
 - **lookup** round trip of a fully cached ``lookup_tokens``-token prompt (tokens as a
   tensor), repeated (the digests are remembered) and first sight (every prompt new), next
-  to the round trip of an empty PING through the same client (the transport's floor).
+  to the round trip of an empty PING through the same client and that of a bare ZeroMQ
+  echo (:mod:`lmcache_async.bench.echo`, read from asyncio at both ends as the sidecar and
+  its client are): what a round trip costs before the sidecar does any work.
 
 Each copy figure is the median of ``repeat`` runs after a warm-up run. Targets: the
 sidecar at least 0.6x the in-process throughput, a 32k-token lookup p50 at most 0.5 ms.
@@ -18,6 +20,7 @@ sidecar at least 0.6x the in-process throughput, a 32k-token lookup p50 at most 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import os
@@ -34,11 +37,15 @@ from typing import Any, Final
 import anyio
 import torch
 import yaml
+import zmq
 
 from lmcache_async import CacheEngine, EngineConfig, KVLayout, RemoteCacheEngine
 from lmcache_async.bench import format_table, parse_dtype, percentiles
+from lmcache_async.bench.echo import STOP as ECHO_STOP
 from lmcache_async.config import GB
 from lmcache_async.errors import InvalidInputError, TierUnavailableError
+from lmcache_async.rpc.protocol import MessageType, encode
+from lmcache_async.rpc.transport import LoopSocket
 
 __all__ = [
     "TARGETS",
@@ -258,6 +265,56 @@ async def _ping_latency(
     return _latency(latencies)
 
 
+def _start_echo(url: str, lifetime: float) -> subprocess.Popen[bytes]:
+    """Start :mod:`.echo` at ``url``, to end by itself after ``lifetime`` seconds."""
+    command = [sys.executable, "-m", "lmcache_async.bench.echo", url, str(lifetime)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
+
+
+async def _echo_latency(directory: str, options: SidecarBenchOptions) -> dict[str, float]:
+    """Round trips of a PING's frames to a bare echo server (:mod:`.echo`) in its own
+    process, read from the event loop as the sidecar's client reads its replies.
+
+    Raises:
+        TimeoutError: the echo did not answer within ``startup_timeout`` at first, or
+            within ``request_timeout`` later.
+    """
+    url = f"ipc://{os.path.join(directory, 'echo.sock')}"
+    process = _start_echo(url, options.startup_timeout + 10 * options.request_timeout)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.IMMEDIATE, 1)  # a send waits until the echo is there
+    socket.connect(url)
+    replies: asyncio.Queue[None] = asyncio.Queue(maxsize=1)
+    io = LoopSocket(socket, lambda frames: replies.put_nowait(None))
+    frames = encode(MessageType.PING, None, request_id=1)
+    latencies: list[float] = []
+    try:
+        for i in range(1 + _LOOKUP_WARMUP + options.lookup_iterations):
+            with anyio.fail_after(options.startup_timeout if i == 0 else options.request_timeout):
+                t0 = time.perf_counter()
+                if not io.send_nowait(frames):
+                    await io.send(frames)
+                await replies.get()
+                elapsed = time.perf_counter() - t0
+            if i > _LOOKUP_WARMUP:
+                latencies.append(elapsed)
+    finally:
+        with contextlib.suppress(zmq.ZMQError):
+            io.send_nowait([ECHO_STOP])
+        io.close()
+        context.term()
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        try:
+            await anyio.to_thread.run_sync(process.wait, _STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            await anyio.to_thread.run_sync(process.wait, _STOP_TIMEOUT)
+    return _latency(latencies)
+
+
 def _latency(seconds: list[float]) -> dict[str, float]:
     stat = percentiles([s * 1e3 for s in seconds], (50, 99))
     return {"p50_ms": stat["p50"], "p99_ms": stat["p99"], "mean_ms": stat["mean"]}
@@ -362,6 +419,7 @@ async def run_sidecar_bench(
                 shared = remote.uses_shared_memory
                 sidecar = await _measure(remote, work, options, problems, "sidecar")
                 ping = await _ping_latency(remote, options)
+                echo = await _echo_latency(directory, options)
     lookup_ok = sidecar["lookup"]["p50_ms"] <= TARGETS["lookup_p50_ms"]
     return {
         "options": asdict(options),
@@ -379,6 +437,7 @@ async def run_sidecar_bench(
             "inprocess": inprocess["lookup"],
             "inprocess_first_sight": inprocess["lookup_first_sight"],
             "sidecar_ping": ping,
+            "echo": echo,
             "target_p50_ms": TARGETS["lookup_p50_ms"],
             "ok": lookup_ok,
         },
@@ -416,12 +475,13 @@ def format_sidecar(results: Mapping[str, Any]) -> str:
         ("sidecar_first_sight", "sidecar, first sight", False),
         ("inprocess", "in-process", False),
         ("sidecar_ping", "sidecar, empty PING", False),
+        ("echo", "bare ZeroMQ echo, same frames", False),
     ):
         e = lookup[key]
         rows.append(
             [
                 f"lookup {lookup['tokens']} tok ({label}) p50"
-                if key != "sidecar_ping"
+                if key not in ("sidecar_ping", "echo")
                 else f"round trip ({label}) p50",
                 f"{_f(e['p50_ms'], '.3f')} ms",
                 f"p99 {_f(e['p99_ms'], '.3f')} ms",

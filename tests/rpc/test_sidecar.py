@@ -921,10 +921,11 @@ async def test_sidecar_bench_reports_every_figure() -> None:
     for name in ("store", "retrieve"):
         assert results[name]["sidecar_gbps"] > 0 and results[name]["inprocess_gbps"] > 0
     lookup = results["lookup"]
-    for key in ("sidecar", "sidecar_first_sight", "inprocess", "sidecar_ping"):
+    for key in ("sidecar", "sidecar_first_sight", "inprocess", "sidecar_ping", "echo"):
         assert 0 < lookup[key]["p50_ms"] <= lookup[key]["p99_ms"]
     table = format_sidecar(results)
     assert "store 256 tok" in table and "lookup 1024 tok (sidecar) p50" in table
+    assert "round trip (bare ZeroMQ echo, same frames) p50" in table
 
 
 def test_rpc_modules_never_touch_pickle() -> None:
