@@ -305,14 +305,19 @@ async def _echo_latency(directory: str, options: SidecarBenchOptions) -> dict[st
             io.send_nowait([ECHO_STOP])
         io.close()
         context.term()
-        with contextlib.suppress(ProcessLookupError):
-            process.terminate()
-        try:
-            await anyio.to_thread.run_sync(process.wait, _STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            await anyio.to_thread.run_sync(process.wait, _STOP_TIMEOUT)
+        await _stop(process)
     return _latency(latencies)
+
+
+async def _stop(process: subprocess.Popen[bytes]) -> None:
+    """Stop ``process``: SIGTERM, then SIGKILL after ``_STOP_TIMEOUT``."""
+    with contextlib.suppress(ProcessLookupError):
+        process.terminate()
+    try:
+        await anyio.to_thread.run_sync(process.wait, _STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        await anyio.to_thread.run_sync(process.wait, _STOP_TIMEOUT)
 
 
 def _latency(seconds: list[float]) -> dict[str, float]:
@@ -346,13 +351,7 @@ async def _sidecar(config: EngineConfig, directory: str) -> AsyncIterator[str]:
     try:
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            process.terminate()
-        try:
-            await anyio.to_thread.run_sync(process.wait, _STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            await anyio.to_thread.run_sync(process.wait, _STOP_TIMEOUT)
+        await _stop(process)
 
 
 async def _wait_ready(url: str, layout: KVLayout, options: SidecarBenchOptions) -> None:
