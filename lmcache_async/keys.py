@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import operator
 import re
 import threading
@@ -469,14 +470,31 @@ class _ArrayInterface:
         self.__array_interface__ = interface
 
 
-_TensorView = tuple[
-    torch.dtype,
-    "weakref.ref[torch.Tensor]",
-    npt.NDArray[np.integer],
-    int,
-    torch.Size,
-    tuple[int, ...],
-]
+class _TensorView:
+    """A probed tensor's token memory as an ndarray, and what the tensor was then; and
+    the memo key its tokens had when last probed (see :meth:`ChunkHasher.guess`)."""
+
+    __slots__ = ("array", "dtype", "memo_key", "pointer", "ref", "shape", "stride")
+
+    def __init__(self, tensor: torch.Tensor, array: npt.NDArray[np.integer]) -> None:
+        self.dtype = tensor.dtype
+        self.ref = weakref.ref(tensor)
+        self.array = np.asarray(_ArrayInterface(array.__array_interface__))
+        self.pointer = tensor.data_ptr()
+        self.shape = tensor.shape
+        self.stride = tensor.stride()
+        self.memo_key: _MemoKey | None = None
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the viewed tensor, alive, and still lies where it did."""
+        return (
+            self.ref() is tensor
+            and tensor.dtype is self.dtype
+            and tensor.is_cpu
+            and tensor.data_ptr() == self.pointer
+            and tensor.shape == self.shape
+            and tensor.stride() == self.stride
+        )
 
 
 class _TensorViews:
@@ -498,39 +516,28 @@ class _TensorViews:
         self._views: dict[int, _TensorView] = {}
         self._lock = threading.Lock()
 
-    def array(self, tensor: torch.Tensor) -> npt.NDArray[np.integer] | None:
-        """``tensor``'s tokens as a 1-D integer ndarray on its memory, or None when they
-        are not that (see :func:`_raw_tokens`)."""
+    def known(self, tensor: torch.Tensor) -> _TensorView | None:
+        """``tensor``'s view if one was made and the tensor still lies where it did."""
         entry = self._views.get(id(tensor))
+        return entry if entry is not None and entry.fits(tensor) else None
+
+    def view(self, tensor: torch.Tensor) -> _TensorView | None:
+        """``tensor``'s view (made now if needed): its tokens as a 1-D integer ndarray on
+        its memory; None when they are not that (see :func:`_raw_tokens`)."""
+        entry = self.known(tensor)
         if entry is not None:
-            dtype, ref, view, pointer, shape, stride = entry
-            if (
-                ref() is tensor
-                and tensor.dtype is dtype
-                and tensor.is_cpu
-                and tensor.data_ptr() == pointer
-                and tensor.shape == shape
-                and tensor.stride() == stride
-            ):
-                return view
+            return entry
         array = _raw_tokens(tensor)
         if array is None:
             return None
         key = id(tensor)
-        entry = (
-            tensor.dtype,
-            weakref.ref(tensor),
-            np.asarray(_ArrayInterface(array.__array_interface__)),
-            tensor.data_ptr(),
-            tensor.shape,
-            tensor.stride(),
-        )
+        entry = _TensorView(tensor, array)
         with self._lock:  # other threads probe too
             self._views.pop(key, None)
             while len(self._views) >= self._capacity:
                 del self._views[next(iter(self._views))]  # the oldest
             self._views[key] = entry
-        return entry[2]
+        return entry
 
 
 _Entry = TypeVar("_Entry")
@@ -566,12 +573,28 @@ class _DigestMemo:
     def get(self, fingerprint: _MemoKey, data: bytes | memoryview) -> list[bytes] | None:
         """The digests remembered for ``data`` (bytes, or a view of bytes: compared in
         place, one memcmp, where ``==`` on a view goes item by item)."""
+        entry = self.peek(fingerprint)
+        if entry is None or not self.confirm(fingerprint, entry, data):
+            return None
+        return list(entry[1])
+
+    def peek(self, fingerprint: _MemoKey) -> tuple[bytes, list[bytes]] | None:
+        """The entry under ``fingerprint``, not compared with anything (nor made newest).
+        An entry is never changed: it may be read outside the lock."""
         with self._lock:
-            entry = self._entries.get(fingerprint)
-            if entry is None or len(entry[0]) != len(data) or not entry[0].startswith(data):
-                return None
-            self._entries.move_to_end(fingerprint)
-            return list(entry[1])
+            return self._entries.get(fingerprint)
+
+    def confirm(
+        self, fingerprint: _MemoKey, entry: tuple[bytes, list[bytes]], data: bytes | memoryview
+    ) -> bool:
+        """Whether ``data`` equals the bytes of ``entry`` (from :meth:`peek`); if so, the
+        entry becomes the newest."""
+        if len(entry[0]) != len(data) or not entry[0].startswith(data):
+            return False
+        with self._lock:
+            if self._entries.get(fingerprint) is entry:
+                self._entries.move_to_end(fingerprint)
+        return True
 
     def put(self, fingerprint: _MemoKey, data: bytes, digests: list[bytes]) -> None:
         with self._lock:
@@ -587,20 +610,37 @@ class _DigestMemo:
         unless its first items are the copy's very objects it is not compared here, and
         is left to the hashing (which converts it and finds its int32 form remembered).
         """
+        entry = self.peek_list(fingerprint, tokens)
+        if entry is None or not self.confirm_list(fingerprint, entry, tokens):
+            return None
+        return list(entry[1])
+
+    def peek_list(
+        self, fingerprint: _MemoKey, tokens: list[int]
+    ) -> tuple[list[int], list[bytes]] | None:
+        """The list entry under ``fingerprint`` if its copy is as long as ``tokens`` and
+        starts with the very objects ``tokens`` does (see :meth:`get_list`); the rest is
+        not compared. An entry is never changed: it may be read outside the lock."""
         with self._lock:
             entry = self._lists.get(fingerprint)
         if entry is None:
             return None
-        stored, digests = entry  # the copy is never changed: compared outside the lock
-        head = _LIST_SAME_ITEMS
+        stored, head = entry[0], _LIST_SAME_ITEMS
         if len(stored) != len(tokens) or not all(map(operator.is_, tokens[:head], stored[:head])):
             return None
-        if tokens != stored:
-            return None
+        return entry
+
+    def confirm_list(
+        self, fingerprint: _MemoKey, entry: tuple[list[int], list[bytes]], tokens: list[int]
+    ) -> bool:
+        """Whether ``tokens`` equal the copy of ``entry`` (from :meth:`peek_list`); if so,
+        the entry becomes the newest."""
+        if tokens != entry[0]:
+            return False
         with self._lock:
-            if fingerprint in self._lists:
+            if self._lists.get(fingerprint) is entry:
                 self._lists.move_to_end(fingerprint)
-        return list(digests)
+        return True
 
     def put_list(self, fingerprint: _MemoKey, copy: list[int], digests: list[bytes]) -> None:
         with self._lock:
@@ -629,6 +669,25 @@ class DigestProbe:
     entries: tuple[tuple[_MemoKey, bytes], ...] = ()
     list_key: _MemoKey | None = None
     """A list's memo key, when the list is long enough to be remembered."""
+
+
+class DigestGuess:
+    """What :meth:`ChunkHasher.guess` found: the digests of ``num_tokens`` tokens that are
+    most likely the ones asked about, and the exact comparison that tells."""
+
+    __slots__ = ("_compare", "digests", "num_tokens")
+
+    def __init__(
+        self, digests: tuple[bytes, ...], num_tokens: int, compare: Callable[[], bool]
+    ) -> None:
+        self.digests = digests
+        self.num_tokens = num_tokens
+        self._compare = compare
+
+    def confirm(self) -> bool:
+        """Whether the tokens now equal those the digests were made of: read in full and
+        compared with the remembered copy (about 10 µs for 32k tokens)."""
+        return self._compare()
 
 
 class ChunkHasher:
@@ -709,8 +768,10 @@ class ChunkHasher:
             return DigestProbe(None)
         if type(tokens) is list:
             return self._probe_list(memo, tokens)
+        seen: _TensorView | None = None
         if isinstance(tokens, torch.Tensor) and self._tensor_views is not None:
-            array = self._tensor_views.array(tokens)
+            seen = self._tensor_views.view(tokens)
+            array = None if seen is None else seen.array
         elif isinstance(tokens, np.ndarray):
             array = _raw_tokens(tokens)
         else:
@@ -726,6 +787,8 @@ class ChunkHasher:
         view = array.data.cast("B")
         tag = array.dtype.str
         key = (tag, xxhash.xxh3_64_intdigest(view))
+        if seen is not None:
+            seen.memo_key = key  # what the tensor is guessed to hold when asked again
         digests = memo.get(key, view)
         if digests is not None:
             return DigestProbe(digests)
@@ -738,14 +801,54 @@ class ChunkHasher:
             memo.put(*raw, digests)
         return DigestProbe(digests, data, (raw, *entries))
 
-    def _probe_list(self, memo: _DigestMemo, tokens: list[int]) -> DigestProbe:
-        """:meth:`probe` for a list: found by its length and three items, then compared."""
+    def guess(self, tokens: Tokens) -> DigestGuess | None:
+        """The digests the memo holds for what are most likely ``tokens``, found without
+        reading them: the same tensor object, lying where it did when it was last probed,
+        or a list as long as a remembered one that starts with its very objects and has
+        its middle and last items. None when there is nothing to go on.
+
+        A guess is not a hit: the tokens may have changed in place since. A caller may
+        start work with its digests (send a lookup), must compare with
+        :meth:`DigestGuess.confirm`, and may use that work only when it confirms; else it
+        asks :meth:`probe` or :meth:`digests`.
+        """
+        memo = self._memo
+        if memo is None:
+            return None
+        if type(tokens) is list:
+            key = self._list_key(tokens)
+            copied = None if key is None else memo.peek_list(key, tokens)
+            if key is None or copied is None:
+                return None
+            compare = functools.partial(memo.confirm_list, key, copied, tokens)
+            return DigestGuess(tuple(copied[1]), len(tokens), compare)
+        if not isinstance(tokens, torch.Tensor) or self._tensor_views is None:
+            return None
+        seen = self._tensor_views.known(tokens)
+        key = None if seen is None else seen.memo_key
+        entry = None if key is None else memo.peek(key)
+        if seen is None or key is None or entry is None:
+            return None
+        data = seen.array.data.cast("B")
+        return DigestGuess(
+            tuple(entry[1]), len(seen.array), functools.partial(memo.confirm, key, entry, data)
+        )
+
+    def _list_key(self, tokens: list[int]) -> _MemoKey | None:
+        """A list's memo key (its length and three items), or None when it is too short to
+        be remembered or an item cannot be hashed (invalid: the conversion refuses it)."""
         count = len(tokens)
         if not count or count * TOKEN_BYTES < self._memo_min_bytes:
-            return DigestProbe(None)
+            return None
         try:
-            key = (_LIST_TAG, hash((count, tokens[0], tokens[count >> 1], tokens[-1])))
-        except TypeError:  # an unhashable item: invalid, left to the conversion to refuse
+            return (_LIST_TAG, hash((count, tokens[0], tokens[count >> 1], tokens[-1])))
+        except TypeError:
+            return None
+
+    def _probe_list(self, memo: _DigestMemo, tokens: list[int]) -> DigestProbe:
+        """:meth:`probe` for a list: found by its length and three items, then compared."""
+        key = self._list_key(tokens)
+        if key is None:
             return DigestProbe(None)
         digests = memo.get_list(key, tokens)
         return DigestProbe(digests, list_key=None if digests is not None else key)

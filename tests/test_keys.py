@@ -775,6 +775,12 @@ def test_the_memo_compares_bytes_when_fingerprints_collide(
     assert memo.digests(tokens) == plain.digests(tokens)
 
 
+def viewed(views: Any, tensor: torch.Tensor) -> np.ndarray | None:
+    """The ndarray a hasher's tensor views give for ``tensor``."""
+    view = views.view(tensor)
+    return None if view is None else view.array
+
+
 def test_a_tensor_asked_about_again_is_viewed_once_while_it_lies_where_it_did() -> None:
     memo = ChunkHasher(NS, chunk_size=16, memo_size=4, memo_min_tokens=64)
     plain = ChunkHasher(NS, chunk_size=16)
@@ -783,8 +789,8 @@ def test_a_tensor_asked_about_again_is_viewed_once_while_it_lies_where_it_did() 
     assert memo.digests(tokens) == expected
     views = memo._tensor_views
     assert views is not None
-    first = views.array(tokens)
-    assert first is not None and views.array(tokens) is first  # viewed once
+    first = viewed(views, tokens)
+    assert first is not None and viewed(views, tokens) is first  # viewed once
     assert first.base is not None and not isinstance(first.base, torch.Tensor)
     tokens[7] += 1  # new content in the same memory: seen through the view, a miss
     assert memo.remembered(tokens) is None
@@ -793,14 +799,15 @@ def test_a_tensor_asked_about_again_is_viewed_once_while_it_lies_where_it_did() 
     assert memo.remembered(tokens) == expected
     # Moved, reshaped or retyped in place: viewed anew, never read through the old view.
     tokens.resize_(200)
-    assert views.array(tokens) is not first
+    assert viewed(views, tokens) is not first
     assert memo.digests(tokens) == plain.digests(tokens)
     moved = torch.arange(5000, 5300, dtype=torch.int64)
     tokens.set_(moved.untyped_storage(), 0, (300,), (1,))
     assert memo.digests(tokens) == plain.digests(moved)
     tokens.data = torch.arange(1000, 1300, dtype=torch.int32)
     assert memo.remembered(tokens) == expected  # its int32 form was remembered
-    assert views.array(tokens) is not None and views.array(tokens).dtype == np.int32
+    retyped = viewed(views, tokens)
+    assert retyped is not None and retyped.dtype == np.int32
 
 
 def test_tensor_views_keep_no_tensor_alive_and_stay_bounded() -> None:
@@ -817,12 +824,76 @@ def test_tensor_views_keep_no_tensor_alive_and_stay_bounded() -> None:
     # A new tensor, wherever it lies (even at the collected one's address), is viewed anew.
     again = torch.arange(1000, 1300, dtype=torch.int64)
     assert memo.remembered(again) == expected
-    assert views._views[id(again)][1]() is again
+    assert views._views[id(again)].ref() is again
     kept = [torch.arange(i, i + 300, dtype=torch.int64) for i in range(5)]
     for tensor in kept:
         memo.remembered(tensor)
     assert len(views._views) == 2  # the two most recent
     assert {id(kept[3]), id(kept[4])} == set(views._views)
+
+
+def test_a_guess_holds_only_while_the_tensor_keeps_the_tokens_it_was_made_of() -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=4, memo_min_tokens=64)
+    plain = ChunkHasher(NS, chunk_size=16)
+    tokens = torch.arange(1000, 1300, dtype=torch.int64)
+    assert memo.guess(tokens) is None  # never probed
+    expected = memo.digests(tokens)
+    guess = memo.guess(tokens)
+    assert guess is not None and guess.num_tokens == 300
+    assert list(guess.digests) == expected and guess.confirm()
+    tokens[150] += 1  # changed in place: still guessed, never confirmed
+    stale = memo.guess(tokens)
+    assert stale is not None and list(stale.digests) == expected
+    assert not stale.confirm() and not guess.confirm()  # compared when asked, not before
+    changed = memo.digests(tokens)
+    assert changed == plain.digests(tokens) != expected
+    fresh = memo.guess(tokens)
+    assert fresh is not None and list(fresh.digests) == changed and fresh.confirm()
+    tokens[150] -= 1
+    assert fresh.confirm() is False
+    # Equal tokens in another tensor, or the same tensor moved, are not guessed.
+    assert memo.guess(torch.arange(1000, 1300, dtype=torch.int64)) is None
+    tokens.set_(torch.arange(1000, 1300, dtype=torch.int64).untyped_storage(), 0, (300,), (1,))
+    assert memo.guess(tokens) is None
+    # Too short to remember, a device-less memo, other kinds of tokens: nothing to go on.
+    short = torch.arange(1000, 1030, dtype=torch.int64)
+    memo.digests(short)
+    assert memo.guess(short) is None
+    none = ChunkHasher(NS, chunk_size=16)
+    none.digests(tokens)
+    assert none.guess(tokens) is None
+    array = np.arange(1000, 1300, dtype=np.int64)
+    memo.digests(array)
+    assert memo.guess(array) is None and memo.guess(b"\0" * 1200) is None
+
+
+def test_a_guess_for_a_list_needs_its_objects_and_holds_only_while_it_is_unchanged() -> None:
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=4, memo_min_tokens=64)
+    plain = ChunkHasher(NS, chunk_size=16)
+    tokens = list(range(100_000, 100_300))
+    assert memo.guess(tokens) is None
+    expected = memo.digests(tokens)
+    for same in (tokens, list(tokens)):
+        guess = memo.guess(same)
+        assert guess is not None and guess.num_tokens == 300
+        assert list(guess.digests) == expected and guess.confirm()
+    # A change past the objects compared up front, and not at a sampled item: guessed,
+    # then refused by the comparison.
+    changed = list(tokens)
+    changed[70] += 1
+    wrong = memo.guess(changed)
+    assert wrong is not None and not wrong.confirm()
+    assert memo.digests(changed) == plain.digests(changed)
+    # New int objects, a change among the first items, another length: no guess.
+    assert memo.guess([int(str(token)) for token in tokens]) is None
+    early = list(tokens)
+    early[3] += 1
+    assert memo.guess(early) is None
+    assert memo.guess(tokens[:-1]) is None
+    kept = memo.guess(tokens)
+    assert kept is not None
+    tokens[200] += 1  # the caller's own list changed after the guess
+    assert not kept.confirm()
 
 
 def test_a_list_asked_about_again_is_recognised_and_never_confused() -> None:

@@ -31,7 +31,7 @@ import secrets
 import socket as socketlib
 import sys
 import warnings
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from types import TracebackType
@@ -55,7 +55,7 @@ from lmcache_async.errors import (
     ProtocolError,
     TierUnavailableError,
 )
-from lmcache_async.keys import ChunkHasher, HashAlgorithm, Namespace
+from lmcache_async.keys import ChunkHasher, DigestGuess, HashAlgorithm, Namespace
 from lmcache_async.layouts import KVCacheViews, KVLayout
 from lmcache_async.rpc.protocol import (
     PROTOCOL_VERSION,
@@ -304,8 +304,10 @@ class _Link:
         payloads: Sequence[object] = (),
         *,
         timeout: float,
+        meanwhile: Callable[[], object] | None = None,
     ) -> Message:
-        """Send a request and wait for its reply.
+        """Send a request and wait for its reply; ``meanwhile`` is called once the
+        request is on its way, before the wait.
 
         Raises:
             _Unavailable: the link is dead, the reply did not come in time, the server has
@@ -331,6 +333,8 @@ class _Link:
             self._deadlines[request_id] = deadline
             if deadline < self._timer_at:
                 self._arm(loop, deadline)
+            if meanwhile is not None:
+                meanwhile()
             reply = await future
         except TimeoutError:
             raise _Unavailable(f"no reply to {msg_type.name} within {timeout} s") from None
@@ -792,6 +796,8 @@ class RemoteCacheEngine:
         msg_type: MessageType,
         header: dict[str, Any] | None,
         payloads: Sequence[object] = (),
+        *,
+        meanwhile: Callable[[], object] | None = None,
     ) -> Message:
         """A request on ``link``; a timeout or lost session gives up the link.
 
@@ -800,7 +806,9 @@ class RemoteCacheEngine:
         """
         self._counters.requests += 1
         try:
-            return await link.request(msg_type, header, payloads, timeout=self._timeout)
+            return await link.request(
+                msg_type, header, payloads, timeout=self._timeout, meanwhile=meanwhile
+            )
         except _SessionLost:
             self._lost(link, "the sidecar has no session for this client")
             raise
@@ -1131,24 +1139,49 @@ class RemoteCacheEngine:
             raise InvalidInputError(f"pin must be a bool, got {type(pin).__name__}")
         if pin and lookup_id is None:
             raise InvalidInputError("pin=True needs a lookup_id")
-        hasher = self._hasher
-        if hasher is not None and tokens is not None and hashes is None and offsets is None:
-            # Chunk digests instead of the tokens: 16 bytes a chunk on the wire, and the
-            # server neither converts nor hashes the prompt.
-            digests = await self._digests(hasher, tokens)
-            num_tokens = len(tokens)
-            header: dict[str, Any] = {"digests_of": num_tokens}
-            payloads: list[memoryview | bytes] = [b"".join(digests)]
-        else:
-            header, key_payloads, num_tokens = self._key_fields(tokens, hashes, offsets)
-            payloads = list(key_payloads)
-        header["pin"] = pin
+        options: dict[str, Any] = {"pin": pin}
         if lookup_id is not None:
-            header["lookup_id"] = _check_lookup_id(lookup_id)
+            options["lookup_id"] = _check_lookup_id(lookup_id)
         locations = self._check_tiers(search_range, "search_range")
         if locations is not None:
-            header["search_range"] = locations
-        return await self._hits(MessageType.LOOKUP, header, payloads, num_tokens)
+            options["search_range"] = locations
+        hasher = self._hasher
+        if hasher is None or tokens is None or hashes is not None or offsets is not None:
+            header, key_payloads, num_tokens = self._key_fields(tokens, hashes, offsets)
+            header.update(options)
+            return await self._hits(MessageType.LOOKUP, header, key_payloads, num_tokens) or 0
+        # Chunk digests instead of the tokens: 16 bytes a chunk on the wire, and the server
+        # neither converts nor hashes the prompt.
+        guess = hasher.guess(tokens)
+        if guess is not None:
+            hits = await self._guessed_lookup(guess, options)
+            if hits is not None:
+                return hits
+        digests = await self._digests(hasher, tokens)
+        header = {"digests_of": len(tokens), **options}
+        return await self._hits(MessageType.LOOKUP, header, [b"".join(digests)], len(tokens)) or 0
+
+    async def _guessed_lookup(self, guess: DigestGuess, options: dict[str, Any]) -> int | None:
+        """A lookup sent with the digests the memo guesses for the prompt, its tokens
+        compared with the remembered ones while the request is in flight: off the round
+        trip, which would otherwise wait for reading the whole prompt twice. The hits,
+        0 when the sidecar cannot be reached, or None when the guess was wrong (the
+        tokens changed in place): then the caller asks again with the right digests,
+        and its pins replace any this lookup made."""
+        confirmed = False
+
+        def confirm() -> None:
+            nonlocal confirmed
+            confirmed = guess.confirm()
+
+        header = {"digests_of": guess.num_tokens, **options}
+        payloads = [b"".join(guess.digests)]
+        hits = await self._hits(
+            MessageType.LOOKUP, header, payloads, guess.num_tokens, meanwhile=confirm
+        )
+        if hits is None:
+            return 0  # a miss, whatever the tokens are
+        return hits if confirmed else None
 
     async def prefetch(
         self,
@@ -1173,7 +1206,7 @@ class RemoteCacheEngine:
         locations = self._check_tiers(search_range, "search_range")
         if locations is not None:
             header["search_range"] = locations
-        return await self._hits(MessageType.PREFETCH, header, payloads, num_tokens)
+        return await self._hits(MessageType.PREFETCH, header, payloads, num_tokens) or 0
 
     async def _hits(
         self,
@@ -1181,17 +1214,23 @@ class RemoteCacheEngine:
         header: dict[str, Any],
         payloads: Sequence[object],
         num_tokens: int,
-    ) -> int:
-        """The ``hits`` a LOOKUP or PREFETCH answers; 0 for no tokens or an unreachable
-        sidecar (logged at debug)."""
+        *,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> int | None:
+        """The ``hits`` a LOOKUP or PREFETCH answers, 0 for no tokens; None when the
+        sidecar cannot be reached (logged at debug). ``meanwhile`` runs once the request
+        is sent, before its reply is awaited."""
         link = await self._usable()
-        if link is None or num_tokens == 0:
+        if link is None:
+            return None
+        if num_tokens == 0:
             return 0
         try:
-            return _count(await self._ask(link, msg_type, header, payloads), "hits")
+            reply = await self._ask(link, msg_type, header, payloads, meanwhile=meanwhile)
+            return _count(reply, "hits")
         except (_Unavailable, ProtocolError) as exc:
             log.debug("sidecar_request_missed", type=msg_type.name, error=str(exc))
-            return 0
+            return None
 
     async def lookup_unpin(self, lookup_id: Hashable) -> None:
         """Release this client's pins for ``lookup_id`` (logged when it fails)."""

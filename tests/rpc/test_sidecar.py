@@ -39,6 +39,7 @@ from lmcache_async import (
 )
 from lmcache_async.cli import main
 from lmcache_async.errors import ConfigError, ProtocolError
+from lmcache_async.keys import DigestGuess
 from lmcache_async.logging import configure_logging
 from lmcache_async.rpc.client import _Link, _Unavailable
 from lmcache_async.rpc.protocol import MessageLimits, MessageType, decode, encode
@@ -731,6 +732,52 @@ async def test_pings_and_digest_lookups_the_cpu_tier_answers_skip_the_request_ta
             servers[0].stopping.set()
     assert stored == len(tokens)
     assert servers[0].latency.summary("lookup").count == 4  # the fast ones are timed too
+
+
+@pytest.mark.anyio
+async def test_a_lookup_sent_on_a_guess_counts_only_if_the_tokens_are_unchanged(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"ipc://{short_dir}/guess.sock"
+    settings = SidecarSettings(
+        listen=url, config=EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.04)
+    )
+    confirmed: list[bool] = []
+    confirm = DigestGuess.confirm
+
+    def recording(self: DigestGuess) -> bool:
+        confirmed.append(confirm(self))
+        return confirmed[-1]
+
+    monkeypatch.setattr(DigestGuess, "confirm", recording)
+    servers: list[SidecarServer] = []
+    ready = anyio.Event()
+
+    def on_ready(server: SidecarServer) -> None:
+        servers.append(server)
+        ready.set()
+
+    tokens = torch.tensor(prompt(4096 + 40, 91))  # long enough for the client's memo
+    kv, slots = kv_for(len(tokens), 13)
+    changed_chunk = 6
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: serve(settings, on_ready=on_ready, handle_signals=False))
+            await ready.wait()
+            async with connect(url, timeout=10) as engine:
+                assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == len(tokens)
+                assert await engine.lookup(tokens) == len(tokens)
+                assert await engine.lookup(tokens) == len(tokens)  # sent on the guess
+                tokens[changed_chunk * CHUNK + 3] += 1  # changed in place: the guess is wrong
+                hits = await engine.lookup(tokens, lookup_id="g", pin=True)
+                engine_stats, _ = await server_state(engine)
+                # The exact lookup's pins replaced those the guessed one made.
+                assert engine_stats["pinned_chunks"] == changed_chunk
+                assert await engine.lookup(tokens) == changed_chunk * CHUNK
+                await engine.lookup_unpin("g")
+            servers[0].stopping.set()
+    assert hits == changed_chunk * CHUNK
+    assert confirmed == [True, False, True]
 
 
 @pytest.mark.anyio
