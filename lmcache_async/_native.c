@@ -1,4 +1,5 @@
-/* The chain of chunk keys with BLAKE3, in C: lmcache_async._native.blake3_chain.
+/* The chain of chunk keys with BLAKE3, in C: lmcache_async._native.blake3_chain; and the
+ * CPU tier's walk over a lookup's leading keys (held_prefix_count, held_prefix_values).
  *
  * blake3_chain(seed, data, step) returns h_1..h_n for the pieces p_i = data[(i-1)*step :
  * i*step] (the last one may be short): h_0 = seed (16 bytes), h_i = the first 16 bytes of
@@ -331,15 +332,82 @@ done:
     return result;
 }
 
+/* The leading keys of `keys` that `index` (an OrderedDict) holds, each moved to its end,
+ * the newest: the walk of an LRU tier's lookup. Returns their count, or with `values` a
+ * list of the values they map to. */
+static PyObject *held_prefix(PyObject *const *args, Py_ssize_t nargs, int values,
+                             const char *name) {
+    static PyObject *move_to_end = NULL;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s takes 2 arguments, got %zd", name, nargs);
+        return NULL;
+    }
+    PyObject *index = args[0];
+    if (!PyDict_Check(index)) {
+        PyErr_Format(PyExc_TypeError, "%s: index must be an OrderedDict, got %s", name,
+                     Py_TYPE(index)->tp_name);
+        return NULL;
+    }
+    if (move_to_end == NULL && (move_to_end = PyUnicode_InternFromString("move_to_end")) == NULL)
+        return NULL;
+    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
+    if (keys == NULL) return NULL;
+    PyObject *out = values ? PyList_New(0) : NULL;
+    Py_ssize_t count = 0, total = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    if (values && out == NULL) goto fail;
+    for (; count < total; count++) {
+        PyObject *key = items[count];
+        /* A borrowed value, kept alive across move_to_end (which may run Python code). */
+        PyObject *value = PyDict_GetItemWithError(index, key);
+        if (value == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            break;
+        }
+        Py_INCREF(value);
+        PyObject *moved = PyObject_CallMethodOneArg(index, move_to_end, key);
+        if (moved == NULL || (values && PyList_Append(out, value) < 0)) {
+            Py_XDECREF(moved);
+            Py_DECREF(value);
+            goto fail;
+        }
+        Py_DECREF(moved);
+        Py_DECREF(value);
+    }
+    Py_DECREF(keys);
+    return values ? out : PyLong_FromSsize_t(count);
+fail:
+    Py_DECREF(keys);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static PyObject *held_prefix_count(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    return held_prefix(args, nargs, 0, "held_prefix_count");
+}
+
+static PyObject *held_prefix_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    return held_prefix(args, nargs, 1, "held_prefix_values");
+}
+
 static PyMethodDef methods[] = {
     {"blake3_chain", blake3_chain, METH_VARARGS,
      "blake3_chain(seed, data, step) -> list[bytes]\n\n"
      "h_i = BLAKE3(data[(i-1)*step : i*step] || h_{i-1})[:16], h_0 = seed (16 bytes)."},
+    {"held_prefix_count", (PyCFunction)(void (*)(void))held_prefix_count, METH_FASTCALL,
+     "held_prefix_count(index, keys) -> int\n\n"
+     "How many leading keys the OrderedDict index holds; each is moved to its end."},
+    {"held_prefix_values", (PyCFunction)(void (*)(void))held_prefix_values, METH_FASTCALL,
+     "held_prefix_values(index, keys) -> list\n\n"
+     "The values of the leading keys the OrderedDict index holds; each is moved to its end."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "lmcache_async._native", "The chain of chunk keys with BLAKE3, in C.",
+    PyModuleDef_HEAD_INIT, "lmcache_async._native",
+    "The chain of chunk keys with BLAKE3, and the CPU tier's prefix walk, in C.",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -1,1 +1,9 @@
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TypeVar
+
+_V = TypeVar("_V")
+
 def blake3_chain(seed: bytes, data: bytes | memoryview, step: int, /) -> list[bytes]: ...
+def held_prefix_count(index: OrderedDict[bytes, _V], keys: Sequence[bytes], /) -> int: ...
+def held_prefix_values(index: OrderedDict[bytes, _V], keys: Sequence[bytes], /) -> list[_V]: ...

@@ -1,12 +1,15 @@
-"""Tests for lmcache_async._native: the blake3 key chain in C gives the blake3 package's keys."""
+"""Tests for lmcache_async._native: the blake3 key chain in C gives the blake3 package's keys,
+and the CPU tier's prefix walk in C does what its Python fallback does."""
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import sysconfig
 import threading
 from pathlib import Path
+from typing import Any
 
 import blake3
 import numpy as np
@@ -15,7 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_async import keys
-from lmcache_async.keys import DIGEST_SIZE, NATIVE_CHAIN, ChunkHasher, HashAlgorithm, Namespace
+from lmcache_async.keys import (
+    DIGEST_SIZE,
+    NATIVE_CHAIN,
+    ChunkHasher,
+    ChunkKey,
+    HashAlgorithm,
+    Namespace,
+)
 
 native = pytest.mark.skipif(not NATIVE_CHAIN, reason="lmcache_async._native was not built")
 
@@ -132,3 +142,54 @@ def test_the_hasher_gives_the_same_keys_with_and_without_the_c_chain(
     without = ChunkHasher(namespace, chunk_size=256, algorithm=algorithm).digests(tokens)
     assert with_default == without
     assert len(with_default) == 20
+
+
+# -- the CPU tier's prefix walk ---------------------------------------------------------------
+
+
+@native
+@settings(max_examples=150, deadline=None)
+@given(
+    held=st.lists(st.booleans(), min_size=0, max_size=40),
+    order=st.randoms(use_true_random=False),
+    as_tuple=st.booleans(),
+)
+def test_the_prefix_walk_in_c_counts_and_reorders_as_the_python_one(
+    held: list[bool], order: Any, as_tuple: bool
+) -> None:
+    from lmcache_async.backends import cpu
+
+    assert cpu._held_prefix_count is not cpu._held_prefix_count_py
+    keys_asked = [ChunkKey(bytes([i]) * DIGEST_SIZE) for i in range(len(held))]
+    stored = [key for key, h in zip(keys_asked, held, strict=True) if h]
+    stored += [ChunkKey(bytes([200 + i]) * DIGEST_SIZE) for i in range(5)]  # never asked
+    order.shuffle(stored)
+    # Asked as bare digests (a lookup's wire form) of keys stored as ChunkKeys.
+    asked: Any = [bytes(key) for key in keys_asked]
+    asked = tuple(asked) if as_tuple else asked
+    for walk, python in (
+        (cpu._held_prefix_count, cpu._held_prefix_count_py),
+        (cpu._held_prefix_values, cpu._held_prefix_values_py),
+    ):
+        index = collections.OrderedDict((key, f"obj-{key.hex()[:4]}") for key in stored)
+        again = collections.OrderedDict(index)
+        assert walk(index, asked) == python(again, asked)
+        assert list(index.items()) == list(again.items())  # hits moved to the end alike
+
+
+@native
+def test_the_prefix_walk_refuses_what_is_not_an_index_or_keys() -> None:
+    from lmcache_async.backends import cpu
+
+    index: collections.OrderedDict[bytes, int] = collections.OrderedDict({b"k" * 16: 1})
+    for walk in (cpu._held_prefix_count, cpu._held_prefix_values):
+        with pytest.raises(TypeError, match="must be an OrderedDict"):
+            walk([], [b"k" * 16])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="sequence"):
+            walk(index, 5)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            walk(index, [[1]])  # an unhashable key
+        with pytest.raises(TypeError, match="2 arguments"):
+            walk(index)  # type: ignore[call-arg]
+        assert walk(index, []) in (0, [])
+    assert list(index.values()) == [1]
