@@ -56,6 +56,7 @@ class LoopSocket:
         self._send_waiters = 0
         self._paused = False
         self._drain_scheduled = False
+        self._reading = False  # in the reader callback, which reads the state after each message
         self.closed = False
         self._loop.add_reader(self._fd, self._on_readable)
 
@@ -76,6 +77,7 @@ class LoopSocket:
 
     def _on_readable(self) -> None:
         self._drain_scheduled = False
+        self._reading = True
         try:
             while not self.closed:
                 events = self._events()
@@ -91,6 +93,11 @@ class LoopSocket:
         except zmq.ZMQError as exc:
             if not self.closed:
                 log.warning("zmq_receive_failed", error=str(exc))
+        except BaseException:
+            self._schedule_drain()  # messages after the one that failed are not stranded
+            raise
+        finally:
+            self._reading = False
 
     def _events(self) -> int:
         return cast(int, self.socket.getsockopt(_EVENTS))
@@ -127,7 +134,11 @@ class LoopSocket:
             return False
         # A send can consume the descriptor's edge: read the socket's state now, and hand
         # the loop a drain only when a message (or room a sender waits for) is already
-        # there. Otherwise the next message raises a new edge (one loop pass saved).
+        # there. Otherwise the next message raises a new edge (one loop pass saved). A
+        # reply sent from the reader callback needs neither: the callback reads the state
+        # once the handler returns (each read costs ZeroMQ a system call).
+        if self._reading:
+            return True
         if self._events() & _POLLIN or self._writable is not None:
             self._schedule_drain()
         return True

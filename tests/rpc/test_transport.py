@@ -108,6 +108,64 @@ async def test_replies_that_arrive_while_sending_are_delivered(tmp_path: Path) -
             loop_socket.close()
 
 
+async def test_replies_sent_from_the_reader_callback_leave_no_message_behind(
+    tmp_path: Path,
+) -> None:
+    """A handler that answers in the reader callback: its sends hand the loop no drain
+    (the callback reads the socket's state after each message), and every message of a
+    burst, including those that arrive while it answers, is read and answered."""
+    async with pair(tmp_path) as (context, url, peer):
+        inbox = Inbox()
+        drains: list[bool] = []
+        holder: list[LoopSocket] = []
+
+        def answer(frames: list[zmq.Frame]) -> None:
+            inbox(frames)
+            assert holder[0].send_nowait([b"re", frames[0].bytes])
+            drains.append(holder[0]._drain_scheduled)
+
+        holder.append(connected(context, url, answer))  # type: ignore[arg-type]
+        loop_socket = holder[0]
+        try:
+            for burst in range(20):
+                sent = [str(burst * 10 + i).encode() for i in range(burst % 7 + 1)]
+                for body in sent:
+                    peer.send_multipart([body])
+                for body in sent:
+                    assert await peer_receive(peer) == [b"re", body]
+            await inbox.wait_for(sum(burst % 7 + 1 for burst in range(20)))
+            assert drains and not any(drains)
+            assert not loop_socket._reading
+        finally:
+            loop_socket.close()
+
+
+async def test_a_handler_that_raises_strands_no_message(tmp_path: Path) -> None:
+    async with pair(tmp_path) as (context, url, peer):
+        inbox = Inbox()
+        failed: list[bytes] = []
+
+        def handler(frames: list[zmq.Frame]) -> None:
+            if frames[0].bytes == b"bad" and not failed:
+                failed.append(frames[0].bytes)
+                raise RuntimeError("handler failed")
+            inbox(frames)
+
+        loop = asyncio.get_running_loop()
+        errors: list[BaseException] = []
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx["exception"]))
+        loop_socket = connected(context, url, handler)  # type: ignore[arg-type]
+        try:
+            peer.send_multipart([b"bad"])
+            peer.send_multipart([b"after"])  # queued behind the message that fails
+            await inbox.wait_for(1)
+            assert inbox.messages == [[b"after"]]
+            assert failed == [b"bad"] and [str(e) for e in errors] == ["handler failed"]
+        finally:
+            loop.set_exception_handler(None)
+            loop_socket.close()
+
+
 async def test_pause_holds_messages_until_resume(tmp_path: Path) -> None:
     async with pair(tmp_path) as (context, url, peer):
         inbox = Inbox()
