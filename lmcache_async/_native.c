@@ -352,7 +352,7 @@ static PyObject *held_prefix(PyObject *const *args, Py_ssize_t nargs, int values
         return NULL;
     PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
     if (keys == NULL) return NULL;
-    PyObject *out = values ? PyList_New(0) : NULL;
+    PyObject *out = values ? PyList_New(0) : NULL, *move = NULL;
     Py_ssize_t count = 0, total = PySequence_Fast_GET_SIZE(keys);
     PyObject **items = PySequence_Fast_ITEMS(keys);
     if (values && out == NULL) goto fail;
@@ -364,8 +364,10 @@ static PyObject *held_prefix(PyObject *const *args, Py_ssize_t nargs, int values
             if (PyErr_Occurred()) goto fail;
             break;
         }
+        /* The bound method, looked up at the first hit only. */
+        if (move == NULL && (move = PyObject_GetAttr(index, move_to_end)) == NULL) goto fail;
         Py_INCREF(value);
-        PyObject *moved = PyObject_CallMethodOneArg(index, move_to_end, key);
+        PyObject *moved = PyObject_CallOneArg(move, key);
         if (moved == NULL || (values && PyList_Append(out, value) < 0)) {
             Py_XDECREF(moved);
             Py_DECREF(value);
@@ -374,9 +376,11 @@ static PyObject *held_prefix(PyObject *const *args, Py_ssize_t nargs, int values
         Py_DECREF(moved);
         Py_DECREF(value);
     }
+    Py_XDECREF(move);
     Py_DECREF(keys);
     return values ? out : PyLong_FromSsize_t(count);
 fail:
+    Py_XDECREF(move);
     Py_DECREF(keys);
     Py_XDECREF(out);
     return NULL;
