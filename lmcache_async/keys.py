@@ -474,12 +474,13 @@ class _TensorView:
     """A probed tensor's token memory as an ndarray, and what the tensor was then; and
     the memo key its tokens had when last probed (see :meth:`ChunkHasher.guess`)."""
 
-    __slots__ = ("array", "dtype", "memo_key", "pointer", "ref", "shape", "stride")
+    __slots__ = ("array", "data", "dtype", "memo_key", "pointer", "ref", "shape", "stride")
 
     def __init__(self, tensor: torch.Tensor, array: npt.NDArray[np.integer]) -> None:
         self.dtype = tensor.dtype
         self.ref = weakref.ref(tensor)
         self.array = np.asarray(_ArrayInterface(array.__array_interface__))
+        self.data = self.array.data.cast("B")  # the same memory as bytes
         self.pointer = tensor.data_ptr()
         self.shape = tensor.shape
         self.stride = tensor.stride()
@@ -673,12 +674,13 @@ class DigestProbe:
 
 class DigestGuess:
     """What :meth:`ChunkHasher.guess` found: the digests of ``num_tokens`` tokens that are
-    most likely the ones asked about, and the exact comparison that tells."""
+    most likely the ones asked about (the memo's own: read them, never change them), and
+    the exact comparison that tells."""
 
     __slots__ = ("_compare", "digests", "num_tokens")
 
     def __init__(
-        self, digests: tuple[bytes, ...], num_tokens: int, compare: Callable[[], bool]
+        self, digests: Sequence[bytes], num_tokens: int, compare: Callable[[], bool]
     ) -> None:
         self.digests = digests
         self.num_tokens = num_tokens
@@ -784,7 +786,7 @@ class ChunkHasher:
             return DigestProbe(None)
         # Only bytes that are equal to a remembered prompt's (which passed the checks of
         # token_array) are used, so a hit needs neither the conversion nor the checks.
-        view = array.data.cast("B")
+        view = array.data.cast("B") if seen is None else seen.data
         tag = array.dtype.str
         key = (tag, xxhash.xxh3_64_intdigest(view))
         if seen is not None:
@@ -821,7 +823,7 @@ class ChunkHasher:
             if key is None or copied is None:
                 return None
             compare = functools.partial(memo.confirm_list, key, copied, tokens)
-            return DigestGuess(tuple(copied[1]), len(tokens), compare)
+            return DigestGuess(copied[1], len(tokens), compare)
         if not isinstance(tokens, torch.Tensor) or self._tensor_views is None:
             return None
         seen = self._tensor_views.known(tokens)
@@ -829,10 +831,8 @@ class ChunkHasher:
         entry = None if key is None else memo.peek(key)
         if seen is None or key is None or entry is None:
             return None
-        data = seen.array.data.cast("B")
-        return DigestGuess(
-            tuple(entry[1]), len(seen.array), functools.partial(memo.confirm, key, entry, data)
-        )
+        compare = functools.partial(memo.confirm, key, entry, seen.data)
+        return DigestGuess(entry[1], len(seen.array), compare)
 
     def _list_key(self, tokens: list[int]) -> _MemoKey | None:
         """A list's memo key (its length and three items), or None when it is too short to
