@@ -3,6 +3,7 @@ running LookupServer process, which must answer everything and change nothing.""
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import re
 from collections.abc import Callable, Iterator
@@ -155,8 +156,33 @@ def test_encode_refuses_reserved_keys_and_bad_values() -> None:
         encode(MessageType.STORE, None, [np.zeros((4, 4))[:, 1]])
     with pytest.raises(InvalidInputError, match="cannot be encoded"):
         encode(MessageType.PING, {"x": object()})
+    with pytest.raises(InvalidInputError, match="cannot be encoded"):
+        encode(MessageType.PING, {"a": [1, 2, "three"], "b": object()})  # fails half-way
     with pytest.raises(InvalidInputError, match="request_id"):
         encode(MessageType.PING, request_id=1.5)  # type: ignore[arg-type]
+    # Nothing of a refused header leaks into the next message.
+    header = decode(encode(MessageType.PING, {"ok": 1}, request_id=3)).header
+    assert header == {"v": PROTOCOL_VERSION, "id": 3, "ok": 1}
+
+
+def test_threads_encode_at_once_and_each_gets_its_own_header() -> None:
+    def work(n: int) -> list[dict[str, Any]]:
+        return [
+            decode(
+                encode(
+                    MessageType.LOOKUP, {"n": n, "i": i, "pad": "x" * (n * 37 % 200)}, request_id=i
+                )
+            ).header
+            for i in range(2000)
+        ]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, range(8)))
+    for n, headers in enumerate(results):
+        assert headers == [
+            {"v": PROTOCOL_VERSION, "id": i, "n": n, "i": i, "pad": "x" * (n * 37 % 200)}
+            for i in range(2000)
+        ]
 
 
 def test_limits_are_validated() -> None:
