@@ -42,10 +42,10 @@ from .keys import (
     ChunkHasher,
     ChunkKey,
     ChunkSpan,
+    DigestFrames,
     HashAlgorithm,
     Namespace,
     check_mask,
-    split_digests,
     token_array,
 )
 from .layouts import KVCacheViews, KVFormat, KVLayout, LayoutKind
@@ -117,6 +117,7 @@ class CacheEngine:
             algorithm=HashAlgorithm(config.hash_algorithm),
             memo_size=_DIGEST_MEMO_PROMPTS,
         )
+        self._frames = DigestFrames(_DIGEST_MEMO_PROMPTS)  # a sidecar's lookups by digests
         self._events = EventBuffer(config.max_kv_events, enabled=config.enable_kv_events)
         self._pool = (
             MemoryPool(config.cpu_capacity_bytes)
@@ -1237,7 +1238,7 @@ class CacheEngine:
             raise InvalidInputError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         keys: Sequence[bytes]
         if isinstance(digests, (bytes, bytearray, memoryview)):
-            keys = split_digests(digests)  # each DIGEST_SIZE bytes by construction
+            keys = self._frames.split(digests)  # each DIGEST_SIZE bytes by construction
         else:
             keys = digests
             # Checked with C-level maps: a 32k-token prompt has 128 digests.

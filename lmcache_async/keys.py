@@ -52,6 +52,8 @@ __all__ = [
     "ChunkHasher",
     "ChunkKey",
     "ChunkSpan",
+    "DigestFrames",
+    "DigestGuess",
     "DigestProbe",
     "HashAlgorithm",
     "Namespace",
@@ -97,6 +99,47 @@ def split_digests(data: bytes | bytearray | memoryview) -> list[bytes]:
     # time of slicing them once per digest (128 times for a 32k-token prompt).
     digests: list[bytes] = np.frombuffer(view.cast("B"), dtype=_DIGEST_ITEM).tolist()
     return digests
+
+
+class DigestFrames:
+    """:func:`split_digests` for frames that come again: the keys of the last
+    ``capacity`` frames cut, found by the frame's bytes (an xxh3 fingerprint, then a
+    comparison). A sidecar's client asks about one prompt several times; its frame is then
+    neither cut again nor are its 128 digests hashed again (the keys keep their cached
+    hashes), which is most of what the CPU tier's dict spends on a lookup. Each call
+    returns a list of its own. For one thread (the engine's event loop).
+    """
+
+    __slots__ = ("_capacity", "_frames")
+
+    def __init__(self, capacity: int) -> None:
+        if not is_strict_int(capacity) or capacity <= 0:
+            raise InvalidInputError(f"capacity must be a positive int, got {capacity!r}")
+        self._capacity = capacity
+        self._frames: collections.OrderedDict[int, tuple[bytes, list[bytes]]] = (
+            collections.OrderedDict()
+        )
+
+    def split(self, data: bytes | bytearray | memoryview) -> list[bytes]:
+        """As :func:`split_digests` (and raising as it does)."""
+        view = memoryview(data)
+        if not view.c_contiguous or view.nbytes % DIGEST_SIZE:
+            return split_digests(view)  # refused there, with the reason
+        view = view.cast("B")
+        fingerprint = xxhash.xxh3_64_intdigest(view)
+        entry = self._frames.get(fingerprint)
+        if entry is not None and len(entry[0]) == len(view) and entry[0].startswith(view):
+            self._frames.move_to_end(fingerprint)
+            return list(entry[1])
+        keys = split_digests(view)
+        self._frames[fingerprint] = (view.tobytes(), keys)
+        self._frames.move_to_end(fingerprint)
+        while len(self._frames) > self._capacity:
+            self._frames.popitem(last=False)
+        return list(keys)
+
+    def __len__(self) -> int:
+        return len(self._frames)
 
 
 class HashAlgorithm(enum.StrEnum):

@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import itertools
 import json
+import operator
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from lmcache_async.keys import (
     ChunkHasher,
     ChunkKey,
     ChunkSpan,
+    DigestFrames,
     HashAlgorithm,
     Namespace,
     check_mask,
@@ -696,6 +698,35 @@ def test_split_digests_gives_each_digest_whole() -> None:
     assert split_digests(as_words) == digests
     with pytest.raises(InvalidInputError, match="contiguous"):
         split_digests(memoryview(b"".join(digests))[::2])
+
+
+def test_a_digest_frame_cut_again_gives_the_same_keys_in_a_new_list() -> None:
+    frames = DigestFrames(2)
+    digests = [bytes([i]) * 15 + b"\0" for i in range(8)]
+    joined = b"".join(digests)
+    first = frames.split(memoryview(joined))
+    again = frames.split(bytearray(joined))  # equal bytes, another buffer
+    assert first == again == digests
+    assert again is not first and all(map(operator.is_, first, again))  # hashed once
+    again.clear()  # the caller's own list
+    assert frames.split(joined) == digests
+    # Another frame of the same length, one byte changed: cut anew, never confused.
+    changed = bytearray(joined)
+    changed[40] ^= 1
+    assert frames.split(changed) == split_digests(bytes(changed)) != digests
+    changed[40] ^= 1  # the buffer now holds the first frame's bytes again
+    assert frames.split(changed) == digests
+    assert len(frames) == 2
+    frames.split(bytes(32))
+    frames.split(bytes(48))
+    assert len(frames) == 2  # the oldest went
+    assert frames.split(b"") == []
+    with pytest.raises(InvalidInputError, match="multiple of 16"):
+        frames.split(bytes(17))
+    with pytest.raises(InvalidInputError, match="contiguous"):
+        frames.split(memoryview(joined)[::2])
+    with pytest.raises(InvalidInputError, match="capacity"):
+        DigestFrames(0)
 
 
 # --------------------------------------------------------------------------- digest memo
