@@ -343,7 +343,7 @@ def decode(
     version = header.get(_VERSION_KEY)
     if version is None:
         raise ProtocolError("header has no protocol version ('v')")
-    if not is_strict_int(version) or version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {version!r:.40} is not supported (this end speaks "
             f"{PROTOCOL_VERSION})"
@@ -353,7 +353,7 @@ def decode(
     if msg_type is None:
         raise ProtocolError(f"unknown message type {code}")
     request_id = header.get(_ID_KEY)
-    if request_id is not None and not (is_strict_int(request_id) or isinstance(request_id, str)):
+    if request_id is not None and type(request_id) is not int and type(request_id) is not str:
         raise ProtocolError(f"request id must be an int or str, got {type(request_id).__name__}")
     payloads = [_frame_view(frame, i) for i, frame in enumerate(frames[2:], start=2)]
     actual = [view.nbytes for view in payloads]

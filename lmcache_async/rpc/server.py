@@ -743,10 +743,12 @@ class SidecarServer:
             return False
         if header is None:
             return False
+        reply = encode(message.type, header, (), request_id=message.request_id)
+        elapsed = time.perf_counter() - started
+        _send_reply(io, frames[0], reply)
         operation = TIMED_OPERATIONS.get(message.type)
-        if operation is not None:
-            self.latency.record(operation, time.perf_counter() - started)
-        _send_reply(io, frames[0], encode(message.type, header, (), request_id=message.request_id))
+        if operation is not None:  # recorded once the reply is on its way
+            self.latency.record(operation, elapsed)
         return True
 
     async def wait_idle(self) -> None:
