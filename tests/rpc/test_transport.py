@@ -140,6 +140,53 @@ async def test_replies_sent_from_the_reader_callback_leave_no_message_behind(
             loop_socket.close()
 
 
+async def test_a_wake_with_no_message_delivers_nothing(tmp_path: Path) -> None:
+    """The reader receives before asking the socket's state: a wake-up with nothing to
+    read (the descriptor also signals other changes) is answered by ZeroMQ's EAGAIN."""
+    async with pair(tmp_path) as (context, url, peer):
+        inbox = Inbox()
+        loop_socket = connected(context, url, inbox)
+        try:
+            for _ in range(3):
+                loop_socket._on_readable()
+            assert inbox.messages == [] and not loop_socket._reading
+            peer.send_multipart([b"later"])
+            await inbox.wait_for(1)
+            assert inbox.messages == [[b"later"]]
+        finally:
+            loop_socket.close()
+
+
+async def test_a_message_that_comes_after_an_empty_receive_is_taken(tmp_path: Path) -> None:
+    """A receive that finds nothing, then a message before the socket's state is read:
+    reading the state spends the descriptor's edge, so the reader must take the message
+    then, or it would wait for the next one."""
+    async with pair(tmp_path) as (context, url, peer):
+        inbox = Inbox()
+        loop_socket = connected(context, url, inbox)
+        try:
+            loop_socket.pause()
+            peer.send_multipart([b"raced"])
+            # Here (a bounded wait, blocking: the loop must not read it), and the edges it
+            # raised spent by the poll.
+            assert loop_socket.socket.poll(int(WAIT * 1000), zmq.POLLIN)
+            loop_socket._paused = False  # as resume(), without its drain
+            receive = loop_socket._receive
+            calls: list[int] = []
+
+            def empty_first() -> list[zmq.Frame]:
+                calls.append(1)
+                if len(calls) == 1:
+                    raise zmq.Again()  # as if the message came just after this receive
+                return receive()
+
+            loop_socket._receive = empty_first  # type: ignore[method-assign]
+            loop_socket._on_readable()
+            assert inbox.messages == [[b"raced"]] and len(calls) == 2
+        finally:
+            loop_socket.close()
+
+
 async def test_a_handler_that_raises_strands_no_message(tmp_path: Path) -> None:
     async with pair(tmp_path) as (context, url, peer):
         inbox = Inbox()
