@@ -9,8 +9,11 @@ caller's future or starts the handler's task); sends are non-blocking and only w
 a deadline, when the socket's queue is full or has no peer yet.
 
 ZeroMQ's descriptor is edge-triggered: it signals that the socket's events *may* have
-changed, and a send can consume that signal while messages are waiting. So the socket is
-drained after every send as well (on the next loop iteration, never re-entrantly).
+changed, and reading the socket's state, a receive or a send can each spend that signal
+while messages are waiting. So the reader reads the state after every message it takes,
+and a send reads it at once and hands the loop a drain (next iteration, never
+re-entrantly) when a message already waits; a send from the reader callback leaves that
+to the callback.
 """
 
 from __future__ import annotations
