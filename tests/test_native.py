@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_async import keys
+from lmcache_async.backends import lru
 from lmcache_async.keys import (
     DIGEST_SIZE,
     NATIVE_CHAIN,
@@ -157,9 +158,7 @@ def test_the_hasher_gives_the_same_keys_with_and_without_the_c_chain(
 def test_the_prefix_walk_in_c_counts_and_reorders_as_the_python_one(
     held: list[bool], order: Any, as_tuple: bool
 ) -> None:
-    from lmcache_async.backends import cpu
-
-    assert cpu._held_prefix_count is not cpu._held_prefix_count_py
+    assert lru.held_prefix_count is not lru.held_prefix_count_py
     keys_asked = [ChunkKey(bytes([i]) * DIGEST_SIZE) for i in range(len(held))]
     stored = [key for key, h in zip(keys_asked, held, strict=True) if h]
     stored += [ChunkKey(bytes([200 + i]) * DIGEST_SIZE) for i in range(5)]  # never asked
@@ -168,8 +167,8 @@ def test_the_prefix_walk_in_c_counts_and_reorders_as_the_python_one(
     asked: Any = [bytes(key) for key in keys_asked]
     asked = tuple(asked) if as_tuple else asked
     for walk, python in (
-        (cpu._held_prefix_count, cpu._held_prefix_count_py),
-        (cpu._held_prefix_values, cpu._held_prefix_values_py),
+        (lru.held_prefix_count, lru.held_prefix_count_py),
+        (lru.held_prefix_values, lru.held_prefix_values_py),
     ):
         index = collections.OrderedDict((key, f"obj-{key.hex()[:4]}") for key in stored)
         again = collections.OrderedDict(index)
@@ -179,10 +178,8 @@ def test_the_prefix_walk_in_c_counts_and_reorders_as_the_python_one(
 
 @native
 def test_the_prefix_walk_refuses_what_is_not_an_index_or_keys() -> None:
-    from lmcache_async.backends import cpu
-
     index: collections.OrderedDict[bytes, int] = collections.OrderedDict({b"k" * 16: 1})
-    for walk in (cpu._held_prefix_count, cpu._held_prefix_values):
+    for walk in (lru.held_prefix_count, lru.held_prefix_values):
         with pytest.raises(TypeError, match="must be an OrderedDict"):
             walk([], [b"k" * 16])  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="sequence"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Final, cast
+from typing import cast
 
 import structlog
 
@@ -19,6 +19,7 @@ from ..errors import InvalidInputError
 from ..keys import ChunkKey
 from ..memory import MemoryObj, MemoryPool
 from .base import StorageBackend, TierStats
+from .lru import held_prefix_count, held_prefix_values
 from .record import RecordSpec
 
 __all__ = ["CPUBackend"]
@@ -26,44 +27,6 @@ __all__ = ["CPUBackend"]
 log = structlog.get_logger(__name__)
 
 EvictionListener = Callable[[list[ChunkKey]], None]
-_Index = collections.OrderedDict[bytes, MemoryObj]
-
-
-def _held_prefix_count_py(entries: _Index, keys: Sequence[bytes]) -> int:
-    n = 0
-    for key in keys:
-        if key not in entries:
-            break
-        entries.move_to_end(key)
-        n += 1
-    return n
-
-
-def _held_prefix_values_py(entries: _Index, keys: Sequence[bytes]) -> list[MemoryObj]:
-    out: list[MemoryObj] = []
-    for key in keys:
-        obj = entries.get(key)
-        if obj is None:
-            break
-        entries.move_to_end(key)
-        out.append(obj)
-    return out
-
-
-_native_count: Callable[[_Index, Sequence[bytes]], int] | None
-_native_values: Callable[[_Index, Sequence[bytes]], list[MemoryObj]] | None
-try:
-    # The same walks in C: a lookup's 128 keys (a 32k-token prompt) cost a fifth of the
-    # Python loop's time when the interpreter is cold, as it is between requests.
-    from lmcache_async._native import held_prefix_count as _native_count
-    from lmcache_async._native import held_prefix_values as _native_values
-except ImportError:  # built without a C compiler
-    _native_count = _native_values = None
-
-_held_prefix_count: Final = _native_count or _held_prefix_count_py
-"""How many leading keys an index holds, each made its newest."""
-_held_prefix_values: Final = _native_values or _held_prefix_values_py
-"""The payloads of the leading keys an index holds, each made its newest."""
 
 
 class CPUBackend(StorageBackend):
@@ -96,7 +59,7 @@ class CPUBackend(StorageBackend):
 
     def contains_prefix_nowait(self, keys: Sequence[bytes]) -> int:
         """Number of leading keys held; hits become most recently used."""
-        n = _held_prefix_count(self._entries, keys)
+        n = held_prefix_count(self._entries, keys)
         self._hits += n
         if n < len(keys):
             self._misses += 1
@@ -105,7 +68,7 @@ class CPUBackend(StorageBackend):
     def get_prefix_nowait(self, keys: Sequence[bytes]) -> list[MemoryObj]:
         """Payloads of the leading keys held, each with a reference for the caller; hits
         become most recently used."""
-        return [obj.ref() for obj in _held_prefix_values(self._entries, keys)]
+        return [obj.ref() for obj in held_prefix_values(self._entries, keys)]
 
     def get_nowait(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         out: list[MemoryObj | None] = []

@@ -60,6 +60,7 @@ from ..keys import DIGEST_SIZE, ChunkKey
 from ..memory import MemoryObj, MemoryPool
 from .base import StorageBackend, TierStats
 from .codec import Codec
+from .lru import held_prefix_count
 from .record import PREFIX_SIZE, RecordHeader, RecordSpec, tensor_bytes
 
 __all__ = ["CHUNK_SUFFIX", "DEFAULT_HEALTH_TIMEOUT", "TEMP_PREFIX", "DiskBackend"]
@@ -273,14 +274,7 @@ class DiskBackend(StorageBackend):
             EngineClosedError: the tier is not open.
         """
         self._check_open()
-        index = self._index
-        n = 0
-        for key in keys:
-            if key not in index:
-                break
-            index.move_to_end(key)
-            n += 1
-        return n
+        return held_prefix_count(self._index, keys)
 
     async def get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         """Read, verify and decode each key's record into a new pool object.

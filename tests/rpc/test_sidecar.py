@@ -8,6 +8,7 @@ CURVE and dead-server tests run their server or client in this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -239,6 +240,26 @@ def sidecar(sidecars: Sidecars, short_dir: Path) -> Sidecar:
 
 def connect(url: str, **options: Any) -> Any:
     return RemoteCacheEngine.connect(url, LAYOUT, model_name=MODEL, **options)
+
+
+@contextlib.asynccontextmanager
+async def in_process(settings: SidecarSettings) -> AsyncIterator[SidecarServer]:
+    """A sidecar served in this process (``serve`` in a task), yielded once it is bound,
+    stopped (and waited for) on exit."""
+    servers: list[SidecarServer] = []
+    ready = anyio.Event()
+
+    def on_ready(server: SidecarServer) -> None:
+        servers.append(server)
+        ready.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: serve(settings, on_ready=on_ready, handle_signals=False))
+        await ready.wait()
+        try:
+            yield servers[0]
+        finally:
+            servers[0].stopping.set()
 
 
 async def server_state(engine: RemoteCacheEngine) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -643,17 +664,8 @@ async def test_curve_server_refuses_a_client_without_its_key(tmp_path: Path) -> 
         curve_secret_key=load_curve_secret_key(str(key_file)),
     )
     kv, slots = kv_for(2 * CHUNK, 5)
-    servers: list[SidecarServer] = []
-    ready = anyio.Event()
-
-    def on_ready(server: SidecarServer) -> None:
-        servers.append(server)
-        ready.set()
-
     with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: serve(settings, on_ready=on_ready, handle_signals=False))
-            await ready.wait()
+        async with in_process(settings):
             with pytest.raises(TierUnavailableError, match="server_public_key"):
                 async with connect(url, timeout=0.5):
                     pass
@@ -663,7 +675,6 @@ async def test_curve_server_refuses_a_client_without_its_key(tmp_path: Path) -> 
                 stored = await engine.store(prompt(2 * CHUNK), kv_caches=kv, slot_mapping=slots)
                 hits = await engine.lookup(prompt(2 * CHUNK))
             assert await ping(url, 10, curve_key=public)  # it lives on
-            servers[0].stopping.set()
     assert (stored, hits) == (2 * CHUNK, 2 * CHUNK)
 
 
@@ -697,41 +708,30 @@ async def test_pings_and_digest_lookups_the_cpu_tier_answers_skip_the_request_ta
         return await answer(self, identity, body)
 
     monkeypatch.setattr(SidecarServer, "_answer", counting)
-    servers: list[SidecarServer] = []
-    ready = anyio.Event()
-
-    def on_ready(server: SidecarServer) -> None:
-        servers.append(server)
-        ready.set()
-
     tokens = prompt(3 * CHUNK + 5, 77)
     kv, slots = kv_for(len(tokens), 12)
     with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: serve(settings, on_ready=on_ready, handle_signals=False))
-            await ready.wait()
-            async with connect(url, timeout=10) as engine:
-                stored = await engine.store(tokens, kv_caches=kv, slot_mapping=slots)
-                tasked.clear()
-                assert await engine.lookup(tokens) == len(tokens)
-                assert await engine.lookup(tokens, lookup_id="n", pin=True) == len(tokens)
-                assert await engine.ping()
-                assert tasked == []  # all answered in the reader callback
-                engine_stats, _ = await server_state(engine)
-                assert engine_stats["pinned_chunks"] == 4
-                await engine.lookup_unpin("n")
-                engine_stats, _ = await server_state(engine)
-                assert engine_stats["pinned_chunks"] == 0
-                # Only the disk holds the prefix now: the lookup takes a task to read it.
-                await flush_sidecar(servers[0])
-                assert await engine.clear(["cpu"]) == 4
-                tasked.clear()
-                assert await engine.lookup(tokens) == len(tokens)
-                assert await engine.lookup(prompt(2 * CHUNK, 78)) == 0
-                assert tasked == [MessageType.LOOKUP, MessageType.LOOKUP]
-            servers[0].stopping.set()
+        async with in_process(settings) as server, connect(url, timeout=10) as engine:
+            stored = await engine.store(tokens, kv_caches=kv, slot_mapping=slots)
+            tasked.clear()
+            assert await engine.lookup(tokens) == len(tokens)
+            assert await engine.lookup(tokens, lookup_id="n", pin=True) == len(tokens)
+            assert await engine.ping()
+            assert tasked == []  # all answered in the reader callback
+            engine_stats, _ = await server_state(engine)
+            assert engine_stats["pinned_chunks"] == 4
+            await engine.lookup_unpin("n")
+            engine_stats, _ = await server_state(engine)
+            assert engine_stats["pinned_chunks"] == 0
+            # Only the disk holds the prefix now: the lookup takes a task to read it.
+            await flush_sidecar(server)
+            assert await engine.clear(["cpu"]) == 4
+            tasked.clear()
+            assert await engine.lookup(tokens) == len(tokens)
+            assert await engine.lookup(prompt(2 * CHUNK, 78)) == 0
+            assert tasked == [MessageType.LOOKUP, MessageType.LOOKUP]
     assert stored == len(tokens)
-    assert servers[0].latency.summary("lookup").count == 4  # the fast ones are timed too
+    assert server.latency.summary("lookup").count == 4  # the fast ones are timed too
 
 
 @pytest.mark.anyio
@@ -750,32 +750,21 @@ async def test_a_lookup_sent_on_a_guess_counts_only_if_the_tokens_are_unchanged(
         return confirmed[-1]
 
     monkeypatch.setattr(DigestGuess, "confirm", recording)
-    servers: list[SidecarServer] = []
-    ready = anyio.Event()
-
-    def on_ready(server: SidecarServer) -> None:
-        servers.append(server)
-        ready.set()
-
     tokens = torch.tensor(prompt(4096 + 40, 91))  # long enough for the client's memo
     kv, slots = kv_for(len(tokens), 13)
     changed_chunk = 6
     with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: serve(settings, on_ready=on_ready, handle_signals=False))
-            await ready.wait()
-            async with connect(url, timeout=10) as engine:
-                assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == len(tokens)
-                assert await engine.lookup(tokens) == len(tokens)
-                assert await engine.lookup(tokens) == len(tokens)  # sent on the guess
-                tokens[changed_chunk * CHUNK + 3] += 1  # changed in place: the guess is wrong
-                hits = await engine.lookup(tokens, lookup_id="g", pin=True)
-                engine_stats, _ = await server_state(engine)
-                # The exact lookup's pins replaced those the guessed one made.
-                assert engine_stats["pinned_chunks"] == changed_chunk
-                assert await engine.lookup(tokens) == changed_chunk * CHUNK
-                await engine.lookup_unpin("g")
-            servers[0].stopping.set()
+        async with in_process(settings), connect(url, timeout=10) as engine:
+            assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == len(tokens)
+            assert await engine.lookup(tokens) == len(tokens)
+            assert await engine.lookup(tokens) == len(tokens)  # sent on the guess
+            tokens[changed_chunk * CHUNK + 3] += 1  # changed in place: the guess is wrong
+            hits = await engine.lookup(tokens, lookup_id="g", pin=True)
+            engine_stats, _ = await server_state(engine)
+            # The exact lookup's pins replaced those the guessed one made.
+            assert engine_stats["pinned_chunks"] == changed_chunk
+            assert await engine.lookup(tokens) == changed_chunk * CHUNK
+            await engine.lookup_unpin("g")
     assert hits == changed_chunk * CHUNK
     assert confirmed == [True, False, True]
 
@@ -788,25 +777,15 @@ async def test_a_namespace_given_at_start_is_the_only_one_served(short_dir: Path
         config=EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.01),
         namespace=SidecarNamespace(MODEL, LAYOUT, revision="r1"),
     )
-    servers: list[SidecarServer] = []
-    ready = anyio.Event()
-
-    def on_ready(server: SidecarServer) -> None:
-        servers.append(server)
-        ready.set()
-
     with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: serve(settings, on_ready=on_ready, handle_signals=False))
-            await ready.wait()
-            assert servers[0].engine is not None  # opened before any client
+        async with in_process(settings) as server:
+            assert server.engine is not None  # opened before any client
             with pytest.raises(InvalidInputError, match="revision None"):
                 async with connect(url, timeout=10):
                     pass
             async with connect(url, timeout=10, revision="r1") as engine:
                 assert engine.chunk_size == CHUNK
                 assert await engine.lookup(prompt(CHUNK)) == 0
-            servers[0].stopping.set()
     assert not await anyio.Path(url.removeprefix("ipc://")).exists()
     huge = KVLayout.vllm_flash_attn(
         num_layers=64, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.float16
