@@ -132,10 +132,7 @@ class DigestFrames:
             self._frames.move_to_end(fingerprint)
             return list(entry[1])
         keys = split_digests(view)
-        self._frames[fingerprint] = (view.tobytes(), keys)
-        self._frames.move_to_end(fingerprint)
-        while len(self._frames) > self._capacity:
-            self._frames.popitem(last=False)
+        _put(self._frames, self._capacity, fingerprint, (view.tobytes(), keys))
         return list(keys)
 
     def __len__(self) -> int:
@@ -585,6 +582,7 @@ class _TensorViews:
 
 
 _Entry = TypeVar("_Entry")
+_Key = TypeVar("_Key")
 
 
 class _DigestMemo:
@@ -692,7 +690,7 @@ class _DigestMemo:
 
 
 def _put(
-    table: collections.OrderedDict[_MemoKey, _Entry], capacity: int, key: _MemoKey, value: _Entry
+    table: collections.OrderedDict[_Key, _Entry], capacity: int, key: _Key, value: _Entry
 ) -> None:
     """Put ``value`` in an LRU ``table`` as its newest entry, the oldest going beyond
     ``capacity``."""
