@@ -6,7 +6,6 @@ prefix is cached, and load it back, through staged async pipelines over tiered s
 
 from __future__ import annotations
 
-from .backends.base import TierStats
 from .config import EngineConfig
 from .engine import CacheEngine
 from .errors import (
@@ -22,10 +21,10 @@ from .errors import (
 )
 from .events import EventKind, KVEvent
 from .keys import ChunkKey, HashAlgorithm
+from .kv_client import KVCacheClient
 from .layouts import KVFormat, KVLayout, LayoutKind
-from .memory import PoolStats
 from .rpc.client import RemoteCacheEngine
-from .stats import EngineStats
+from .stats import EngineStats, PoolStats, TierStats
 from .sync_engine import SyncCacheEngine
 
 __version__ = "0.1.0"
@@ -42,6 +41,7 @@ __all__ = [
     "HashAlgorithm",
     "IntegrityError",
     "InvalidInputError",
+    "KVCacheClient",
     "KVEvent",
     "KVFormat",
     "KVLayout",

@@ -9,22 +9,31 @@ back is used again by itself. State changes are logged.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from .backends.base import StorageBackend
-
-__all__ = ["HealthMonitor"]
+__all__ = ["HealthMonitor", "Probed"]
 
 log = structlog.get_logger(__name__)
+
+
+class Probed(Protocol):
+    """What the monitor needs of a tier (every storage backend is one)."""
+
+    name: str
+
+    def healthy(self) -> bool: ...
+
+    async def check_health(self) -> bool: ...
 
 
 class HealthMonitor:
     """Probes ``tiers`` every ``interval`` seconds; each probe may take ``timeout`` seconds."""
 
-    def __init__(self, tiers: Sequence[StorageBackend], *, interval: float, timeout: float) -> None:
+    def __init__(self, tiers: Sequence[Probed], *, interval: float, timeout: float) -> None:
         self._tiers = list(tiers)
         self._interval = interval
         self._timeout = timeout
@@ -38,7 +47,7 @@ class HealthMonitor:
     async def check_once(self) -> dict[str, bool]:
         """Probe every tier now (concurrently); returns the new states."""
 
-        async def probe(tier: StorageBackend) -> None:
+        async def probe(tier: Probed) -> None:
             ok = False
             with anyio.move_on_after(self._timeout):
                 try:

@@ -24,7 +24,6 @@ import math
 import operator
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple, TypeAlias
 
 import anyio
@@ -33,6 +32,7 @@ import structlog
 import torch
 
 from lmcache_async.errors import AllocationTimeoutError, EngineClosedError, InvalidInputError
+from lmcache_async.stats import PoolStats
 
 __all__ = ["DEFAULT_PAGE_SIZE", "Evictor", "MemoryObj", "MemoryPool", "PoolStats"]
 
@@ -54,25 +54,6 @@ Evictor = Callable[[int], int]
 """Hook ``evictor(nbytes) -> released``: asked for ``nbytes`` more contiguous room, it evicts
 entries (their :meth:`MemoryObj.unref` returns pages to the pool) and returns how many bytes
 it released. The pool checks what was actually freed rather than trusting the return value."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStats:
-    """A snapshot of a :class:`MemoryPool`'s occupancy."""
-
-    capacity_bytes: int
-    used_bytes: int
-    """Bytes of pages held by live objects (each object rounded up to whole pages)."""
-    free_bytes: int
-    """``capacity_bytes - used_bytes``."""
-    num_objects: int
-    """Live :class:`MemoryObj` instances."""
-    pinned_objects: int
-    """Live objects with ``pin_count > 0``."""
-    waiters: int
-    """:meth:`MemoryPool.allocate` calls currently waiting for space."""
-    largest_free_bytes: int
-    """Largest contiguous free run; far below ``free_bytes`` means fragmentation."""
 
 
 class MemoryObj:

@@ -1,14 +1,49 @@
-"""Engine statistics: mutable counters inside, a frozen snapshot outside."""
+"""Statistics: mutable counters inside, frozen snapshots (engine, pool, tier) outside."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .backends.base import TierStats
-from .memory import PoolStats
+__all__ = ["Counters", "EngineStats", "PoolStats", "TierStats"]
 
-__all__ = ["Counters", "EngineStats"]
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """A snapshot of a :class:`MemoryPool`'s occupancy."""
+
+    capacity_bytes: int
+    used_bytes: int
+    """Bytes of pages held by live objects (each object rounded up to whole pages)."""
+    free_bytes: int
+    """``capacity_bytes - used_bytes``."""
+    num_objects: int
+    """Live :class:`MemoryObj` instances."""
+    pinned_objects: int
+    """Live objects with ``pin_count > 0``."""
+    waiters: int
+    """:meth:`MemoryPool.allocate` calls currently waiting for space."""
+    largest_free_bytes: int
+    """Largest contiguous free run; far below ``free_bytes`` means fragmentation."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A snapshot of one tier: contents, traffic and health."""
+
+    name: str
+    chunks: int
+    bytes: int
+    hits: int
+    misses: int
+    puts: int
+    evictions: int
+    healthy: bool
+    corrupt: int = 0
+    """Entries found corrupt (checksum, truncation, header mismatch): each was a miss and
+    was deleted."""
+    errors: int = 0
+    """Operations that failed against the tier (I/O or connection errors)."""
 
 
 @dataclass(slots=True)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmcache_async.errors import AllocationTimeoutError, EngineClosedError, InvalidInputError
-from lmcache_async.memory import DEFAULT_PAGE_SIZE, MemoryObj, MemoryPool, PoolStats
+from lmcache_async.memory import DEFAULT_PAGE_SIZE, MemoryObj, MemoryPool
+from lmcache_async.stats import PoolStats
 
 PAGE = 256
 TIMEOUT = 5.0

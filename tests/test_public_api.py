@@ -19,6 +19,7 @@ REQUIRED = {
     "ConfigError",
     "AllocationTimeoutError",
     "EngineClosedError",
+    "KVCacheClient",
 }
 
 
@@ -62,3 +63,14 @@ def test_errors_are_the_errors_module_classes() -> None:
     for name in errors.__all__:
         if name in lmcache_async.__all__:
             assert getattr(lmcache_async, name) is getattr(errors, name)
+
+
+def test_both_engines_satisfy_the_client_protocol() -> None:
+    """``CacheEngine`` and ``RemoteCacheEngine`` have every member of ``KVCacheClient``."""
+    protocol_members = {
+        name for name in vars(lmcache_async.KVCacheClient) if not name.startswith("_")
+    }
+    assert {"store", "retrieve", "lookup", "prefetch", "lookup_unpin"} <= protocol_members
+    for cls in (lmcache_async.CacheEngine, lmcache_async.RemoteCacheEngine):
+        missing = {name for name in protocol_members if not hasattr(cls, name)}
+        assert not missing, (cls.__name__, missing)

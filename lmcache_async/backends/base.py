@@ -1,35 +1,16 @@
-"""The interface every storage tier implements, and the statistics it reports."""
+"""The interface every storage tier implements."""
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..keys import ChunkKey
 from ..memory import MemoryObj
+from ..stats import TierStats
 from .record import RecordSpec
 
-__all__ = ["StorageBackend", "TierStats"]
-
-
-@dataclass(frozen=True, slots=True)
-class TierStats:
-    """A snapshot of one tier: contents, traffic and health."""
-
-    name: str
-    chunks: int
-    bytes: int
-    hits: int
-    misses: int
-    puts: int
-    evictions: int
-    healthy: bool
-    corrupt: int = 0
-    """Entries found corrupt (checksum, truncation, header mismatch): each was a miss and
-    was deleted."""
-    errors: int = 0
-    """Operations that failed against the tier (I/O or connection errors)."""
+__all__ = ["StorageBackend"]
 
 
 class StorageBackend(abc.ABC):

@@ -18,7 +18,8 @@ import structlog
 from ..errors import InvalidInputError
 from ..keys import ChunkKey
 from ..memory import MemoryObj, MemoryPool
-from .base import StorageBackend, TierStats
+from ..stats import TierStats
+from .base import StorageBackend
 from .lru import held_prefix_count, held_prefix_values
 from .record import RecordSpec
 

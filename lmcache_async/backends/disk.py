@@ -58,7 +58,8 @@ from ..errors import (
 )
 from ..keys import DIGEST_SIZE, ChunkKey
 from ..memory import MemoryObj, MemoryPool
-from .base import StorageBackend, TierStats
+from ..stats import TierStats
+from .base import StorageBackend
 from .codec import Codec
 from .lru import held_prefix_count
 from .record import PREFIX_SIZE, RecordHeader, RecordSpec, tensor_bytes

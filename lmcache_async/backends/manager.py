@@ -28,7 +28,8 @@ from ..errors import InvalidInputError, TierError
 from ..events import EventBuffer, EventKind, KVEvent
 from ..keys import ChunkKey, ChunkSpan
 from ..memory import MemoryObj
-from .base import StorageBackend, TierStats
+from ..stats import TierStats
+from .base import StorageBackend
 from .cpu import CPUBackend
 
 __all__ = ["StorageManager", "chunk_keys"]

@@ -54,7 +54,8 @@ from ..errors import (
 )
 from ..keys import ChunkKey
 from ..memory import MemoryObj, MemoryPool
-from .base import StorageBackend, TierStats
+from ..stats import TierStats
+from .base import StorageBackend
 from .record import RecordHeader, RecordSpec
 
 __all__ = [

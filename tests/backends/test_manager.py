@@ -9,7 +9,7 @@ import anyio
 import pytest
 import torch
 
-from lmcache_async.backends.base import StorageBackend, TierStats
+from lmcache_async.backends.base import StorageBackend
 from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.backends.manager import StorageManager
 from lmcache_async.errors import TierUnavailableError
@@ -17,6 +17,7 @@ from lmcache_async.events import EventBuffer
 from lmcache_async.health import HealthMonitor
 from lmcache_async.keys import ChunkHasher, ChunkKey, Namespace
 from lmcache_async.memory import MemoryObj, MemoryPool
+from lmcache_async.stats import TierStats
 
 TIMEOUT = 10
 
