@@ -173,7 +173,8 @@ def test_detects_vllm_cpu_layout() -> None:
 
 
 def test_vllm_cpu_packing_is_asked_from_vllm_and_checked() -> None:
-    from lmcache_async.integrations.vllm import _check_cpu_packing, detect_layout
+    from lmcache_async.integrations.vllm import detect_layout
+    from lmcache_async.integrations.vllm.layout import _check_cpu_packing
     from lmcache_async.layouts import CpuKVPacking, KVLayout
 
     caches = [torch.zeros(8, 2, 128, 2 * 64) for _ in range(3)]

@@ -1,0 +1,106 @@
+# mypy: disallow-subclassing-any=False
+# (vLLM's modules are not followed, so its base classes are Any to mypy.)
+"""The orders the scheduler side sends the workers each step, through the connector
+metadata: what to load before the forward pass (:class:`LoadSpec`) and what to store
+after it (:class:`SaveSpec`), and the slots of vLLM's paged memory they touch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from lmcache_async.errors import InvalidInputError
+
+__all__ = ["LMCacheAsyncConnectorMetadata", "LoadSpec", "SaveSpec", "block_slots"]
+
+
+def block_slots(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """The slots (``block_id * block_size + offset``) of a request's first ``num_tokens``
+    tokens, as a fresh 1-D int64 tensor.
+
+    Raises:
+        InvalidInputError: the blocks hold fewer than ``num_tokens`` tokens.
+    """
+    needed = -(-num_tokens // block_size)
+    if len(block_ids) < needed:
+        raise InvalidInputError(
+            f"{num_tokens} tokens need {needed} blocks of {block_size}, the request has "
+            f"{len(block_ids)}"
+        )
+    blocks = torch.tensor(list(block_ids[:needed]), dtype=torch.int64)
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    return (blocks.unsqueeze(1) * block_size + offsets).view(-1)[:num_tokens].clone()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Load tokens ``[start, end)`` of a request into its blocks before this step's forward.
+
+    ``tokens`` are the prompt's tokens up to the end of the last chunk to read (they key the
+    chunks; ``end`` may stop short of it, as it does for a fully cached prompt).
+    ``epoch`` counts the request's restarts (a failed load, a preemption).
+    """
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+    epoch: int
+
+    def slots_and_mask(
+        self, *, block_size: int, chunk_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot mapping and mask of the engine's retrieve: the chunks from the one
+        holding ``start`` on are read; only tokens ``[start, end)`` are written.
+
+        Raises:
+            InvalidInputError: ``block_ids`` hold fewer tokens than ``tokens``.
+        """
+        num = len(self.tokens)
+        slots = block_slots(self.block_ids, block_size, num)
+        mask_start = self.start - self.start % chunk_size
+        slots[mask_start : self.start] = -1  # vLLM's own prefix: never overwritten
+        slots[self.end :] = -1
+        mask = torch.zeros(num, dtype=torch.bool)
+        mask[mask_start:] = True
+        return slots, mask
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Store the chunks of ``tokens`` (a prompt prefix) from token ``start`` (a chunk
+    boundary) on, after this step's forward."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    start: int
+    epoch: int
+
+    def slots_and_mask(
+        self, *, block_size: int, chunk_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot mapping and mask of the engine's store: the chunks from the one holding
+        ``start`` on.
+
+        Raises:
+            InvalidInputError: ``block_ids`` hold fewer tokens than ``tokens``.
+        """
+        num = len(self.tokens)
+        slots = block_slots(self.block_ids, block_size, num)
+        mask = torch.zeros(num, dtype=torch.bool)
+        mask[self.start - self.start % chunk_size :] = True
+        return slots, mask
+
+
+@dataclass(slots=True)
+class LMCacheAsyncConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side asks the workers to do in one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,218 @@
+"""The connector's configuration: ``kv_connector_extra_config`` split into the engine's
+settings and the connector's own keys, and the cache engine those settings open.
+
+``kv_connector_extra_config`` holds :class:`~lmcache_async.config.EngineConfig` fields plus
+the connector's own keys (:data:`CONNECTOR_KEYS`); ``LMCACHE_ASYNC_*`` environment variables
+and a YAML file (``config_file``) are merged as by :meth:`EngineConfig.load`, the extra
+config winning.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import structlog
+
+from lmcache_async.config import EngineConfig
+from lmcache_async.errors import ConfigError, InvalidInputError
+from lmcache_async.layouts import KVLayout
+from lmcache_async.rpc.lookup import DEFAULT_LOOKUP_TIMEOUT, lookup_endpoint
+from lmcache_async.sync_engine import DEFAULT_SIDECAR_TIMEOUT, SyncCacheEngine
+
+__all__ = [
+    "CONNECTOR_KEYS",
+    "REQUEST_STATS_KEY",
+    "SIDECAR_ENGINE_KEYS",
+    "ConnectorSettings",
+    "open_engine",
+]
+
+log = structlog.get_logger(__name__)
+
+CONNECTOR_KEYS: Final = (
+    "config_file",
+    "instance_id",
+    "lookup_timeout",
+    "request_stats",
+    "sidecar_timeout",
+    "sidecar_url",
+    "socket_dir",
+    "tenant",
+)
+"""``kv_connector_extra_config`` keys read by the connector itself, not by the engine:
+
+* ``config_file``: YAML file of engine settings (below the extra config in precedence);
+* ``instance_id``: names the lookup sockets (default: vLLM's ``engine_id``);
+* ``lookup_timeout``: seconds the scheduler waits for the workers' answer (then 0 hits);
+* ``request_stats``: when true, each finished request's ``kv_transfer_params`` carry
+  ``{"lmcache_async": {...}}`` with its external, loaded, failed and stored token counts;
+* ``sidecar_url``: ``ipc://PATH`` or ``tcp://HOST:PORT`` of a sidecar (``lmcache-async
+  serve``): the workers keep their cache there instead of in an embedded engine. The
+  sidecar owns the tiers, so the only engine keys allowed beside it are
+  :data:`SIDECAR_ENGINE_KEYS` (``chunk_size`` must be the sidecar's);
+* ``sidecar_timeout``: seconds each request to the sidecar may take (default 5); a sidecar
+  that does not answer in time is a miss;
+* ``socket_dir``: directory of the lookup sockets (default: the temporary directory);
+* ``tenant``: a salt in every chunk key, so tenants never share cache entries.
+"""
+
+SIDECAR_ENGINE_KEYS: Final = ("chunk_size", "save_unfull_chunk", "log_level", "log_format")
+"""Engine keys the connector accepts with ``sidecar_url``: the scheduler side plans chunks
+with them. Storage keys (tiers, sizes, timeouts) are the sidecar's own."""
+
+REQUEST_STATS_KEY: Final = "lmcache_async"
+"""Key of the per-request counts in ``kv_transfer_params`` (with ``request_stats``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """The connector's configuration: the engine's settings and the connector's own keys."""
+
+    engine: EngineConfig
+    instance_id: str | None = None
+    socket_dir: str | None = None
+    lookup_timeout: float = DEFAULT_LOOKUP_TIMEOUT
+    tenant: str | None = None
+    request_stats: bool = False
+    sidecar_url: str | None = None
+    sidecar_timeout: float = DEFAULT_SIDECAR_TIMEOUT
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, Any], *, environ: Mapping[str, str] | None = None
+    ) -> ConnectorSettings:
+        """Split ``kv_connector_extra_config`` into engine and connector settings.
+
+        Raises:
+            ConfigError: an unknown key (the message suggests the closest known one), a
+                connector key of the wrong type or range, an invalid engine setting, or
+                with ``sidecar_url`` a storage key or ``use_layerwise`` (the sidecar owns
+                the tiers and moves whole chunks); ``.field`` names the key.
+        """
+        known = set(EngineConfig.field_names()) | set(CONNECTOR_KEYS)
+        for key in extra:
+            if not isinstance(key, str):
+                raise ConfigError(repr(key), "kv_connector_extra_config keys must be strings")
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(key, "unknown kv_connector_extra_config key" + hint)
+        own = {key: extra[key] for key in CONNECTOR_KEYS if key in extra}
+        engine_keys = {key: value for key, value in extra.items() if key not in own}
+        config_file = own.get("config_file")
+        if config_file is not None and not isinstance(config_file, str):
+            raise ConfigError("config_file", f"expected a path string, got {config_file!r}")
+        engine = EngineConfig.load(config_file, environ=environ, **engine_keys)
+        instance_id = _optional_str(own, "instance_id")
+        socket_dir = _optional_str(own, "socket_dir")
+        if instance_id is not None:
+            try:
+                lookup_endpoint(instance_id, 0, socket_dir)
+            except InvalidInputError as exc:
+                raise ConfigError("instance_id", str(exc)) from None
+        timeout = _seconds(own, "lookup_timeout", DEFAULT_LOOKUP_TIMEOUT)
+        request_stats = own.get("request_stats", False)
+        if not isinstance(request_stats, bool):
+            raise ConfigError("request_stats", f"expected a bool, got {request_stats!r}")
+        sidecar_url = _optional_str(own, "sidecar_url")
+        if sidecar_url is not None:
+            _check_sidecar(sidecar_url, engine, engine_keys)
+        elif "sidecar_timeout" in own:
+            raise ConfigError("sidecar_timeout", "only meaningful with sidecar_url")
+        return cls(
+            engine=engine,
+            instance_id=instance_id,
+            socket_dir=socket_dir,
+            lookup_timeout=timeout,
+            tenant=_optional_str(own, "tenant"),
+            request_stats=request_stats,
+            sidecar_url=sidecar_url,
+            sidecar_timeout=_seconds(own, "sidecar_timeout", DEFAULT_SIDECAR_TIMEOUT),
+        )
+
+
+def _seconds(values: Mapping[str, Any], key: str, default: float) -> float:
+    value = values.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(key, f"expected a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _check_sidecar(url: str, engine: EngineConfig, engine_keys: Mapping[str, Any]) -> None:
+    """Refuse what a sidecar cannot honour: a bad URL, layerwise, storage keys here."""
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("ipc", "tcp") or not rest:
+        raise ConfigError("sidecar_url", f"expected ipc://PATH or tcp://HOST:PORT, got {url!r}")
+    if engine.use_layerwise:
+        raise ConfigError(
+            "use_layerwise",
+            "layerwise transfers are not offered over the sidecar; drop use_layerwise or "
+            "sidecar_url",
+        )
+    for key in engine_keys:
+        if key not in SIDECAR_ENGINE_KEYS:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(
+                key,
+                f"the sidecar at {url} owns the storage settings: give {flag} to "
+                "`lmcache-async serve`, not to the connector",
+            )
+
+
+def _optional_str(values: Mapping[str, Any], key: str) -> str | None:
+    value = values.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(key, f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def open_engine(
+    settings: ConnectorSettings,
+    layout: KVLayout,
+    *,
+    model_name: str,
+    revision: str | None,
+    tenant: str | None,
+) -> SyncCacheEngine:
+    """The worker's cache engine over ``layout``: an embedded engine, or with
+    ``sidecar_url`` a client of the sidecar.
+
+    A sidecar that is down is not fatal: calls are misses until it answers (logged here).
+    One that cuts chunks of another size would key every chunk differently: refused.
+
+    Raises:
+        ConfigError: the sidecar answers with another ``chunk_size`` than configured.
+    """
+    url = settings.sidecar_url
+    if url is None:
+        return SyncCacheEngine.open(
+            settings.engine, layout, model_name=model_name, revision=revision, tenant=tenant
+        )
+    engine = SyncCacheEngine.connect(
+        url,
+        layout,
+        model_name=model_name,
+        revision=revision,
+        tenant=tenant,
+        timeout=settings.sidecar_timeout,
+    )
+    chunk = engine.chunk_size
+    if chunk is None:
+        log.warning("vllm_sidecar_unreachable", url=url, timeout=settings.sidecar_timeout)
+    elif chunk != settings.engine.chunk_size:
+        engine.close()
+        raise ConfigError(
+            "chunk_size",
+            f"the sidecar at {url} cuts chunks of {chunk} tokens, the connector is "
+            f"configured for {settings.engine.chunk_size}: set chunk_size to {chunk}",
+        )
+    return engine
