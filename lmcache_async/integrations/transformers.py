@@ -11,7 +11,8 @@ memory order, so chunks stored here are the same bytes a vLLM worker with the sa
 shape and dtype would store.
 
 Typical use, with an embedded :class:`~lmcache_async.CacheEngine` or a
-:class:`~lmcache_async.RemoteCacheEngine`::
+:class:`~lmcache_async.RemoteCacheEngine` (the helpers take any
+:class:`~lmcache_async.KVCacheClient`)::
 
     layout = kv_layout_for(model.config, torch.float32)
     async with CacheEngine.open(config, layout, model_name="my-model") as engine:
@@ -27,9 +28,9 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import anyio.to_thread
 import structlog
@@ -37,12 +38,12 @@ import torch
 from transformers import DynamicCache
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.kv_client import KVCacheClient
 from lmcache_async.layouts import KVLayout, LayoutKind
 from lmcache_async.tokens import Tokens
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
-    "KVCacheClient",
     "PrefillResult",
     "dynamic_cache_to_paged",
     "kv_layout_for",
@@ -56,36 +57,6 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_BLOCK_SIZE: Final = 16
 """Tokens per block of the paged buffer the helpers copy through."""
-
-
-class KVCacheClient(Protocol):
-    """What the helpers need of a cache engine: the common interface of
-    :class:`~lmcache_async.CacheEngine` and :class:`~lmcache_async.RemoteCacheEngine`."""
-
-    async def store(
-        self,
-        tokens: Tokens | None = None,
-        *,
-        kv_caches: Sequence[torch.Tensor],
-        slot_mapping: torch.Tensor,
-        req_id: str | None = None,
-    ) -> int: ...
-
-    async def retrieve(
-        self,
-        tokens: Tokens | None = None,
-        *,
-        kv_caches: Sequence[torch.Tensor],
-        slot_mapping: torch.Tensor,
-        req_id: str | None = None,
-        lookup_id: Hashable | None = None,
-    ) -> torch.Tensor: ...
-
-    async def lookup(
-        self, tokens: Tokens | None = None, *, lookup_id: Hashable | None = None, pin: bool = False
-    ) -> int: ...
-
-    async def lookup_unpin(self, lookup_id: Hashable) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
