@@ -265,6 +265,23 @@ def test_block_slots() -> None:
         block_slots([7, 2], 4, 9)
 
 
+def test_load_and_save_specs_map_to_slots_and_masks() -> None:
+    """A load reads from the chunk holding ``start`` but writes only ``[start, end)``; a
+    store reads from the chunk holding ``start`` on."""
+    from lmcache_async.integrations.vllm import LoadSpec, SaveSpec
+
+    load = LoadSpec(
+        req_id="r", tokens=list(range(10)), block_ids=[3, 1, 2], start=6, end=9, epoch=0
+    )
+    slots, mask = load.slots_and_mask(block_size=4, chunk_size=4)
+    assert slots.tolist() == [12, 13, 14, 15, -1, -1, 6, 7, 8, -1]
+    assert mask.tolist() == [False] * 4 + [True] * 6
+    save = SaveSpec(req_id="r", tokens=list(range(10)), block_ids=[3, 1, 2], start=4, epoch=0)
+    slots, mask = save.slots_and_mask(block_size=4, chunk_size=4)
+    assert slots.tolist() == [12, 13, 14, 15, 4, 5, 6, 7, 8, 9]
+    assert mask.tolist() == [False] * 4 + [True] * 6
+
+
 # -- scheduler-side planning -----------------------------------------------------------------
 
 
