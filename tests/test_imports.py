@@ -79,7 +79,9 @@ LAYER_OF: Final[Mapping[str, str]] = {
     "memory": "data model",
     "cuda": "data model",
     "kv_client": "data model",
-    "key_input": "data model",
+    "key_input": "data model",  # keys' parts: what a key is made from, the hash, ...
+    "block_hashes": "data model",
+    "hashing": "data model",
     "digests": "data model",
     "digest_memo": "data model",
     "kv_views": "data model",
