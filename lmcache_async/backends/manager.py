@@ -2,155 +2,46 @@
 
 The CPU tier is the hot cache; slow tiers (disk, Redis) sit behind it. A store puts chunks
 into the CPU tier at once and hands them to each slow tier's writer through a bounded queue
-(write-behind: a full queue skips that tier's write and counts it), or waits for the slow
-tiers when configured to. A lookup counts a prefix across tiers (it may begin on CPU and
-continue on disk or in Redis); a fetch reads the chunks the CPU tier lacks from the slow
-tiers and promotes them into it. A slow tier that is down is skipped, never waited on; a
-failing call is a miss. The manager decides what a write goes to and what a read comes
-from; it knows nothing of pipelines or requests. Everything here runs on the event loop;
-no method blocks.
+(write-behind, :mod:`.writers`: a full queue skips that tier's write and counts it), or
+waits for the slow tiers when configured to. A lookup counts a prefix across tiers (it may
+begin on CPU and continue on disk or in Redis); a fetch reads the chunks the CPU tier lacks
+from the slow tiers and promotes them into it. A slow tier that is down is skipped, never
+waited on; a failing call is a miss. The manager decides what a write goes to and what a
+read comes from (the enabled tiers and locations: :mod:`.tiers`); it knows nothing of
+pipelines or requests. Lookup pins are kept in :mod:`.pins`, KV events built in
+:mod:`.tier_events`. Everything here runs on the event loop; no method blocks.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
 
-import anyio
 import numpy as np
 import structlog
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import InvalidInputError, TierError
-from ..events import EventBuffer, EventKind, KVEvent
+from ..errors import TierError
+from ..events import EventBuffer
 from ..keys import ChunkKey, ChunkSpan
 from ..memory import MemoryObj
 from ..stats import TierStats
 from .base import StorageBackend
 from .cpu import CPUBackend
+from .pins import Clock, PinSets
+from .tier_events import TierEvents
+from .tiers import TierSet
+from .writers import TierWriters
 
 __all__ = ["StorageManager", "chunk_keys"]
 
 log = structlog.get_logger(__name__)
 
-Clock = Callable[[], float]
-
-
-@dataclass(slots=True)
-class _PinSet:
-    objs: list[MemoryObj]
-    deadline: float
-    # Prefetched payloads by key, for a retrieve under the same lookup id (they may not be
-    # in the CPU tier when the hot cache is off).
-    by_key: dict[bytes, MemoryObj] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Write:
-    keys: list[ChunkKey]
-    objs: list[MemoryObj]  # one reference each, owned by the write
-    event: KVEvent | None
-
-
-class _TierWriter:
-    """Writes chunks behind the stores into one slow tier, through a bounded queue."""
-
-    def __init__(self, tier: StorageBackend, *, queue_size: int, events: EventBuffer) -> None:
-        self.tier = tier
-        self._events = events
-        self._send: MemoryObjectSendStream[_Write]
-        self._receive: MemoryObjectReceiveStream[_Write]
-        self._send, self._receive = anyio.create_memory_object_stream[_Write](queue_size)
-        self.pending = 0
-        self.dropped = 0
-        self.written = 0
-        self.failed = 0
-        self._idle = anyio.Event()
-        self._idle.set()
-
-    def submit(
-        self, keys: list[ChunkKey], objs: Sequence[MemoryObj], event: KVEvent | None
-    ) -> bool:
-        """Queue a write (taking references); False when the queue is full or closed."""
-        write = _Write(keys, [obj.ref() for obj in objs], event)
-        try:
-            self._send.send_nowait(write)
-        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            _release(write.objs)
-            self.dropped += len(keys)
-            return False
-        self.pending += 1
-        self._idle = anyio.Event() if self._idle.is_set() else self._idle
-        return True
-
-    async def write(
-        self, keys: list[ChunkKey], objs: Sequence[MemoryObj], event: KVEvent | None
-    ) -> int:
-        """Write now and wait for it; returns the chunks written (0 on failure)."""
-        try:
-            added = await self.tier.put(keys, objs)
-        except TierError as exc:
-            self.failed += len(keys)
-            log.warning("tier_write_failed", tier=self.tier.name, chunks=len(keys), error=str(exc))
-            return 0
-        except Exception:
-            self.failed += len(keys)
-            log.exception("tier_write_failed", tier=self.tier.name, chunks=len(keys))
-            return 0
-        self.written += len(keys)
-        if added and event is not None:
-            self._events.add(event)
-        return len(keys)
-
-    async def run(self) -> None:
-        """Drain the queue until it is closed; every write's references are released."""
-        async with self._receive:
-            async for item in self._receive:
-                try:
-                    if self.tier.healthy():
-                        await self.write(item.keys, item.objs, item.event)
-                    else:
-                        self.dropped += len(item.keys)
-                finally:
-                    _release(item.objs)
-                    self.pending -= 1
-                    if self.pending == 0:
-                        self._idle.set()
-
-    async def drain(self) -> None:
-        """Wait until every queued write is done."""
-        while self.pending:
-            await self._idle.wait()
-
-    def close(self) -> None:
-        self._send.close()
-
-    def discard(self) -> None:
-        """Drop queued writes without writing them (after close, when time ran out)."""
-        while True:
-            try:
-                item = self._receive.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                return
-            _release(item.objs)
-            self.dropped += len(item.keys)
-            self.pending -= 1
-
 
 def chunk_keys(keys: Sequence[bytes]) -> list[ChunkKey]:
     """Keys as :class:`ChunkKey` (a lookup may probe with bare whole-chunk digests)."""
     return [key if isinstance(key, ChunkKey) else ChunkKey(key) for key in keys]
-
-
-def _release(objs: Sequence[MemoryObj]) -> None:
-    for obj in objs:
-        obj.unref()
-
-
-TIER_ORDER = ("cpu", "disk", "redis")
 
 
 class StorageManager:
@@ -179,23 +70,17 @@ class StorageManager:
     ) -> None:
         self._cpu = cpu
         self._events = events
-        self._chunk_size = chunk_size
-        self._pin_timeout = pin_timeout
-        self._clock = clock
-        self._pins: dict[Hashable, _PinSet] = {}
+        self._kv_events = TierEvents(events, chunk_size=chunk_size)
+        self._pins = PinSets(timeout=pin_timeout, clock=clock)
         self._frozen = False
         self._hot_cache = hot_cache
         self._want_store = None if store_location is None else tuple(store_location)
         self._want_read = None if retrieve_locations is None else tuple(retrieve_locations)
         self._write_queue_size = write_queue_size
         self._wait_for_slow = wait_for_slow_tiers
-        self._slow: list[StorageBackend] = []
-        self._tiers: dict[str, StorageBackend] = {}
-        self._writers: dict[str, _TierWriter] = {}
-        self._store_to: tuple[str, ...] = ()
-        self._read_from: tuple[str, ...] = ()
+        self._tiers = TierSet(cpu)
+        self._writers = TierWriters((), queue_size=write_queue_size, events=events)
         self.attach_slow_tiers(slow_tiers)
-        self.expired_pins = 0
         self.promoted_chunks = 0
         self.tier_read_errors = 0
 
@@ -204,21 +89,11 @@ class StorageManager:
 
         The configured store and retrieve locations are narrowed to the enabled tiers.
         """
-        self._slow = list(tiers)
-        self._tiers = {self._cpu.name: self._cpu}
-        self._tiers.update((tier.name, tier) for tier in self._slow)
-        self._writers = {
-            tier.name: _TierWriter(tier, queue_size=self._write_queue_size, events=self._events)
-            for tier in self._slow
-        }
-        self._store_to = self._enabled(self._want_store)
-        self._read_from = self._enabled(self._want_read)
-
-    def _enabled(self, wanted: tuple[str, ...] | None) -> tuple[str, ...]:
-        return tuple(
-            name
-            for name in TIER_ORDER
-            if name in self._tiers and (wanted is None or name in wanted)
+        self._tiers = TierSet(
+            self._cpu, tiers, wanted_store=self._want_store, wanted_read=self._want_read
+        )
+        self._writers = TierWriters(
+            self._tiers.slow, queue_size=self._write_queue_size, events=self._events
         )
 
     def check_locations(self, locations: Sequence[str] | None, name: str) -> tuple[str, ...]:
@@ -227,34 +102,23 @@ class StorageManager:
         Raises:
             InvalidInputError: a location names no enabled tier.
         """
-        if locations is None:
-            return tuple(self._tiers)
-        if isinstance(locations, str):
-            locations = [locations]
-        for location in locations:
-            if location not in self._tiers:
-                raise InvalidInputError(
-                    f"{name}: {location!r} is not an enabled tier (enabled: {list(self._tiers)})"
-                )
-        return tuple(tier for tier in TIER_ORDER if tier in locations)
+        return self._tiers.check_locations(locations, name)
 
     @property
     def tier_names(self) -> tuple[str, ...]:
-        return tuple(self._tiers)
+        return self._tiers.names
 
     def tier(self, name: str) -> StorageBackend:
         """The enabled tier called ``name``. Raises InvalidInputError for another name."""
-        self.check_locations([name], "location")
-        return self._tiers[name]
+        return self._tiers.tier(name)
 
     @property
     def slow_tiers(self) -> list[StorageBackend]:
-        return list(self._slow)
+        return list(self._tiers.slow)
 
     async def start(self, task_group: TaskGroup) -> None:
         """Start a writer task per slow tier in ``task_group``."""
-        for writer in self._writers.values():
-            task_group.start_soon(writer.run, name=f"tier-writer-{writer.tier.name}")
+        self._writers.start(task_group)
 
     # -- switches -------------------------------------------------------------------------
 
@@ -281,8 +145,9 @@ class StorageManager:
         """Whether a store can keep anything now (some target tier takes writes)."""
         if self._frozen:
             return False
-        return (self._hot_cache and self._cpu.name in self._store_to) or any(
-            tier.name in self._store_to and tier.healthy() for tier in self._slow
+        store_to = self._tiers.store_to
+        return (self._hot_cache and self._cpu.name in store_to) or any(
+            tier.name in store_to and tier.healthy() for tier in self._tiers.slow
         )
 
     def _cpu_writable(self, locations: tuple[str, ...]) -> bool:
@@ -290,16 +155,15 @@ class StorageManager:
 
     def _readable(self, locations: Sequence[str] | None) -> list[StorageBackend]:
         """Slow tiers a read may use now: named, enabled, healthy, and not frozen."""
-        if self._frozen or not self._slow:
+        if self._frozen or not self._tiers.slow:
             return []
-        names = self._read_from if locations is None else locations
-        return [tier for tier in self._slow if tier.name in names and tier.healthy()]
+        return self._tiers.readable(self._tiers.read_from if locations is None else locations)
 
     # -- reads ----------------------------------------------------------------------------
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """Number of leading keys in the CPU tier (a bare digest finds its whole-chunk key)."""
-        if self._cpu.name not in self._read_from:
+        if self._cpu.name not in self._tiers.read_from:
             return 0
         return self._cpu.contains_prefix_nowait(keys)
 
@@ -311,7 +175,7 @@ class StorageManager:
         The run may begin in one tier and continue in another. A slow tier that fails is
         skipped (a miss), never raised.
         """
-        names = self._read_from if locations is None else locations
+        names = self._tiers.read_from if locations is None else locations
         hits = self._cpu.contains_prefix_nowait(keys) if self._cpu.name in names else 0
         if hits == len(keys):
             return hits
@@ -357,7 +221,7 @@ class StorageManager:
         Chunks prefetched for ``lookup_id`` come first, then the CPU tier, then the slow
         tiers; what a slow tier returns is promoted into the CPU tier (hot cache on).
         """
-        names = self._read_from if locations is None else tuple(locations)
+        names = self._tiers.read_from if locations is None else tuple(locations)
         pinned = self._pins.get(lookup_id) if lookup_id is not None else None
         out: list[MemoryObj] = []
         tiers = self._readable(names)
@@ -421,50 +285,31 @@ class StorageManager:
         """
         if self._frozen or not spans:
             return 0
-        targets = self._store_to if locations is None else tuple(locations)
+        targets = self._tiers.store_to if locations is None else tuple(locations)
         keys = [span.key for span in spans]
         kept = 0
         if self._cpu_writable(targets):
             if self._cpu.put_nowait(keys, objs):
-                self._events.add(self._stored_event(spans, tokens, self._cpu.name))
+                self._kv_events.add(self._kv_events.stored(spans, tokens, self._cpu.name))
             kept = len(keys)
-        for tier in self._slow:
+        for tier in self._tiers.slow:
             if tier.name not in targets or not tier.healthy():
                 continue
             writer = self._writers[tier.name]
-            event = self._stored_event(spans, tokens, tier.name)
+            event = self._kv_events.stored(spans, tokens, tier.name)
             if self._wait_for_slow:
                 kept = max(kept, await writer.write(keys, objs, event))
             elif writer.submit(keys, objs, event):
                 kept = len(keys)
         return kept
 
-    def _stored_event(
-        self, spans: Sequence[ChunkSpan], tokens: np.ndarray | None, medium: str
-    ) -> KVEvent:
-        token_ids: tuple[int, ...] = ()
-        if tokens is not None:
-            token_ids = tuple(tokens[spans[0].start : spans[-1].end].tolist())
-        return KVEvent(
-            kind=EventKind.STORED,
-            block_hashes=tuple(span.key.digest for span in spans),
-            parent_block_hash=spans[0].parent.digest if spans[0].parent else None,
-            token_ids=token_ids,
-            block_size=self._chunk_size,
-            medium=medium,
-        )
-
     async def flush(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` seconds) until queued slow-tier writes are done."""
-        with anyio.move_on_after(timeout):
-            for writer in self._writers.values():
-                await writer.drain()
-            return True
-        return False
+        return await self._writers.flush(timeout)
 
     def on_evicted(self, keys: list[ChunkKey]) -> None:
         """Record chunks the CPU tier dropped (eviction listener)."""
-        self._removed_event(keys, self._cpu.name)
+        self._kv_events.removed(keys, self._cpu.name)
 
     async def remove(self, keys: Sequence[ChunkKey], locations: Sequence[str] | None = None) -> int:
         """Forget ``keys`` in the named tiers (all by default); returns chunks removed."""
@@ -473,8 +318,8 @@ class StorageManager:
         if self._cpu.name in names:
             present = [key for key in keys if key in self._cpu]
             removed += self._cpu.remove_nowait(present)
-            self._removed_event(present, self._cpu.name)
-        for tier in self._slow:
+            self._kv_events.removed(present, self._cpu.name)
+        for tier in self._tiers.slow:
             if tier.name in names and tier.healthy():
                 try:
                     gone = await tier.remove(keys)
@@ -483,7 +328,7 @@ class StorageManager:
                     continue
                 removed += gone
                 if gone:
-                    self._removed_event(keys, tier.name)
+                    self._kv_events.removed(keys, tier.name)
         return removed
 
     async def clear(self, locations: Sequence[str] | None = None) -> int:
@@ -494,9 +339,9 @@ class StorageManager:
         if self._cpu.name in names:
             self.release_all_pins()
             keys = self._cpu.clear_nowait()
-            self._removed_event(keys, self._cpu.name)
+            self._kv_events.removed(keys, self._cpu.name)
             dropped += len(keys)
-        for tier in self._slow:
+        for tier in self._tiers.slow:
             if tier.name in names:
                 await self._writers[tier.name].drain()
                 try:
@@ -506,19 +351,6 @@ class StorageManager:
         log.info("cache_cleared", chunks=dropped, locations=list(names))
         return dropped
 
-    def _removed_event(self, keys: Sequence[ChunkKey], medium: str) -> None:
-        if keys:
-            self._events.add(
-                KVEvent(
-                    kind=EventKind.REMOVED,
-                    block_hashes=tuple(key.digest for key in keys),
-                    parent_block_hash=None,
-                    token_ids=(),
-                    block_size=self._chunk_size,
-                    medium=medium,
-                )
-            )
-
     # -- pins -----------------------------------------------------------------------------
 
     def pin_prefix(self, keys: Sequence[bytes], lookup_id: Hashable) -> int:
@@ -526,12 +358,12 @@ class StorageManager:
 
         Pinning again under the same id replaces the earlier pins.
         """
-        self.unpin(lookup_id)
-        if self._cpu.name not in self._read_from:
+        self._pins.release(lookup_id)
+        if self._cpu.name not in self._tiers.read_from:
             return 0
         objs = self._cpu.pin_prefix_nowait(keys)
         if objs:
-            self._pins[lookup_id] = _PinSet(objs, self._clock() + self._pin_timeout)
+            self._pins.add(lookup_id, objs)
         return len(objs)
 
     def pin_objects(
@@ -539,45 +371,34 @@ class StorageManager:
     ) -> None:
         """Reference and pin prefetched ``objs`` for ``lookup_id``; a retrieve under that id
         is served from them."""
-        self.unpin(lookup_id)
+        self._pins.release(lookup_id)
         held = [obj.ref() for obj in objs]
         for obj in held:
             obj.pin()
-        self._pins[lookup_id] = _PinSet(
-            held, self._clock() + self._pin_timeout, dict(zip(keys, held, strict=False))
-        )
+        self._pins.add(lookup_id, held, dict(zip(keys, held, strict=False)))
 
     def unpin(self, lookup_id: Hashable) -> int:
         """Release the pins of ``lookup_id``; returns how many chunks were released."""
-        pins = self._pins.pop(lookup_id, None)
-        if pins is None:
-            return 0
-        for obj in pins.objs:
-            obj.unpin()
-            obj.unref()
-        return len(pins.objs)
+        return self._pins.release(lookup_id)
 
     def release_all_pins(self) -> int:
-        return sum(self.unpin(lookup_id) for lookup_id in list(self._pins))
+        return self._pins.release_all()
 
     def expire_pins(self) -> int:
         """Release pins whose deadline has passed; returns how many lookup ids expired."""
-        now = self._clock()
-        expired = [lid for lid, pins in self._pins.items() if pins.deadline <= now]
-        for lookup_id in expired:
-            chunks = self.unpin(lookup_id)
-            log.warning("lookup_pins_expired", lookup_id=str(lookup_id), chunks=chunks)
-        self.expired_pins += len(expired)
-        return len(expired)
+        return self._pins.expire()
 
     def next_pin_deadline(self) -> float | None:
-        if not self._pins:
-            return None
-        return min(pins.deadline for pins in self._pins.values())
+        return self._pins.next_deadline()
+
+    @property
+    def expired_pins(self) -> int:
+        """Lookup ids whose pins were released by their deadline."""
+        return self._pins.expired
 
     @property
     def pinned_chunks(self) -> int:
-        return sum(len(pins.objs) for pins in self._pins.values())
+        return self._pins.chunks
 
     @property
     def active_lookup_ids(self) -> int:
@@ -586,22 +407,22 @@ class StorageManager:
     # -- state ----------------------------------------------------------------------------
 
     def tier_stats(self) -> dict[str, TierStats]:
-        return {name: tier.stats() for name, tier in self._tiers.items()}
+        return self._tiers.stats()
 
     def tier_health(self) -> dict[str, bool]:
-        return {name: tier.healthy() for name, tier in self._tiers.items()}
+        return self._tiers.health()
 
     @property
     def tier_writes_pending(self) -> int:
-        return sum(writer.pending for writer in self._writers.values())
+        return self._writers.pending
 
     @property
     def tier_writes_dropped(self) -> int:
-        return sum(writer.dropped for writer in self._writers.values())
+        return self._writers.dropped
 
     @property
     def tier_writes_failed(self) -> int:
-        return sum(writer.failed for writer in self._writers.values())
+        return self._writers.failed
 
     def healthy(self) -> bool:
         """The engine can serve while its CPU tier can: slow tiers down are bypassed."""
@@ -609,14 +430,12 @@ class StorageManager:
 
     async def aclose(self, drain_timeout: float = math.inf) -> None:
         """Finish queued slow-tier writes (bounded), then release everything."""
-        for writer in self._writers.values():
-            writer.close()
+        self._writers.close()
         if not await self.flush(drain_timeout):
             log.warning("tier_writes_abandoned", pending=self.tier_writes_pending)
-        for writer in self._writers.values():
-            writer.discard()
+        self._writers.discard()
         self.release_all_pins()
-        for tier in self._slow:
+        for tier in self._tiers.slow:
             try:
                 await tier.aclose()
             except Exception:
