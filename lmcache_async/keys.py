@@ -7,37 +7,39 @@ layout, tenant). ``H`` is blake3 (default) or xxh3-128, both producing :data:`DI
 bytes: a real hash, never Python's ``hash()``, so every process and host computes the same
 key for the same tokens.
 
-The link ``h_{i-1}`` comes after the tokens so that hashing a chunk's tokens does not wait
-for the key before it: the blake3 chain in C (:mod:`lmcache_async._native`, built with the
-package when a C compiler is there) hashes the whole 1 KiB blocks of many chunks at once,
-one per vector lane, then folds in the links in order. Without it the blake3 package
-computes the same keys, chunk after chunk, about three times slower.
-
 Segment keys for blending (:class:`~lmcache_async.segments.SegmentHasher`) live in
-:mod:`lmcache_async.segments`; token input checks (:func:`token_array`, :func:`check_mask`)
-live in :mod:`lmcache_async.tokens` and are re-exported here.
+:mod:`lmcache_async.segments`. Re-exported here from the modules they live in:
+:class:`HashAlgorithm` and :data:`NATIVE_CHAIN` from :mod:`lmcache_async.hashing`, where
+``H`` and the chain are (the chain in C where the package was built with it); token input
+checks (:func:`token_array`, :func:`check_mask`) from :mod:`lmcache_async.tokens`;
+:data:`DIGEST_SIZE`, :func:`split_digests` and :class:`DigestFrames` from
+:mod:`lmcache_async.digests`; the memo's :class:`DigestProbe` and :class:`DigestGuess`
+from :mod:`lmcache_async.digest_memo`, where the hasher's digest memo lives. Block hashes
+are encoded for the chain in :mod:`lmcache_async.block_hashes`.
 """
 
 from __future__ import annotations
 
-import collections
-import enum
-import functools
-import operator
 import re
-import threading
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Final
 
-import blake3
 import numpy as np
 import numpy.typing as npt
 import torch
-import xxhash
 
+from lmcache_async.block_hashes import encode_block_hashes
+from lmcache_async.digest_memo import DigestGuess, DigestProbe, MemoKey, TokenMemo
+from lmcache_async.digests import DIGEST_SIZE, DigestFrames, split_digests
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.hashing import (
+    NATIVE_CHAIN,
+    HashAlgorithm,
+    as_algorithm,
+    chain_function,
+    hash_function,
+)
 from lmcache_async.tokens import (
     TOKEN_BYTES,
     Tokens,
@@ -49,6 +51,7 @@ from lmcache_async.tokens import (
 
 __all__ = [
     "DIGEST_SIZE",
+    "NATIVE_CHAIN",
     "ChunkHasher",
     "ChunkKey",
     "ChunkSpan",
@@ -63,112 +66,13 @@ __all__ = [
     "token_array",
 ]
 
-DIGEST_SIZE: Final = 16
-"""Size in bytes of every key digest, whatever the algorithm."""
-
-_DIGEST_ITEM: Final = np.dtype(f"V{DIGEST_SIZE}")
-
 _LAYER_BYTES: Final = 4
 _MAX_LAYERS: Final = 1 << (8 * _LAYER_BYTES)
 
-_HASH_INT_BYTES: Final = 32
 _NAMESPACE_DOMAIN: Final = b"lmcache_async/namespace/v1\x00"
 _NONE_TAG: Final = b"\x00"
 _STR_TAG: Final = b"\x01"
-_INT_HASH_TAG: Final = b"\x01"
-_BYTES_HASH_TAG: Final = b"\x02"
 _KEY_TEXT: Final = re.compile(r"([0-9a-f]{32})(?:@L(0|[1-9][0-9]*))?")
-
-
-def split_digests(data: bytes | bytearray | memoryview) -> list[bytes]:
-    """The digests in ``data``, a concatenation of :data:`DIGEST_SIZE`-byte digests (as a
-    lookup's wire frame carries them), each a bytes object of its own.
-
-    Raises:
-        InvalidInputError: ``data`` is not contiguous memory, or its length is not a
-            multiple of :data:`DIGEST_SIZE`.
-    """
-    view = memoryview(data)
-    if not view.c_contiguous:
-        raise InvalidInputError("the digests must be contiguous bytes")
-    if view.nbytes % DIGEST_SIZE:
-        raise InvalidInputError(
-            f"{view.nbytes} bytes of digests are not a multiple of {DIGEST_SIZE}"
-        )
-    # As fixed-size void items numpy cuts the bytes in one C loop: a quarter of the
-    # time of slicing them once per digest (128 times for a 32k-token prompt).
-    digests: list[bytes] = np.frombuffer(view.cast("B"), dtype=_DIGEST_ITEM).tolist()
-    return digests
-
-
-class DigestFrames:
-    """:func:`split_digests` for frames that come again: the keys of the last
-    ``capacity`` frames cut, found by the frame's bytes (an xxh3 fingerprint, then a
-    comparison). A sidecar's client asks about one prompt several times; its frame is then
-    neither cut again nor are its 128 digests hashed again (the keys keep their cached
-    hashes), which is most of what the CPU tier's dict spends on a lookup. Each call
-    returns a list of its own. For one thread (the engine's event loop).
-    """
-
-    __slots__ = ("_capacity", "_frames")
-
-    def __init__(self, capacity: int) -> None:
-        if not is_strict_int(capacity) or capacity <= 0:
-            raise InvalidInputError(f"capacity must be a positive int, got {capacity!r}")
-        self._capacity = capacity
-        self._frames: collections.OrderedDict[int, tuple[bytes, list[bytes]]] = (
-            collections.OrderedDict()
-        )
-
-    def split(self, data: bytes | bytearray | memoryview) -> list[bytes]:
-        """As :func:`split_digests` (and raising as it does)."""
-        view = memoryview(data)
-        if not view.c_contiguous or view.nbytes % DIGEST_SIZE:
-            return split_digests(view)  # refused there, with the reason
-        view = view.cast("B")
-        fingerprint = xxhash.xxh3_64_intdigest(view)
-        entry = self._frames.get(fingerprint)
-        if entry is not None and len(entry[0]) == len(view) and entry[0].startswith(view):
-            self._frames.move_to_end(fingerprint)
-            return list(entry[1])
-        keys = split_digests(view)
-        _put(self._frames, self._capacity, fingerprint, (view.tobytes(), keys))
-        return list(keys)
-
-    def __len__(self) -> int:
-        return len(self._frames)
-
-
-class HashAlgorithm(enum.StrEnum):
-    """The hash ``H`` used for seeds and chunk keys."""
-
-    BLAKE3 = "blake3"
-    XXH3_128 = "xxh3_128"
-
-
-def _blake3(data: bytes) -> bytes:
-    return blake3.blake3(data).digest(length=DIGEST_SIZE)
-
-
-def _xxh3_128(data: bytes) -> bytes:
-    return xxhash.xxh3_128_digest(data)
-
-
-def _hash_function(algorithm: HashAlgorithm) -> Callable[[bytes], bytes]:
-    """One-shot ``H``: bytes in, :data:`DIGEST_SIZE` bytes out."""
-    if algorithm is HashAlgorithm.BLAKE3:
-        return _blake3
-    return _xxh3_128
-
-
-def _as_algorithm(algorithm: HashAlgorithm | str) -> HashAlgorithm:
-    try:
-        return HashAlgorithm(algorithm)
-    except ValueError:
-        choices = ", ".join(a.value for a in HashAlgorithm)
-        raise InvalidInputError(
-            f"unknown hash algorithm {algorithm!r}; expected one of {choices}"
-        ) from None
 
 
 class ChunkKey(bytes):
@@ -375,49 +279,7 @@ class Namespace:
         Raises:
             InvalidInputError: ``algorithm`` is not a :class:`HashAlgorithm` (or its value).
         """
-        return _hash_function(_as_algorithm(algorithm))(self._encode())
-
-
-def _chain_blake3_py(prev: bytes, data: memoryview, step: int) -> list[bytes]:
-    """``h_i = blake3(data[(i-1)*step : i*step] || h_{i-1})`` with the blake3 package."""
-    hasher = blake3.blake3()
-    reset, update, digest = hasher.reset, hasher.update, hasher.digest
-    out: list[bytes] = []
-    append = out.append
-    for offset in range(0, len(data), step):
-        reset()
-        update(data[offset : offset + step])
-        update(prev)
-        prev = digest(DIGEST_SIZE)
-        append(prev)
-    return out
-
-
-_ChainFunction = Callable[[bytes, memoryview, int], list[bytes]]
-_native_chain: _ChainFunction | None
-try:
-    from lmcache_async._native import blake3_chain as _native_chain
-except ImportError:  # the package was built without a C compiler
-    _native_chain = None
-
-NATIVE_CHAIN: Final = _native_chain is not None
-"""Whether blake3 keys are chained in C (see the module docstring)."""
-
-_chain_blake3: Final[_ChainFunction] = (
-    _native_chain if _native_chain is not None else _chain_blake3_py
-)
-"""``h_i = blake3(data[(i-1)*step : i*step] || h_{i-1})`` for every piece of ``data``."""
-
-
-def _chain_xxh3(prev: bytes, data: memoryview, step: int) -> list[bytes]:
-    """``h_i = xxh3_128(data[(i-1)*step : i*step] || h_{i-1})`` for every piece of ``data``."""
-    xxh3, join = xxhash.xxh3_128_digest, b"".join
-    out: list[bytes] = []
-    append = out.append
-    for offset in range(0, len(data), step):
-        prev = xxh3(join((data[offset : offset + step], prev)))
-        append(prev)
-    return out
+        return hash_function(as_algorithm(algorithm))(self._encode())
 
 
 def _build_spans(
@@ -450,289 +312,6 @@ def _build_spans(
     return spans
 
 
-def _encode_block_hash(index: int, value: int | bytes) -> bytes:
-    """A block hash as its chain link hashes it. Every encoding is one byte longer than a
-    multiple of 4 (bytes are padded with zeros after their stated length) while a chunk
-    of int32 tokens is a multiple of 4 long: a block hash and a chunk of tokens never feed
-    ``H`` the same input, so they never share a key."""
-    if isinstance(value, (bytes, bytearray)):
-        padding = bytes(-len(value) % 4)
-        return _BYTES_HASH_TAG + len(value).to_bytes(8, "little") + bytes(value) + padding
-    if not is_strict_int(value):
-        raise InvalidInputError(
-            f"hashes[{index}] must be an int or bytes, got {type(value).__name__}"
-        )
-    try:
-        return _INT_HASH_TAG + value.to_bytes(_HASH_INT_BYTES, "little", signed=True)
-    except OverflowError:
-        raise InvalidInputError(
-            f"hashes[{index}] does not fit in {_HASH_INT_BYTES} signed bytes: {value}"
-        ) from None
-
-
-_MemoKey = tuple[str, int]
-"""A memo entry's key: the form the tokens are in (a dtype, or a list), and a fast hash of
-them."""
-
-_INT32_TAG: Final = "<i4"  # the hashed form's dtype (see TOKEN_BYTES)
-_LIST_TAG: Final = "list"
-_MEMO_LISTS: Final = 8
-"""Prompts a memo keeps as lists, at most (see :class:`_DigestMemo`)."""
-_LIST_SAME_ITEMS: Final = 64
-"""Leading items of a probed list that must be the very objects of the remembered copy
-before the two are compared on the caller's thread (see :meth:`_DigestMemo.get_list`)."""
-
-
-def _raw_tokens(tokens: Tokens) -> npt.NDArray[np.integer] | None:
-    """A 1-D integer tensor or ndarray as an ndarray on the same memory (no conversion,
-    no copy), or None for anything else (a list, a device tensor, strided memory)."""
-    if isinstance(tokens, torch.Tensor):
-        try:
-            array = tokens.numpy()  # only a plain CPU tensor has a view as an ndarray
-        except (TypeError, RuntimeError):
-            return None
-    elif isinstance(tokens, np.ndarray):
-        array = tokens
-    else:
-        return None
-    if array.ndim != 1 or array.dtype.kind not in "iu" or not array.flags.c_contiguous:
-        return None
-    return array
-
-
-class _ArrayInterface:
-    """An object numpy can view through its ``__array_interface__`` (and keeps alive as
-    the view's base): a view of memory that holds no reference to its owner."""
-
-    __slots__ = ("__array_interface__",)
-
-    def __init__(self, interface: dict[str, object]) -> None:
-        self.__array_interface__ = interface
-
-
-class _TensorView:
-    """A probed tensor's token memory as an ndarray, and what the tensor was then; and
-    the memo key its tokens had when last probed (see :meth:`ChunkHasher.guess`)."""
-
-    __slots__ = ("array", "data", "dtype", "memo_key", "pointer", "ref", "shape", "stride")
-
-    def __init__(self, tensor: torch.Tensor, array: npt.NDArray[np.integer]) -> None:
-        self.dtype = tensor.dtype
-        self.ref = weakref.ref(tensor)
-        self.array = np.asarray(_ArrayInterface(array.__array_interface__))
-        self.data = self.array.data.cast("B")  # the same memory as bytes
-        self.pointer = tensor.data_ptr()
-        self.shape = tensor.shape
-        self.stride = tensor.stride()
-        self.memo_key: _MemoKey | None = None
-
-    def fits(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is the viewed tensor, alive, and still lies where it did."""
-        return (
-            self.ref() is tensor
-            and tensor.dtype is self.dtype
-            and tensor.is_cpu
-            and tensor.data_ptr() == self.pointer
-            and tensor.shape == self.shape
-            and tensor.stride() == self.stride
-        )
-
-
-class _TensorViews:
-    """Views of the token memory of recently probed CPU tensors, by tensor.
-
-    ``Tensor.numpy()`` costs 15-20 µs more than checking a remembered view when torch's
-    code is out of the CPU's caches, as it is between a serving engine's requests, and one
-    prompt tensor is often asked about again (a lookup, then its retrieve, then its store).
-    A view is used again only while its tensor lies where it did: the same object, still
-    alive, on the CPU, with the same dtype, data pointer, shape and strides. A view holds
-    no reference to the tensor and is read only while the caller holds the tensor; the
-    entry of a collected tensor is never used again, and goes as the oldest does.
-    """
-
-    __slots__ = ("_capacity", "_lock", "_views")
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._views: dict[int, _TensorView] = {}
-        self._lock = threading.Lock()
-
-    def known(self, tensor: torch.Tensor) -> _TensorView | None:
-        """``tensor``'s view if one was made and the tensor still lies where it did."""
-        entry = self._views.get(id(tensor))
-        return entry if entry is not None and entry.fits(tensor) else None
-
-    def view(self, tensor: torch.Tensor) -> _TensorView | None:
-        """``tensor``'s view (made now if needed): its tokens as a 1-D integer ndarray on
-        its memory; None when they are not that (see :func:`_raw_tokens`)."""
-        entry = self.known(tensor)
-        if entry is not None:
-            return entry
-        array = _raw_tokens(tensor)
-        if array is None:
-            return None
-        key = id(tensor)
-        entry = _TensorView(tensor, array)
-        with self._lock:  # other threads probe too
-            self._views.pop(key, None)
-            while len(self._views) >= self._capacity:
-                del self._views[next(iter(self._views))]  # the oldest
-            self._views[key] = entry
-        return entry
-
-
-_Entry = TypeVar("_Entry")
-_Key = TypeVar("_Key")
-
-
-class _DigestMemo:
-    """The chained digests of recently hashed long prompts.
-
-    A serving engine asks about the same prompt several times (a lookup from the
-    scheduler, a retrieve, a store after prefill), and hashing a long prompt costs far more
-    than recognising it. An entry is found by a fast hash of the token bytes and used only
-    if the stored bytes are equal to the new ones, so a hit is exact by construction.
-    A prompt that came as, say, int64 is also remembered in that form, so asking again
-    with the same tensor spares its conversion to int32 as well. One that came as a list
-    is remembered as a copy of the list, in a table of its own: a list holds 8 bytes a
-    token and keeps its int objects alive, several times the bytes of the other forms, so
-    fewer of them are kept (``list_capacity``).
-    """
-
-    __slots__ = ("_capacity", "_entries", "_list_capacity", "_lists", "_lock")
-
-    def __init__(self, capacity: int, list_capacity: int) -> None:
-        self._capacity = capacity
-        self._list_capacity = list_capacity
-        self._entries: collections.OrderedDict[_MemoKey, tuple[bytes, list[bytes]]] = (
-            collections.OrderedDict()
-        )
-        self._lists: collections.OrderedDict[_MemoKey, tuple[list[int], list[bytes]]] = (
-            collections.OrderedDict()
-        )
-        self._lock = threading.Lock()  # digests() may run on worker threads too
-
-    def get(self, fingerprint: _MemoKey, data: bytes | memoryview) -> list[bytes] | None:
-        """The digests remembered for ``data`` (bytes, or a view of bytes: compared in
-        place, one memcmp, where ``==`` on a view goes item by item)."""
-        entry = self.peek(fingerprint)
-        if entry is None or not self.confirm(fingerprint, entry, data):
-            return None
-        return list(entry[1])
-
-    def peek(self, fingerprint: _MemoKey) -> tuple[bytes, list[bytes]] | None:
-        """The entry under ``fingerprint``, not compared with anything (nor made newest).
-        An entry is never changed: it may be read outside the lock."""
-        with self._lock:
-            return self._entries.get(fingerprint)
-
-    def confirm(
-        self, fingerprint: _MemoKey, entry: tuple[bytes, list[bytes]], data: bytes | memoryview
-    ) -> bool:
-        """Whether ``data`` equals the bytes of ``entry`` (from :meth:`peek`); if so, the
-        entry becomes the newest."""
-        if len(entry[0]) != len(data) or not entry[0].startswith(data):
-            return False
-        with self._lock:
-            if self._entries.get(fingerprint) is entry:
-                self._entries.move_to_end(fingerprint)
-        return True
-
-    def put(self, fingerprint: _MemoKey, data: bytes, digests: list[bytes]) -> None:
-        with self._lock:
-            _put(self._entries, self._capacity, fingerprint, (data, list(digests)))
-
-    def get_list(self, fingerprint: _MemoKey, tokens: list[int]) -> list[bytes] | None:
-        """The digests remembered for a list equal to ``tokens``.
-
-        The remembered copy holds the objects of the list it was made from, so the same
-        list, or a copy of it, compares equal by identity, item after item, in about a
-        microsecond per thousand tokens. A list of equal values in other int objects
-        (built anew, say by ``tolist()``) compares value by value, ten times slower:
-        unless its first items are the copy's very objects it is not compared here, and
-        is left to the hashing (which converts it and finds its int32 form remembered).
-        """
-        entry = self.peek_list(fingerprint, tokens)
-        if entry is None or not self.confirm_list(fingerprint, entry, tokens):
-            return None
-        return list(entry[1])
-
-    def peek_list(
-        self, fingerprint: _MemoKey, tokens: list[int]
-    ) -> tuple[list[int], list[bytes]] | None:
-        """The list entry under ``fingerprint`` if its copy is as long as ``tokens`` and
-        starts with the very objects ``tokens`` does (see :meth:`get_list`); the rest is
-        not compared. An entry is never changed: it may be read outside the lock."""
-        with self._lock:
-            entry = self._lists.get(fingerprint)
-        if entry is None:
-            return None
-        stored, head = entry[0], _LIST_SAME_ITEMS
-        if len(stored) != len(tokens) or not all(map(operator.is_, tokens[:head], stored[:head])):
-            return None
-        return entry
-
-    def confirm_list(
-        self, fingerprint: _MemoKey, entry: tuple[list[int], list[bytes]], tokens: list[int]
-    ) -> bool:
-        """Whether ``tokens`` equal the copy of ``entry`` (from :meth:`peek_list`); if so,
-        the entry becomes the newest."""
-        if tokens != entry[0]:
-            return False
-        with self._lock:
-            if self._lists.get(fingerprint) is entry:
-                self._lists.move_to_end(fingerprint)
-        return True
-
-    def put_list(self, fingerprint: _MemoKey, copy: list[int], digests: list[bytes]) -> None:
-        with self._lock:
-            _put(self._lists, self._list_capacity, fingerprint, (copy, list(digests)))
-
-
-def _put(
-    table: collections.OrderedDict[_Key, _Entry], capacity: int, key: _Key, value: _Entry
-) -> None:
-    """Put ``value`` in an LRU ``table`` as its newest entry, the oldest going beyond
-    ``capacity``."""
-    table[key] = value
-    table.move_to_end(key)
-    while len(table) > capacity:
-        table.popitem(last=False)
-
-
-@dataclass(frozen=True, slots=True)
-class DigestProbe:
-    """What :meth:`ChunkHasher.probe` found: the remembered digests, or None; on a miss,
-    what the hashing that follows reuses (the int32 token bytes when they were converted,
-    and the memo entries to fill)."""
-
-    digests: list[bytes] | None
-    data: memoryview | None = None
-    entries: tuple[tuple[_MemoKey, bytes], ...] = ()
-    list_key: _MemoKey | None = None
-    """A list's memo key, when the list is long enough to be remembered."""
-
-
-class DigestGuess:
-    """What :meth:`ChunkHasher.guess` found: the digests of ``num_tokens`` tokens that are
-    most likely the ones asked about (the memo's own: read them, never change them), and
-    the exact comparison that tells."""
-
-    __slots__ = ("_compare", "digests", "num_tokens")
-
-    def __init__(
-        self, digests: Sequence[bytes], num_tokens: int, compare: Callable[[], bool]
-    ) -> None:
-        self.digests = digests
-        self.num_tokens = num_tokens
-        self._compare = compare
-
-    def confirm(self) -> bool:
-        """Whether the tokens now equal those the digests were made of: read in full and
-        compared with the remembered copy (about 10 µs for 32k tokens)."""
-        return self._compare()
-
-
 class ChunkHasher:
     """Cuts tokens into chunks of ``chunk_size`` and chains their hashes.
 
@@ -755,10 +334,8 @@ class ChunkHasher:
         "_chunk_size",
         "_hash",
         "_memo",
-        "_memo_min_bytes",
         "_namespace",
         "_seed",
-        "_tensor_views",
     )
 
     def __init__(
@@ -774,18 +351,15 @@ class ChunkHasher:
             raise InvalidInputError(f"namespace must be a Namespace, got {namespace!r:.80}")
         if not is_strict_int(chunk_size) or chunk_size <= 0:
             raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        self._algorithm = _as_algorithm(algorithm)
+        self._algorithm = as_algorithm(algorithm)
         self._namespace = namespace
         self._chunk_size = chunk_size
         self._seed = namespace.seed(self._algorithm)
-        self._hash = _hash_function(self._algorithm)
-        self._chain = _chain_blake3 if self._algorithm is HashAlgorithm.BLAKE3 else _chain_xxh3
+        self._hash = hash_function(self._algorithm)
+        self._chain = chain_function(self._algorithm)
         if not is_strict_int(memo_size) or memo_size < 0:
             raise InvalidInputError(f"memo_size must be an int >= 0, got {memo_size!r}")
-        # Two entries a prompt at most: its int32 form and the form it came in.
-        self._memo = _DigestMemo(2 * memo_size, min(memo_size, _MEMO_LISTS)) if memo_size else None
-        self._memo_min_bytes = memo_min_tokens * TOKEN_BYTES
-        self._tensor_views = _TensorViews(memo_size) if memo_size else None
+        self._memo = TokenMemo(memo_size, memo_min_tokens) if memo_size else None
 
     def remembered(self, tokens: Tokens) -> list[bytes] | None:
         """The digests of ``tokens`` if the memo holds them, else None (see :meth:`probe`).
@@ -798,51 +372,16 @@ class ChunkHasher:
     def probe(self, tokens: Tokens) -> DigestProbe:
         """Look for the digests of ``tokens`` in the memo. Cheap for tensors and arrays (no
         hashing), and for a list that is, or is a copy of, a remembered list (other lists
-        are not compared: see :meth:`_DigestMemo.get_list`). Bytes equal to a remembered
-        prompt's are valid tokens, and so are the items of a list equal to a remembered
-        one; others may be checked only by the hashing that follows a miss, which takes
-        the probe (:meth:`digests`) so as to do nothing twice.
+        are not compared: see :mod:`lmcache_async.digest_memo`). Bytes equal to a
+        remembered prompt's are valid tokens, and so are the items of a list equal to a
+        remembered one; others may be checked only by the hashing that follows a miss,
+        which takes the probe (:meth:`digests`) so as to do nothing twice.
 
         Raises:
             InvalidInputError: ``tokens`` are invalid (see :func:`token_array`).
         """
         memo = self._memo
-        if memo is None:
-            return DigestProbe(None)
-        if type(tokens) is list:
-            return self._probe_list(memo, tokens)
-        seen: _TensorView | None = None
-        if isinstance(tokens, torch.Tensor) and self._tensor_views is not None:
-            seen = self._tensor_views.view(tokens)
-            array = None if seen is None else seen.array
-        elif isinstance(tokens, np.ndarray):
-            array = _raw_tokens(tokens)
-        else:
-            return DigestProbe(None)
-        if array is None:  # a device tensor or strided memory: converted (and checked) first
-            data, _ = token_bytes(tokens)
-            digests, entries = self._recall_int32(data)
-            return DigestProbe(digests, data, entries)
-        if len(array) * TOKEN_BYTES < self._memo_min_bytes:
-            return DigestProbe(None)
-        # Only bytes that are equal to a remembered prompt's (which passed the checks of
-        # token_array) are used, so a hit needs neither the conversion nor the checks.
-        view = array.data.cast("B") if seen is None else seen.data
-        tag = array.dtype.str
-        key = (tag, xxhash.xxh3_64_intdigest(view))
-        if seen is not None:
-            seen.memo_key = key  # what the tensor is guessed to hold when asked again
-        digests = memo.get(key, view)
-        if digests is not None:
-            return DigestProbe(digests)
-        raw = (key, view.tobytes())  # what a miss remembers: copied only then
-        if tag == _INT32_TAG:
-            return DigestProbe(None, None, (raw,))  # an int32 form is the hashed form
-        data, _ = token_bytes(tokens)
-        digests, entries = self._recall_int32(data)
-        if digests is not None:
-            memo.put(*raw, digests)
-        return DigestProbe(digests, data, (raw, *entries))
+        return DigestProbe(None) if memo is None else memo.probe(tokens)
 
     def guess(self, tokens: Tokens) -> DigestGuess | None:
         """The digests the memo holds for what are most likely ``tokens``, found without
@@ -856,69 +395,21 @@ class ChunkHasher:
         asks :meth:`probe` or :meth:`digests`.
         """
         memo = self._memo
-        if memo is None:
-            return None
-        if type(tokens) is list:
-            key = self._list_key(tokens)
-            copied = None if key is None else memo.peek_list(key, tokens)
-            if key is None or copied is None:
-                return None
-            compare = functools.partial(memo.confirm_list, key, copied, tokens)
-            return DigestGuess(copied[1], len(tokens), compare)
-        if not isinstance(tokens, torch.Tensor) or self._tensor_views is None:
-            return None
-        seen = self._tensor_views.known(tokens)
-        key = None if seen is None else seen.memo_key
-        entry = None if key is None else memo.peek(key)
-        if seen is None or key is None or entry is None:
-            return None
-        compare = functools.partial(memo.confirm, key, entry, seen.data)
-        return DigestGuess(entry[1], len(seen.array), compare)
-
-    def _list_key(self, tokens: list[int]) -> _MemoKey | None:
-        """A list's memo key (its length and three items), or None when it is too short to
-        be remembered or an item cannot be hashed (invalid: the conversion refuses it)."""
-        count = len(tokens)
-        if not count or count * TOKEN_BYTES < self._memo_min_bytes:
-            return None
-        try:
-            return (_LIST_TAG, hash((count, tokens[0], tokens[count >> 1], tokens[-1])))
-        except TypeError:
-            return None
-
-    def _probe_list(self, memo: _DigestMemo, tokens: list[int]) -> DigestProbe:
-        """:meth:`probe` for a list: found by its length and three items, then compared."""
-        key = self._list_key(tokens)
-        if key is None:
-            return DigestProbe(None)
-        digests = memo.get_list(key, tokens)
-        return DigestProbe(digests, list_key=None if digests is not None else key)
-
-    def _recall_int32(
-        self, data: memoryview
-    ) -> tuple[list[bytes] | None, tuple[tuple[_MemoKey, bytes], ...]]:
-        """The memo's digests of int32 token bytes (compared in place), or None and the
-        entry a miss fills, its bytes copied only then (none when the memo takes none)."""
-        memo = self._memo
-        if memo is None or len(data) < self._memo_min_bytes:
-            return None, ()
-        key = (_INT32_TAG, xxhash.xxh3_64_intdigest(data))
-        digests = memo.get(key, data)
-        if digests is not None:
-            return digests, ()
-        return None, ((key, data.tobytes()),)
+        return None if memo is None else memo.guess(tokens)
 
     def _all_digests(self, data: memoryview) -> list[bytes]:
         """Digests of every chunk of ``data`` (token bytes), from the memo when it has them."""
-        digests, entries = self._recall_int32(data)
+        memo = self._memo
+        if memo is None:
+            return self._chain(self._seed, data, self._chunk_size * TOKEN_BYTES)
+        digests, entries = memo.recall_int32(data)
         return digests if digests is not None else self._remember(data, entries)
 
-    def _remember(self, data: memoryview, entries: Sequence[tuple[_MemoKey, bytes]]) -> list[bytes]:
+    def _remember(self, data: memoryview, entries: Sequence[tuple[MemoKey, bytes]]) -> list[bytes]:
         """Hash ``data`` (int32 token bytes) and remember the digests under ``entries``."""
         digests = self._chain(self._seed, data, self._chunk_size * TOKEN_BYTES)
         if self._memo is not None:
-            for key, content in entries:
-                self._memo.put(key, content, digests)
+            self._memo.remember(entries, digests)
         return digests
 
     @property
@@ -1037,46 +528,19 @@ class ChunkHasher:
             InvalidInputError: mismatched lengths, bad offsets, a block of the wrong size,
                 a hash that is neither int nor bytes or does not fit, or a bad mask.
         """
-        for name, value in (("hashes", hashes), ("offsets", offsets)):
-            if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
-                raise InvalidInputError(f"{name} must be a sequence, got {type(value).__name__}")
-        if len(hashes) != len(offsets):
-            raise InvalidInputError(
-                f"got {len(hashes)} hashes but {len(offsets)} offsets; they must match"
-            )
         chunk_size = self._chunk_size
-        count = len(offsets)
-        previous = 0
-        for index, end in enumerate(offsets):
-            if not is_strict_int(end):
-                raise InvalidInputError(
-                    f"offsets[{index}] must be an int, got {type(end).__name__}"
-                )
-            size = end - previous
-            if size <= 0:
-                raise InvalidInputError(
-                    f"offsets must be positive and strictly increasing: offsets[{index}] = "
-                    f"{end} after {previous}"
-                )
-            if size > chunk_size or (size != chunk_size and index != count - 1):
-                raise InvalidInputError(
-                    f"hashes[{index}] covers {size} tokens; every block must hold exactly "
-                    f"chunk_size={chunk_size} tokens, except the last (at most chunk_size)"
-                )
-            previous = end
-        encoded = [_encode_block_hash(i, h) for i, h in enumerate(hashes)]
-        num_tokens = previous
+        encoded, num_tokens = encode_block_hashes(hashes, offsets, chunk_size)
         start = check_mask(mask, num_tokens, chunk_size)
-        num_chunks = count
+        num_chunks = len(encoded)
         if not save_unfull_chunk and num_tokens % chunk_size:
             num_chunks -= 1
         first = start // chunk_size
         if start >= num_tokens or first >= num_chunks:
             return []
-        hash_function = self._hash
+        hash_once = self._hash
         prev = self._seed
         digests: list[bytes] = []
         for item in encoded[:num_chunks]:
-            prev = hash_function(item + prev)
+            prev = hash_once(item + prev)
             digests.append(prev)
         return _build_spans(digests, first, num_tokens, chunk_size)

@@ -1,8 +1,8 @@
 """Segment keys for blending: one unchained key per separator-delimited segment.
 
 Each segment is hashed on its own, ``H(segment || h_0)``, with the same seed ``h_0`` and
-hash ``H`` as chunk keys (:mod:`lmcache_async.keys`), so a document is found wherever it
-appears.
+hash ``H`` as chunk keys (:mod:`lmcache_async.keys`, :mod:`lmcache_async.hashing`), so a
+document is found wherever it appears.
 """
 
 from __future__ import annotations
@@ -13,15 +13,8 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.keys import (
-    ChunkSpan,
-    HashAlgorithm,
-    Namespace,
-    _as_algorithm,
-    _hash_function,
-    _new_key,
-    _new_span,
-)
+from lmcache_async.hashing import HashAlgorithm, as_algorithm, hash_function
+from lmcache_async.keys import ChunkSpan, Namespace, _new_key, _new_span
 from lmcache_async.tokens import Tokens, token_array
 
 __all__ = ["SegmentHasher"]
@@ -54,10 +47,10 @@ class SegmentHasher:
         if not separator_array.size:
             raise InvalidInputError("separator must hold at least one token")
         self._separator = separator_array
-        self._algorithm = _as_algorithm(algorithm)
+        self._algorithm = as_algorithm(algorithm)
         self._namespace = namespace
         self._seed = namespace.seed(self._algorithm)
-        self._hash = _hash_function(self._algorithm)
+        self._hash = hash_function(self._algorithm)
 
     @property
     def separator(self) -> tuple[int, ...]:

@@ -818,7 +818,7 @@ def test_a_tensor_asked_about_again_is_viewed_once_while_it_lies_where_it_did() 
     tokens = torch.arange(1000, 1300, dtype=torch.int64)
     expected = plain.digests(tokens)
     assert memo.digests(tokens) == expected
-    views = memo._tensor_views
+    views = None if memo._memo is None else memo._memo.tensor_views
     assert views is not None
     first = viewed(views, tokens)
     assert first is not None and viewed(views, tokens) is first  # viewed once
@@ -843,7 +843,7 @@ def test_a_tensor_asked_about_again_is_viewed_once_while_it_lies_where_it_did() 
 
 def test_tensor_views_keep_no_tensor_alive_and_stay_bounded() -> None:
     memo = ChunkHasher(NS, chunk_size=16, memo_size=2, memo_min_tokens=64)
-    views = memo._tensor_views
+    views = None if memo._memo is None else memo._memo.tensor_views
     assert views is not None
     tokens = torch.arange(1000, 1300, dtype=torch.int64)
     gone = weakref.ref(tokens)

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache_async import keys
+from lmcache_async import hashing
 from lmcache_async.backends import lru
 from lmcache_async.keys import (
     DIGEST_SIZE,
@@ -51,13 +51,13 @@ def test_the_chain_is_built_where_a_c_compiler_is() -> None:
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         pytest.skip("no Python headers here: the package falls back to blake3")
     assert NATIVE_CHAIN, "a C compiler is here but lmcache_async._native was not built"
-    assert keys._chain_blake3 is keys._native_chain
+    assert hashing._chain_blake3 is hashing._native_chain
 
 
 @native
 @pytest.mark.parametrize("step", STEPS)
 def test_every_piece_size_gives_the_blake3_keys(step: int) -> None:
-    assert keys._native_chain is not None
+    assert hashing._native_chain is not None
     rng = np.random.default_rng(step)
     seed = rng.bytes(DIGEST_SIZE)
     # Lengths around whole pieces, and enough pieces to fill the lanes and leave a rest.
@@ -66,8 +66,8 @@ def test_every_piece_size_gives_the_blake3_keys(step: int) -> None:
             continue
         data = rng.bytes(length)
         expected = formula(seed, data, step)
-        assert keys._native_chain(seed, data, step) == expected, (step, length)
-        assert keys._chain_blake3_py(seed, memoryview(data), step) == expected, (step, length)
+        assert hashing._native_chain(seed, data, step) == expected, (step, length)
+        assert hashing._chain_blake3_py(seed, memoryview(data), step) == expected, (step, length)
 
 
 @native
@@ -78,8 +78,8 @@ def test_every_piece_size_gives_the_blake3_keys(step: int) -> None:
     step=st.one_of(st.sampled_from(STEPS), st.integers(1, 5000)),
 )
 def test_random_input_gives_the_blake3_keys(seed: bytes, data: bytes, step: int) -> None:
-    assert keys._native_chain is not None
-    assert keys._native_chain(seed, data, step) == formula(seed, data, step)
+    assert hashing._native_chain is not None
+    assert hashing._native_chain(seed, data, step) == formula(seed, data, step)
 
 
 @native
@@ -90,9 +90,9 @@ def test_a_long_prompt_gives_the_blake3_keys_from_any_buffer() -> None:
     data = tokens.tobytes()
     seed = os.urandom(DIGEST_SIZE)
     expected = formula(seed, data, 1024)
-    assert keys._native_chain is not None
+    assert hashing._native_chain is not None
     for buffer in (data, memoryview(data), tokens.data.cast("B"), bytearray(data)):
-        assert keys._native_chain(seed, buffer, 1024) == expected
+        assert hashing._native_chain(seed, buffer, 1024) == expected
 
 
 @native
@@ -101,8 +101,8 @@ def test_threads_hash_at_once_and_agree() -> None:
     seed = os.urandom(DIGEST_SIZE)
     expected = formula(seed, data, 1024)
     results: list[list[bytes]] = []
-    assert keys._native_chain is not None
-    chain = keys._native_chain
+    assert hashing._native_chain is not None
+    chain = hashing._native_chain
 
     def work() -> None:
         results.append(chain(seed, data, 1024))
@@ -118,7 +118,7 @@ def test_threads_hash_at_once_and_agree() -> None:
 
 @native
 def test_bad_arguments_raise() -> None:
-    chain = keys._native_chain
+    chain = hashing._native_chain
     assert chain is not None
     with pytest.raises(ValueError, match="seed must be 16 bytes, got 15"):
         chain(bytes(15), b"abcd", 4)
@@ -139,7 +139,7 @@ def test_the_hasher_gives_the_same_keys_with_and_without_the_c_chain(
     namespace = Namespace("org/model", "layout-v1")
     tokens = np.random.default_rng(3).integers(0, 50_000, 5000).tolist()
     with_default = ChunkHasher(namespace, chunk_size=256, algorithm=algorithm).digests(tokens)
-    monkeypatch.setattr(keys, "_chain_blake3", keys._chain_blake3_py)
+    monkeypatch.setattr(hashing, "_chain_blake3", hashing._chain_blake3_py)
     without = ChunkHasher(namespace, chunk_size=256, algorithm=algorithm).digests(tokens)
     assert with_default == without
     assert len(with_default) == 20
