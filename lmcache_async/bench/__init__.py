@@ -14,8 +14,10 @@ Each job lives in its own module so that importing this package stays cheap:
 - :mod:`lmcache_async.bench.gpu` — D2H/H2D copies next to a plain pinned copy, and the
   layerwise overlap (``scripts/gpu_check.sh`` on a GPU machine).
 
-This module holds the small helpers they share: dtype names, latency percentiles, plain
-text tables, progress display and JSON output.
+The plain-torch copies the micro and GPU benchmarks measure the engine against live in
+:mod:`lmcache_async.bench.baselines`. This module holds the small helpers they all share:
+dtype names, latency percentiles, GB/s, numbers and plain text tables, progress display
+and JSON output.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from lmcache_async.errors import InvalidInputError
 __all__ = [
     "DTYPES",
     "Progress",
+    "format_finite",
     "format_table",
+    "gbps",
     "parse_dtype",
     "percentiles",
     "plain_data",
@@ -85,6 +89,16 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> 
         frac = pos - lo
         out[f"p{q:g}"] = ordered[lo] + (ordered[hi] - ordered[lo]) * frac
     return out
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """``nbytes`` over ``seconds`` in GB/s (10^9 bytes per second); ``nan`` for no time."""
+    return nbytes / seconds / 1e9 if seconds > 0 else math.nan
+
+
+def format_finite(value: float, spec: str) -> str:
+    """``value`` formatted by ``spec``, or ``-`` when it is not finite."""
+    return "-" if not math.isfinite(value) else format(value, spec)
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
