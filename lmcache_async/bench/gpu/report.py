@@ -1,0 +1,89 @@
+"""The text table of a GPU benchmark run (``lmcache-async bench --gpu`` prints it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lmcache_async.bench import format_finite, format_table
+
+__all__ = ["format_gpu"]
+
+
+def format_gpu(results: Mapping[str, Any]) -> str:
+    """The human-readable table of :func:`~lmcache_async.bench.gpu.run_gpu_bench` results."""
+    cuda = bool(results["cuda"])
+
+    def status(ok: bool) -> str:
+        if not cuda:
+            return "n/a (cpu)"
+        return "ok" if ok else "below target"
+
+    copy = results["copy"]
+    mib = copy["bytes"] / 1024**2
+    rows: list[list[str]] = []
+    for key, name in (("d2h", "D2H store"), ("h2d", "H2D retrieve")):
+        e = copy[key]
+        rows.append(
+            [
+                f"{name} {copy['tokens']} tok ({mib:.0f} MiB)",
+                f"{format_finite(e['engine_gbps'], '.2f')} GB/s",
+                f"pinned copy_ {format_finite(e['raw_gbps'], '.2f')} GB/s",
+                f"{format_finite(e['ratio'], '.2f')}x",
+                f">= {e['target_ratio']:.1f}x",
+                status(e["ok"]),
+            ]
+        )
+    for key, name in (("d2h", "D2H"), ("h2d", "H2D")):
+        rows.append(
+            [
+                f"pinned memcpy {name}, no gather",
+                f"{format_finite(copy[f'memcpy_{key}_gbps'], '.2f')} GB/s",
+                "",
+                "",
+                "(info)",
+                "",
+            ]
+        )
+    lw = results["layerwise"]
+    rows.append(
+        [
+            f"layerwise retrieve {lw['layers']} layers",
+            f"{format_finite(lw['hidden_fraction'] * 100, '.1f')}% hidden",
+            f"serial {format_finite(lw['serial_ms'], '.2f')} ms, "
+            f"overlap {format_finite(lw['overlap_ms'], '.2f')} ms",
+            "",
+            f">= {lw['target_hidden'] * 100:.0f}%",
+            status(lw["ok"]),
+        ]
+    )
+    opts = results["options"]
+    lines = ["lmcache-async GPU bench"]
+    if results["note"]:
+        lines.append("NOTE: " + results["note"])
+    lines += [
+        f"device: {results['device']} ({results['device_name']}), torch "
+        f"{results['torch_version']}, CUDA {results['torch_cuda']}",
+        f"model: {opts['num_layers']} layers x {opts['num_kv_heads']} kv heads x "
+        f"{opts['head_size']} ({opts['dtype']}), block {opts['block_size']}, "
+        f"{results['token_bytes'] / 1024:.1f} KiB per token",
+        f"figures: {results['method']}",
+        "",
+        format_table(["figure", "value", "baseline", "ratio", "target", "status"], rows),
+        "",
+        f"layerwise: transfer {format_finite(lw['transfer_ms'], '.2f')} ms "
+        f"({format_finite(lw['transfer_gbps'], '.2f')} GB/s), "
+        f"compute {format_finite(lw['compute_ms'], '.2f')} ms "
+        f"({lw['matmuls_per_layer']} x {lw['matmul_dim']}^2 {lw['matmul_dtype']} matmul per "
+        f"layer), hidden = (serial - overlap) / transfer; at most "
+        f"{format_finite(lw['hideable_fraction'] * 100, '.0f')}% can hide behind this compute",
+        "bit-exact: retrieve "
+        + ("yes" if copy["verified_bit_exact"] else "NO")
+        + ", layerwise retrieve "
+        + ("yes" if lw["verified_bit_exact"] else "NO"),
+    ]
+    problems = results["problems"]
+    if problems:
+        lines.append("problems: " + "; ".join(problems))
+    lines.append(f"total {results['seconds']:.1f} s")
+    return "\n".join(lines)
