@@ -560,10 +560,10 @@ async def test_a_closed_client_raises_engine_closed(client: Client) -> None:
     api = client.api
     with anyio.fail_after(TIMEOUT):
         assert await api.store(tokens, kv_caches=kv, slot_mapping=slots) == num_tokens
-        assert api.is_healthy() and not api.closed
+        assert (api.closed, api.is_healthy()) == (False, True)
         await api.aclose()
         await api.aclose()  # idempotent
-        assert api.closed and not api.is_healthy()
+        assert (api.closed, api.is_healthy()) == (True, False)
         calls: dict[str, Callable[[], Awaitable[object]]] = {
             "store": lambda: api.store(tokens, kv_caches=kv, slot_mapping=slots),
             "retrieve": lambda: api.retrieve(tokens, kv_caches=kv, slot_mapping=slots),
