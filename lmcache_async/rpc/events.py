@@ -39,6 +39,7 @@ import zmq.asyncio
 
 from lmcache_async.errors import ConfigError, InvalidInputError, ProtocolError
 from lmcache_async.events import EventKind, KVEvent
+from lmcache_async.rpc.transport import check_listen_url
 from lmcache_async.tokens import is_strict_int
 
 if TYPE_CHECKING:  # a subscriber needs no engine
@@ -215,9 +216,11 @@ def decode_event(frames: Sequence[bytes], *, topic: bytes | None = None) -> Rece
 
 
 def _check_bind_url(url: str, allow_remote: bool) -> str:
-    # Imported here: the server module imports this one to run a publisher.
-    from lmcache_async.rpc.server import check_listen_url  # noqa: PLC0415
+    """A publisher's bind address, checked as a sidecar's listen address is.
 
+    Raises:
+        ConfigError: ``field="events"`` naming what is wrong.
+    """
     try:
         return check_listen_url(url, allow_remote=allow_remote)
     except ConfigError as exc:

@@ -14,16 +14,37 @@ while messages are waiting. So the reader reads the state after every message it
 and a send reads it at once and hands the loop a drain (next iteration, never
 re-entrantly) when a message already waits; a send from the reader callback leaves that
 to the callback.
+
+The module also holds what the ends agree on before any message: where a sidecar listens
+by default (:func:`default_endpoint`), which addresses it may bind
+(:func:`check_listen_url`: loopback unless remote binds are asked for), the CURVE secret
+key it encrypts with (:func:`load_curve_secret_key`), and the boot id that tells two
+processes on one host apart from two hosts (:func:`boot_id`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import os
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeAlias, cast
 
 import structlog
 import zmq
+
+from lmcache_async.errors import ConfigError
+
+__all__ = [
+    "FrameLike",
+    "LoopSocket",
+    "OnMessage",
+    "boot_id",
+    "check_listen_url",
+    "default_endpoint",
+    "load_curve_secret_key",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +58,9 @@ _POLLIN: Final = int(zmq.POLLIN)
 _POLLOUT: Final = int(zmq.POLLOUT)
 _NOBLOCK: Final = int(zmq.NOBLOCK)
 _SNDMORE: Final = int(zmq.SNDMORE)
+
+_LOOPBACK_NAMES: Final = frozenset({"localhost", "ip6-localhost"})
+_UNIX_PATH_MAX: Final = 107  # sun_path holds 108 bytes with the final NUL
 
 
 class LoopSocket:
@@ -201,3 +225,99 @@ class LoopSocket:
         """Stop reading and close the socket at once (``linger`` 0). Idempotent."""
         self.detach()
         self._owner.close(linger=0)
+
+
+# -- addresses and keys ------------------------------------------------------------------
+
+
+def default_endpoint() -> str:
+    """``ipc://{tempdir}/lmcache-async-sidecar-{uid}.sock``: one sidecar per user."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return f"ipc://{os.path.join(tempfile.gettempdir(), f'lmcache-async-sidecar-{uid}.sock')}"
+
+
+def check_listen_url(url: str, *, allow_remote: bool = False) -> str:
+    """Validate a listen address: ``ipc://PATH`` or ``tcp://HOST:PORT``.
+
+    A tcp address must name a loopback host (``127.0.0.1``, ``::1``, ``localhost``) unless
+    ``allow_remote``: a wider bind exposes the cache (and ``clear``/``shutdown``) to the
+    network, so it has to be asked for explicitly (and should use CURVE keys).
+
+    Raises:
+        ConfigError: ``field="listen"`` naming what is wrong.
+    """
+    if not isinstance(url, str):
+        raise ConfigError("listen", f"expected a URL string, got {type(url).__name__}")
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("ipc", "tcp"):
+        raise ConfigError("listen", f"expected ipc://PATH or tcp://HOST:PORT, got {url!r}")
+    if scheme == "ipc":
+        if not rest:
+            raise ConfigError("listen", "ipc:// needs a socket path")
+        if len(os.fsencode(rest)) > _UNIX_PATH_MAX:
+            raise ConfigError(
+                "listen", f"socket path {rest!r} is longer than {_UNIX_PATH_MAX} bytes"
+            )
+        return url
+    host, colon, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if not colon or not host or not (port.isdigit() or port == "*"):
+        raise ConfigError("listen", f"expected tcp://HOST:PORT, got {url!r}")
+    if not allow_remote and not _is_loopback(host):
+        raise ConfigError(
+            "listen",
+            f"{url!r} binds beyond loopback; pass --allow-remote to serve other hosts "
+            "(and --curve-secret-key-file to encrypt and authenticate the traffic)",
+        )
+    return url
+
+
+def _is_loopback(host: str) -> bool:
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def boot_id() -> str | None:
+    """This machine's boot id (Linux), which with the host name tells "same host" apart."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def load_curve_secret_key(path: str) -> bytes:
+    """The z85 CURVE secret key in ``path``: a ZeroMQ certificate file (``secret-key =
+    "..."``, as ``zmq.auth.create_certificates`` writes) or a file holding just the key.
+
+    Raises:
+        ConfigError: ``field="curve_secret_key_file"``: unreadable, or no secret key.
+    """
+    field_name = "curve_secret_key_file"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(field_name, f"cannot read {path!r}: {exc.strerror}") from exc
+    key: bytes | None = None
+    stripped = text.strip()
+    if len(stripped) == 40 and "\n" not in stripped:
+        key = stripped.encode("ascii", "replace")
+    else:
+        from zmq.auth import load_certificate  # noqa: PLC0415  (certificate files only)
+
+        try:
+            _, key = load_certificate(path)
+        except (ValueError, OSError):
+            key = None
+    if not key or len(key) != 40:
+        raise ConfigError(field_name, f"{path!r} holds no 40-character z85 CURVE secret key")
+    try:
+        zmq.curve_public(key)
+    except (zmq.ZMQError, ValueError) as exc:
+        raise ConfigError(field_name, f"{path!r}: invalid CURVE secret key: {exc}") from exc
+    return key

@@ -28,7 +28,7 @@ from lmcache_async.errors import (
 from lmcache_async.events import EventKind
 from lmcache_async.rpc.admin import AdminClient, format_health, format_stats
 from lmcache_async.rpc.events import EventSubscriber
-from lmcache_async.rpc.server import SidecarServer, SidecarSettings, serve
+from lmcache_async.rpc.sidecar import SidecarServer, SidecarSettings, serve
 
 CHUNK = 16
 TIMEOUT = 60

@@ -44,14 +44,8 @@ from lmcache_async.keys import DigestGuess
 from lmcache_async.logging import configure_logging
 from lmcache_async.rpc.client import _Link, _Unavailable
 from lmcache_async.rpc.protocol import MessageLimits, MessageType, decode, encode
-from lmcache_async.rpc.server import (
-    SidecarNamespace,
-    SidecarServer,
-    SidecarSettings,
-    check_listen_url,
-    load_curve_secret_key,
-    serve,
-)
+from lmcache_async.rpc.sidecar import SidecarNamespace, SidecarServer, SidecarSettings, serve
+from lmcache_async.rpc.transport import check_listen_url, load_curve_secret_key
 
 HERE = Path(__file__).parent
 CLIENT_SCRIPT = HERE / "sidecar_client.py"

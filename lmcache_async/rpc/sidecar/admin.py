@@ -1,0 +1,71 @@
+"""CLEAR, FREEZE, HOT_CACHE, STATS, HEALTH and SHUTDOWN: the sidecar's administration.
+
+None of them needs a session: ``lmcache-async admin`` sends them from a DEALER socket
+that never says HELLO (:mod:`lmcache_async.rpc.admin`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import structlog
+
+from lmcache_async.rpc.protocol import Message, to_wire
+from lmcache_async.rpc.sidecar.fields import flag_field, locations_field
+from lmcache_async.rpc.sidecar.host import EngineHost
+from lmcache_async.rpc.sidecar.routes import Reply
+from lmcache_async.rpc.sidecar.sessions import Session
+
+__all__ = ["AdminHandlers"]
+
+log = structlog.get_logger(__name__)
+
+
+class AdminHandlers:
+    """The administration requests, on the engine ``host`` holds. ``status`` gives the
+    server's own part of a STATS reply; SHUTDOWN sets ``stopping``."""
+
+    def __init__(
+        self,
+        host: EngineHost,
+        *,
+        status: Callable[[], dict[str, Any]],
+        stopping: anyio.Event,
+    ) -> None:
+        self._host = host
+        self._status = status
+        self._stopping = stopping
+
+    async def on_clear(self, session: Session | None, message: Message) -> Reply:
+        engine = self._host.need_engine()
+        dropped = await engine.clear(locations_field(message.header, "locations"))
+        return {"chunks": dropped}, ()
+
+    async def on_freeze(self, session: Session | None, message: Message) -> Reply:
+        enabled = flag_field(message.header, "enabled", required=True)
+        self._host.need_engine().freeze(enabled)
+        return {"enabled": enabled}, ()
+
+    async def on_hot_cache(self, session: Session | None, message: Message) -> Reply:
+        enabled = flag_field(message.header, "enabled", required=True)
+        self._host.need_engine().set_hot_cache(enabled)
+        return {"enabled": enabled}, ()
+
+    async def on_stats(self, session: Session | None, message: Message) -> Reply:
+        engine = self._host.engine
+        stats = None if engine is None else to_wire(engine.stats())
+        return {"stats": stats, **self._status()}, ()
+
+    async def on_health(self, session: Session | None, message: Message) -> Reply:
+        engine = self._host.engine
+        if engine is None:
+            return {"healthy": True, "tiers": {}, "engine": False}, ()
+        tiers = await engine.check_health()  # probe now: the caller asks for the state now
+        return {"healthy": engine.is_healthy(), "tiers": to_wire(tiers)}, ()
+
+    async def on_shutdown(self, session: Session | None, message: Message) -> Reply:
+        log.info("sidecar_shutdown_requested")
+        self._stopping.set()
+        return {}, ()

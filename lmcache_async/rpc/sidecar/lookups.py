@@ -1,0 +1,118 @@
+"""LOOKUP, PREFETCH and UNPIN: how much of a prompt the sidecar holds, and its pins.
+
+Lookup ids are scoped to the client's session (:meth:`Session.scoped`); the ids a session
+pins with are remembered, so its pins go when it does. A LOOKUP by chunk digests that the
+CPU tier answers alone is served in the socket's reader callback (:meth:`LookupHandlers.now`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmcache_async.rpc.protocol import Message
+from lmcache_async.rpc.sidecar.fields import (
+    digests_frame,
+    flag_field,
+    int_field,
+    key_input,
+    locations_field,
+    lookup_id_field,
+)
+from lmcache_async.rpc.sidecar.host import EngineHost
+from lmcache_async.rpc.sidecar.routes import Reply
+from lmcache_async.rpc.sidecar.sessions import Session
+
+__all__ = ["LookupHandlers", "pin_fields"]
+
+
+def pin_fields(
+    session: Session, header: dict[str, Any]
+) -> tuple[bool, int | str | None, tuple[str, bytes, int | str] | None]:
+    """A LOOKUP's ``pin`` flag, its ``lookup_id`` (required with a pin) and that id as
+    scoped to ``session``.
+
+    Raises:
+        ProtocolError: a malformed field.
+        InvalidInputError: a pin without a lookup id.
+    """
+    pin = flag_field(header, "pin")
+    lookup_id = lookup_id_field(header, required=pin)
+    return pin, lookup_id, None if lookup_id is None else session.scoped(lookup_id)
+
+
+class LookupHandlers:
+    """The lookup requests, answered by the engine ``host`` holds."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self._host = host
+
+    def now(self, session: Session | None, message: Message) -> dict[str, Any] | None:
+        """A LOOKUP by chunk digests that the engine answers without waiting (its CPU tier
+        suffices); None for any other."""
+        assert session is not None
+        engine, header = self._host.engine, message.header
+        if engine is None or "digests_of" not in header or "search_range" in header:
+            return None
+        pin, lookup_id, scoped = pin_fields(session, header)
+        hits = engine.lookup_digests_now(
+            digests_frame(message), int_field(header, "digests_of", -1), lookup_id=scoped, pin=pin
+        )
+        if hits is None:
+            return None
+        if pin and lookup_id is not None:
+            session.lookup_ids.add(lookup_id)
+        return {"hits": hits}
+
+    async def on_lookup(self, session: Session | None, message: Message) -> Reply:
+        assert session is not None
+        engine = self._host.need_engine()
+        header = message.header
+        pin, lookup_id, scoped = pin_fields(session, header)
+        search_range = locations_field(header, "search_range")
+        if "digests_of" in header:
+            # The client hashed the prompt: one frame of DIGEST_SIZE-byte chunk digests.
+            num_tokens = int_field(header, "digests_of", -1)
+            digests = digests_frame(message)
+            if pin and lookup_id is not None:
+                session.lookup_ids.add(lookup_id)
+            hits = await engine.lookup_digests(
+                digests, num_tokens, lookup_id=scoped, pin=pin, search_range=search_range
+            )
+            return {"hits": hits}, ()
+        tokens, hashes, offsets = key_input(message)
+        if pin and lookup_id is not None:
+            session.lookup_ids.add(lookup_id)
+        hits = await engine.lookup(
+            tokens,
+            hashes=hashes,
+            offsets=offsets,
+            lookup_id=scoped,
+            pin=pin,
+            search_range=search_range,
+        )
+        return {"hits": hits}, ()
+
+    async def on_prefetch(self, session: Session | None, message: Message) -> Reply:
+        assert session is not None
+        engine = self._host.need_engine()
+        header = message.header
+        lookup_id = lookup_id_field(header, required=True)
+        assert lookup_id is not None
+        tokens, hashes, offsets = key_input(message)
+        session.lookup_ids.add(lookup_id)
+        hits = await engine.prefetch(
+            tokens,
+            lookup_id=session.scoped(lookup_id),
+            hashes=hashes,
+            offsets=offsets,
+            search_range=locations_field(header, "search_range"),
+        )
+        return {"hits": hits}, ()
+
+    async def on_unpin(self, session: Session | None, message: Message) -> Reply:
+        assert session is not None
+        lookup_id = lookup_id_field(message.header, required=True)
+        assert lookup_id is not None
+        session.lookup_ids.discard(lookup_id)
+        await self._host.need_engine().lookup_unpin(session.scoped(lookup_id))
+        return {}, ()

@@ -1,0 +1,165 @@
+"""The sidecar's clients: one :class:`Session` per ROUTER identity, the payloads each has
+borrowed (:class:`Transaction`) and the lookup pins it holds.
+
+A session lives while its client sends requests or heartbeats; :meth:`Sessions.reap` drops
+one silent for the session timeout, and a transaction past its deadline, giving back what
+they held. Lookup ids are scoped per session, so two clients' ids never meet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+import structlog
+
+from lmcache_async.errors import EngineClosedError, ProtocolError
+from lmcache_async.keys import ChunkSpan
+from lmcache_async.memory import MemoryObj
+from lmcache_async.rpc.protocol import Message, MessageType
+from lmcache_async.rpc.sidecar.host import EngineHost
+
+__all__ = ["Session", "Sessions", "Transaction"]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class Transaction:
+    """Payloads lent to one client between a STORE and its COMMIT, or a RETRIEVE and its
+    RELEASE. It owns one reference on each object in ``objs`` and ``held``."""
+
+    txn_id: int
+    kind: MessageType
+    deadline: float
+    spans: list[ChunkSpan]
+    objs: list[MemoryObj] = field(default_factory=list)
+    todo: list[int] = field(default_factory=list)  # store: the span index of each obj
+    held: list[MemoryObj] = field(default_factory=list)  # store: chunks already cached
+    stored: list[bool] = field(default_factory=list)  # store: per span
+    tokens: np.ndarray | None = None
+    locations: list[str] | None = None
+    partial: bool = False
+
+    def stored_tokens(self) -> int:
+        """Tokens covered by the leading run of cached chunks (as a store counts them)."""
+        if not self.spans:
+            return 0
+        end = self.spans[0].start
+        for span, ok in zip(self.spans, self.stored, strict=False):
+            if not ok:
+                break
+            end = span.end
+        return end - self.spans[0].start
+
+    def release(self) -> None:
+        for obj in (*self.objs, *self.held):
+            obj.unref()
+        self.objs.clear()
+        self.held.clear()
+
+
+@dataclass(eq=False, slots=True)
+class Session:
+    """One connected client (one ROUTER identity)."""
+
+    identity: bytes
+    label: str
+    last_seen: float
+    transactions: dict[int, Transaction] = field(default_factory=dict)
+    lookup_ids: set[int | str] = field(default_factory=set)
+
+    def scoped(self, lookup_id: int | str) -> tuple[str, bytes, int | str]:
+        """The engine-side lookup id: a client's ids never meet another client's."""
+        return ("sidecar", self.identity, lookup_id)
+
+    def take(self, message: Message, kind: MessageType) -> Transaction | None:
+        """End this session's transaction named in the message (None: it expired).
+
+        Raises:
+            ProtocolError: the message's ``txn`` is not an int.
+        """
+        txn_id = message.header.get("txn")
+        if not isinstance(txn_id, int) or isinstance(txn_id, bool):
+            raise ProtocolError("'txn' must be an int")
+        txn = self.transactions.get(txn_id)
+        if txn is None or txn.kind is not kind:
+            log.warning("sidecar_transaction_unknown", client=self.label, kind=kind.name)
+            return None
+        del self.transactions[txn_id]
+        return txn
+
+
+class Sessions:
+    """Every session, by identity (``by_identity``, read by the socket's reader callback
+    for every message), and the transaction ids they draw from."""
+
+    def __init__(self, host: EngineHost, *, timeout: float, heartbeat_interval: float) -> None:
+        self._host = host
+        self._timeout = timeout
+        self._period = min(heartbeat_interval, timeout) / 2
+        self.by_identity: dict[bytes, Session] = {}
+        self._txn_ids = itertools.count(1)
+
+    def add(self, session: Session) -> None:
+        """Keep ``session`` (a client said HELLO)."""
+        self.by_identity[session.identity] = session
+
+    def next_txn_id(self) -> int:
+        return next(self._txn_ids)
+
+    def __len__(self) -> int:
+        return len(self.by_identity)
+
+    def transactions(self) -> int:
+        """Transactions open across all sessions."""
+        return sum(len(s.transactions) for s in self.by_identity.values())
+
+    def lookup_ids(self) -> int:
+        """Lookup ids held across all sessions."""
+        return sum(len(s.lookup_ids) for s in self.by_identity.values())
+
+    async def end_all(self, reason: str) -> None:
+        """Drop every session."""
+        for session in list(self.by_identity.values()):
+            await self.drop(session, reason)
+
+    async def drop(self, session: Session, reason: str) -> None:
+        """Forget a client: end its transactions and release its lookup pins."""
+        self.by_identity.pop(session.identity, None)
+        for txn in session.transactions.values():
+            txn.release()
+        engine = self._host.engine
+        if engine is not None:
+            for lookup_id in session.lookup_ids:
+                with contextlib.suppress(EngineClosedError):
+                    await engine.lookup_unpin(session.scoped(lookup_id))
+        log.info(
+            "sidecar_session_dropped",
+            client=session.label,
+            reason=reason,
+            transactions=len(session.transactions),
+            lookup_ids=len(session.lookup_ids),
+        )
+        session.transactions.clear()
+        session.lookup_ids.clear()
+
+    async def reap(self) -> None:
+        """Drop sessions silent for the session timeout and transactions past their
+        deadline, checking twice per heartbeat interval, until cancelled."""
+        while True:
+            await anyio.sleep(self._period)
+            now = time.monotonic()
+            for session in list(self.by_identity.values()):
+                if now - session.last_seen > self._timeout:
+                    await self.drop(session, "timeout")
+                    continue
+                for txn_id, txn in list(session.transactions.items()):
+                    if txn.deadline <= now:
+                        del session.transactions[txn_id]
+                        txn.release()
+                        log.warning("sidecar_transaction_expired", client=session.label)
