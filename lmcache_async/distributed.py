@@ -42,7 +42,8 @@ from .errors import InvalidInputError, ProtocolError, TierUnavailableError
 from .layouts import SUPPORTED_DTYPES, KVLayout, LayoutKind
 
 if TYPE_CHECKING:
-    from .engine import CacheEngine, Tokens
+    from .engine import CacheEngine
+    from .tokens import Tokens
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT",

@@ -28,11 +28,12 @@ import structlog
 import torch
 
 from .config import EngineConfig
-from .engine import CacheEngine, Tokens
+from .engine import CacheEngine
 from .errors import EngineClosedError, InvalidInputError, TierUnavailableError
 from .events import KVEvent
 from .layouts import KVLayout
 from .stats import EngineStats
+from .tokens import Tokens
 
 if TYPE_CHECKING:  # rpc sits above the engine: imported when a sidecar is used
     from .rpc.client import RemoteCacheEngine

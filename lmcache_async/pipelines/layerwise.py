@@ -40,6 +40,7 @@ import structlog
 import torch
 
 from ..backends.manager import StorageManager
+from ..core.copy import mark_loaded
 from ..cuda import Direction, Transfers, wait_out
 from ..errors import AllocationTimeoutError, EngineClosedError
 from ..keys import ChunkKey, ChunkSpan
@@ -441,13 +442,8 @@ class LayerwisePipeline:
     @staticmethod
     def _mark(request: Request, spans: list[ChunkSpan], mask: torch.Tensor) -> None:
         """Mark the tokens of ``spans`` (consecutive) that were written (slot >= 0)."""
-        if not spans:
-            return
-        start, end = spans[0].start, spans[-1].end
-        if request.plan.first_skipped(start) is None:
-            mask[start:end] = True
-        else:
-            mask[start:end] = request.slots_cpu[start:end] >= 0
+        if spans:
+            mark_loaded(mask, request.plan, request.slots_cpu, spans[0].start, spans[-1].end)
 
     # -- failures -------------------------------------------------------------------------
 

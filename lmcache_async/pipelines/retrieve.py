@@ -1,12 +1,13 @@
-"""The retrieve pipeline: lookup → prefetch → H2D copy.
+"""The retrieve pipeline: lookup → reserve → H2D copy (→ release).
 
-Lookup finds how many chunks, from the request's first wanted chunk on, the cache holds;
-prefetch takes references on their payloads (a payload referenced by a request cannot be
-evicted under it); the copy stage scatters them into the serving engine's KV memory, batch
-by batch, in order. A request resolves to a bool mask of the tokens whose KV was written.
-If a batch cannot be served (its chunks vanished, a copy failed), the rest of the request is
-dropped, so the mask is always a run from the first wanted token: the serving engine
-recomputes the remainder.
+The stages run the phases of the request core's load (:class:`~lmcache_async.core.LoadCore`)
+and copy between them. Lookup cuts the chunks a load may find into batches; reserve takes
+references on their payloads (a payload referenced by a request cannot be evicted under
+it), reading those only a slow tier holds; the copy stage scatters them into the serving
+engine's KV memory, batch by batch, in order, and releases them. A request resolves to a
+bool mask of the tokens whose KV was written. If a batch cannot be served (its chunks
+vanished, a copy failed), the rest of the request is dropped, so the mask is always a run
+from the first wanted token: the serving engine recomputes the remainder.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import structlog
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..backends.manager import StorageManager
-from ..cuda import Direction, Transfers
+from ..core import LoadCore
+from ..core.copy import mark_loaded, scatter
+from ..cuda import Transfers
 from ..keys import ChunkSpan
-from ..layouts import KVLayout
 from ..memory import MemoryObj
-from .common import Request, batched, compute_spans, release
+from .common import Request, batched, compute_spans
 from .stage import Completion, Emit, drive
 
 __all__ = ["RetrieveBatch", "RetrieveRequest", "build_retrieve_stages"]
@@ -58,12 +59,12 @@ class RetrieveBatch:
 
 
 class LookupStage:
-    """Hashes the request and counts the chunks the cache holds from its first one on."""
+    """Hashes the request and cuts the chunks a load may find into batches."""
 
     name = "retrieve-lookup"
 
-    def __init__(self, manager: StorageManager, *, batch_chunks: int) -> None:
-        self._manager = manager
+    def __init__(self, core: LoadCore, *, batch_chunks: int) -> None:
+        self._core = core
         self._batch_chunks = batch_chunks
 
     async def run(
@@ -84,8 +85,8 @@ class LookupStage:
             request.completion.set_error(exc)
             return
         spans = request.spans
-        hits = await self._manager.lookup_prefix([span.key for span in spans], request.locations)
-        groups = batched(0, hits, self._batch_chunks)
+        found = self._core.findable([span.key for span in spans], request.locations)
+        groups = batched(0, found, self._batch_chunks)
         request.batches_total = len(groups)
         if not groups:
             request.finish_now()
@@ -94,14 +95,15 @@ class LookupStage:
             await emit(RetrieveBatch(request, spans[group.start : group.stop]))
 
 
-class PrefetchStage:
-    """Takes a reference on each payload of a batch so it stays put until copied; chunks
-    held only by a slow tier are read into host memory here."""
+class ReserveStage:
+    """Reserves the payloads of a batch with the core (referenced, so they stay put until
+    copied); chunks held only by a slow tier are read into host memory here. The first
+    chunk no tier holds ends the request's run."""
 
-    name = "retrieve-prefetch"
+    name = "retrieve-reserve"
 
-    def __init__(self, manager: StorageManager) -> None:
-        self._manager = manager
+    def __init__(self, core: LoadCore) -> None:
+        self._core = core
 
     async def run(
         self,
@@ -115,11 +117,11 @@ class PrefetchStage:
         if request.skip:
             request.finish_batch()
             return
-        batch.objs = await self._manager.fetch_prefix(
+        batch.objs = await self._core.reserve(
             [span.key for span in batch.spans], request.locations, request.lookup_id
         )
         if len(batch.objs) < len(batch.spans):
-            # Evicted between lookup and now: serve the run we still have.
+            # The run ends here (not held, or evicted since): serve the run we have.
             request.stopped = True
             del batch.spans[len(batch.objs) :]
         if not batch.objs:
@@ -129,11 +131,13 @@ class PrefetchStage:
 
 
 class CopyStage:
-    """Scatters payloads into the serving engine's KV memory (H2D) and marks the mask."""
+    """Scatters payloads into the serving engine's KV memory (H2D), marks the mask and
+    releases the payloads to the core."""
 
     name = "retrieve-copy"
 
-    def __init__(self, transfers: Transfers, *, timeout: float) -> None:
+    def __init__(self, core: LoadCore, transfers: Transfers, *, timeout: float) -> None:
+        self._core = core
         self._transfers = transfers
         self._timeout = timeout
 
@@ -149,41 +153,29 @@ class CopyStage:
         try:
             if request.cancelled or request.copy_failed:
                 return
-            await self._copy(batch)
-            # A batch's spans are consecutive: mark them in one step. Tokens with a
-            # negative slot were not written.
-            start, end = batch.spans[0].start, batch.spans[-1].end
-            if request.plan.first_skipped(start) is None:
-                request.mask[start:end] = True
-            else:
-                request.mask[start:end] = request.slots_cpu[start:end] >= 0
-            request.loaded_tokens += end - start
+            jobs = [
+                (span.start, span.end, obj.tensor)
+                for span, obj in zip(batch.spans, batch.objs, strict=True)
+            ]
+            await scatter(self._transfers, request.plan, jobs, timeout=self._timeout)
+            # A batch's spans are consecutive: marked in one step.
+            request.loaded_tokens += mark_loaded(
+                request.mask,
+                request.plan,
+                request.slots_cpu,
+                batch.spans[0].start,
+                batch.spans[-1].end,
+            )
         except Exception:
             log.exception("retrieve_copy_failed", req_id=request.req_id)
             request.copy_failed = True
         finally:
-            release(batch.objs)
+            self._core.release(batch.objs)
             request.finish_batch()
-
-    async def _copy(self, batch: RetrieveBatch) -> None:
-        plan = batch.request.plan
-        jobs = [
-            (span.start, span.end, obj.tensor)
-            for span, obj in zip(batch.spans, batch.objs, strict=True)
-        ]
-        await self._transfers.run(
-            plan.scatter_chunks,
-            jobs,
-            device=plan.device,
-            direction=Direction.LOAD,
-            nbytes=sum(obj.nbytes for obj in batch.objs),
-            timeout=self._timeout,
-        )
 
 
 def build_retrieve_stages(
-    manager: StorageManager,
-    layout: KVLayout,
+    core: LoadCore,
     transfers: Transfers,
     *,
     batch_chunks: int,
@@ -191,7 +183,7 @@ def build_retrieve_stages(
 ) -> list[Any]:
     """The retrieve stages in order, ready for :class:`~.stage.Pipeline`."""
     return [
-        LookupStage(manager, batch_chunks=batch_chunks),
-        PrefetchStage(manager),
-        CopyStage(transfers, timeout=copy_timeout),
+        LookupStage(core, batch_chunks=batch_chunks),
+        ReserveStage(core),
+        CopyStage(core, transfers, timeout=copy_timeout),
     ]

@@ -1,10 +1,11 @@
-"""The store pipeline: hash → allocate → D2H copy → put.
+"""The store pipeline: hash → reserve → D2H copy → commit.
 
-Each request is cut into batches of chunks; a batch moves through the stages on its own, so
-the copy of batch *i+1* overlaps the put of batch *i* and many requests share the stages.
-A request resolves to the number of tokens, from its first stored chunk on, whose chunks are
-cached when it finishes. When host memory cannot be had in time the request stores the
-prefix it has (a partial store) and drops the rest.
+The stages run the phases of the request core's store (:class:`~lmcache_async.core.StoreCore`)
+and copy between them; every rule (what is skipped, the partial-store rule, counters) is the
+core's. Each request is cut into batches of chunks; a batch moves through the stages on its
+own, so the copy of batch *i+1* overlaps the commit of batch *i* and many requests share the
+stages. A request resolves to the number of tokens, from its first stored chunk on, whose
+chunks are cached when it finishes.
 """
 
 from __future__ import annotations
@@ -12,15 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..backends.manager import StorageManager
-from ..cuda import Direction, Transfers
-from ..errors import AllocationTimeoutError
-from ..layouts import KVLayout
-from ..memory import MemoryObj, MemoryPool
+from ..core import StoreCore, StoreTxn
+from ..core.copy import gather
+from ..cuda import Transfers
+from ..memory import MemoryObj
 from .common import Request, batched, compute_spans, release
 from .stage import Completion, Emit, drive
 
@@ -33,47 +32,42 @@ log = structlog.get_logger(__name__)
 class StoreRequest(Request):
     """A store in flight. ``limit``: no chunk ending after this token index is stored.
 
-    The request holds a reference on every chunk it counts as cached (found present, or
-    put by one of its batches) until it finishes, so its own later allocations cannot
-    evict its prefix: memory pressure makes it a shorter store, never a store with a hole.
-    It resolves only when every batch is accounted for, so nothing of it is still running
-    when the caller gets the answer.
+    ``txn`` is the store's transaction with the request core (what it writes, what it
+    holds); the request resolves only when every batch is accounted for, so nothing of it
+    is still running when the caller gets the answer.
     """
 
     limit: int = 0
     completion: Completion[int] = field(default_factory=Completion)
-    stored: list[bool] = field(default_factory=list)
-    partial: bool = False
+    txn: StoreTxn | None = None
     error: BaseException | None = None
-    held: list[MemoryObj] = field(default_factory=list)
 
     @property
     def dropping(self) -> bool:
         """True when no further batch of this request may be copied or put."""
         return self.cancelled or self.error is not None
 
-    def stored_tokens(self) -> int:
-        """Tokens covered by the leading run of chunks that are cached."""
-        end = self.spans[0].start if self.spans else 0
-        for span, ok in zip(self.spans, self.stored, strict=False):
-            if not ok:
-                break
-            end = span.end
-        return end - (self.spans[0].start if self.spans else 0)
+    @property
+    def partial(self) -> bool:
+        """Whether host memory ran out before every chunk was reserved."""
+        return self.txn is not None and self.txn.partial
 
-    def finish_batch(self) -> None:
+    def stored_tokens(self) -> int:
+        """Tokens covered by the leading run of chunks cached so far."""
+        return self.txn.stored_tokens() if self.txn is not None else 0
+
+    def finish_batch(self, core: StoreCore) -> None:
         self.batches_done += 1
         if self.batches_done == self.batches_total:
-            self.finish()
+            self.finish(core)
 
-    def finish(self) -> None:
-        """Resolve the request and drop the references it held."""
-        release(self.held)
-        self.held.clear()
+    def finish(self, core: StoreCore) -> None:
+        """End the store with the core and resolve the request."""
+        stored = core.finish(self.txn) if self.txn is not None else 0
         if self.error is not None:
             self.completion.set_error(self.error)
         else:
-            self.completion.set_result(self.stored_tokens())
+            self.completion.set_result(stored)
 
     def fail(self, error: BaseException) -> None:
         """Record the first failure; the remaining batches are dropped."""
@@ -85,17 +79,19 @@ class StoreRequest(Request):
 @dataclass(eq=False, slots=True)
 class StoreBatch:
     request: StoreRequest
-    indices: list[int]  # positions in request.spans
+    txn: StoreTxn
+    indices: list[int]  # positions in txn.spans
     objs: list[MemoryObj] = field(default_factory=list)
 
 
 class HashStage:
-    """Cuts a request into chunk keys, skips chunks already cached, emits batches."""
+    """Cuts a request into chunk keys and begins its store with the core (chunks already
+    cached are skipped), then emits the chunks to write in batches."""
 
     name = "store-hash"
 
-    def __init__(self, manager: StorageManager, *, batch_chunks: int) -> None:
-        self._manager = manager
+    def __init__(self, core: StoreCore, *, batch_chunks: int) -> None:
+        self._core = core
         self._batch_chunks = batch_chunks
 
     async def run(
@@ -106,39 +102,42 @@ class HashStage:
         await drive(self, receive, send)
 
     async def handle(self, request: StoreRequest, emit: Emit) -> None:
+        core = self._core
         if request.skip:
-            request.finish()
+            request.finish(core)
             return
         try:
             await compute_spans(request)
         except Exception as exc:  # invalid tokens found off the loop
             request.fail(exc)
-            request.finish()
+            request.finish(core)
             return
-        spans = [span for span in request.spans if span.end <= request.limit]
-        request.spans = spans
-        present = self._manager.hold([span.key for span in spans])
-        request.stored = [obj is not None for obj in present]
-        request.held = [obj for obj in present if obj is not None]
-        todo = [i for i, obj in enumerate(present) if obj is None]
+        txn = core.begin(
+            request.req_id,
+            request.spans,
+            request.tokens,
+            limit=request.limit,
+            locations=request.locations,
+        )
+        request.txn = txn
+        todo = txn.todo
         groups = batched(0, len(todo), self._batch_chunks)
         request.batches_total = len(groups)
         if not groups:
-            request.finish()
+            request.finish(core)
             return
         for group in groups:
-            await emit(StoreBatch(request, [todo[i] for i in group]))
+            await emit(StoreBatch(request, txn, [todo[i] for i in group]))
 
 
 class AllocateStage:
-    """Takes host memory for each chunk of a batch, waiting (bounded) for space."""
+    """Reserves host memory for each chunk of a batch with the core, waiting (bounded)
+    for space; memory that cannot be had in time makes the store partial."""
 
     name = "store-allocate"
 
-    def __init__(self, pool: MemoryPool, layout: KVLayout, *, timeout: float) -> None:
-        self._pool = pool
-        self._layout = layout
-        self._timeout = timeout
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
 
     async def run(
         self,
@@ -148,57 +147,27 @@ class AllocateStage:
         await drive(self, receive, send)
 
     async def handle(self, batch: StoreBatch, emit: Emit) -> None:
-        request = batch.request
+        request, core = batch.request, self._core
         if request.skip:
-            request.finish_batch()
+            request.finish_batch(core)
             return
         try:
-            await self._allocate(batch)
+            batch.objs = await core.reserve(batch.txn, batch.indices, request)
         except Exception as exc:
-            release(batch.objs)
             request.fail(exc)
-            request.finish_batch()
+            request.finish_batch(core)
             return
         except BaseException:  # run inline: the caller was cancelled while it waited
-            release(batch.objs)
             request.stopped = True
-            request.finish_batch()
+            request.finish_batch(core)
             raise
+        if len(batch.objs) < len(batch.indices):
+            request.stopped = True  # out of memory in time, or cancelled: no later batch
+            del batch.indices[len(batch.objs) :]
         if not batch.objs:
-            request.finish_batch()
+            request.finish_batch(core)
             return
         await emit(batch)
-
-    async def _allocate(self, batch: StoreBatch) -> None:
-        request = batch.request
-        dtype = self._layout.dtype
-        for index in batch.indices:
-            span = request.spans[index]
-            shape = self._layout.payload_shape(span.num_tokens)
-            obj = self._pool.allocate_nowait(shape, dtype)
-            if obj is None:
-                try:
-                    with anyio.CancelScope() as request.waiting:
-                        if request.cancelled:
-                            request.waiting.cancel()
-                        obj = await self._pool.allocate(shape, dtype, timeout=self._timeout)
-                    request.waiting = None
-                    if obj is None:  # the request was cancelled while waiting
-                        break
-                except AllocationTimeoutError:
-                    request.waiting = None
-                    request.stopped = True
-                    request.partial = True
-                    log.warning(
-                        "store_partial",
-                        req_id=request.req_id,
-                        stored_chunks=index,
-                        chunks=len(request.spans),
-                        reason="host_memory_timeout",
-                    )
-                    break
-            batch.objs.append(obj)
-        del batch.indices[len(batch.objs) :]
 
 
 class CopyStage:
@@ -206,7 +175,8 @@ class CopyStage:
 
     name = "store-copy"
 
-    def __init__(self, transfers: Transfers, *, timeout: float) -> None:
+    def __init__(self, core: StoreCore, transfers: Transfers, *, timeout: float) -> None:
+        self._core = core
         self._transfers = transfers
         self._timeout = timeout
 
@@ -218,50 +188,39 @@ class CopyStage:
         await drive(self, receive, send)
 
     async def handle(self, batch: StoreBatch, emit: Emit) -> None:
-        request = batch.request
+        request, core = batch.request, self._core
         if request.dropping:
             release(batch.objs)
-            request.finish_batch()
+            request.finish_batch(core)
             return
+        spans = batch.txn.spans
+        jobs = [
+            (spans[index].start, spans[index].end, obj.tensor)
+            for index, obj in zip(batch.indices, batch.objs, strict=True)
+        ]
         try:
-            await self._copy(batch)
+            await gather(self._transfers, request.plan, jobs, timeout=self._timeout)
         except Exception as exc:
             log.exception("store_copy_failed", req_id=request.req_id)
             release(batch.objs)
             request.fail(exc)
-            request.finish_batch()
+            request.finish_batch(core)
             return
         except BaseException:  # run inline: the caller was cancelled mid-copy
             release(batch.objs)
             request.stopped = True
-            request.finish_batch()
+            request.finish_batch(core)
             raise
         await emit(batch)
 
-    async def _copy(self, batch: StoreBatch) -> None:
-        request = batch.request
-        plan = request.plan
-        jobs = [
-            (request.spans[index].start, request.spans[index].end, obj.tensor)
-            for index, obj in zip(batch.indices, batch.objs, strict=True)
-        ]
-        await self._transfers.run(
-            plan.gather_chunks,
-            jobs,
-            device=plan.device,
-            direction=Direction.STORE,
-            nbytes=sum(obj.nbytes for obj in batch.objs),
-            timeout=self._timeout,
-        )
 
+class CommitStage:
+    """Commits the filled payloads with the core (into the tiers) and finishes the batch."""
 
-class PutStage:
-    """Hands the filled payloads to the storage manager and finishes the batch."""
+    name = "store-commit"
 
-    name = "store-put"
-
-    def __init__(self, manager: StorageManager) -> None:
-        self._manager = manager
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
 
     async def run(
         self,
@@ -271,38 +230,27 @@ class PutStage:
         await drive(self, receive, send)
 
     async def handle(self, batch: StoreBatch, emit: Emit) -> None:
-        request = batch.request
+        request, core = batch.request, self._core
         try:
-            if not request.dropping:
-                spans = [request.spans[i] for i in batch.indices]
-                kept = await self._manager.put(spans, batch.objs, request.tokens, request.locations)
-                # Hold what the CPU tier now has under these keys (another request may
-                # have put the same chunk first) until this request ends; chunks written
-                # to slow tiers only are held by their writers.
-                cached = self._manager.hold([span.key for span in spans[:kept]])
-                for i, obj in zip(batch.indices[:kept], cached, strict=True):
-                    request.stored[i] = True
-                    if obj is not None:
-                        request.held.append(obj)
+            if request.dropping:
+                release(batch.objs)
+            else:
+                await core.commit(batch.txn, batch.indices, batch.objs)
         finally:
-            release(batch.objs)
-            request.finish_batch()
+            request.finish_batch(core)
 
 
 def build_store_stages(
-    manager: StorageManager,
-    pool: MemoryPool,
-    layout: KVLayout,
+    core: StoreCore,
     transfers: Transfers,
     *,
     batch_chunks: int,
-    allocation_timeout: float,
     copy_timeout: float,
 ) -> list[Any]:
     """The store stages in order, ready for :class:`~.stage.Pipeline`."""
     return [
-        HashStage(manager, batch_chunks=batch_chunks),
-        AllocateStage(pool, layout, timeout=allocation_timeout),
-        CopyStage(transfers, timeout=copy_timeout),
-        PutStage(manager),
+        HashStage(core, batch_chunks=batch_chunks),
+        AllocateStage(core),
+        CopyStage(core, transfers, timeout=copy_timeout),
+        CommitStage(core),
     ]

@@ -1,0 +1,68 @@
+"""The one copy path between a serving engine's KV memory and chunk payloads.
+
+The embedded pipelines' copy stages and the sidecar client both move a request's chunks
+with these calls: :func:`gather` (D2H, a store), :func:`scatter` (H2D, a load) and
+:func:`mark_loaded` (the mask of the tokens a load wrote). A copy takes the request's
+:class:`~lmcache_async.transfer.TransferPlan`, built once per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..cuda import Direction, Transfers
+from ..transfer import TransferPlan
+
+__all__ = ["Job", "gather", "mark_loaded", "scatter"]
+
+Job = tuple[int, int, torch.Tensor]
+"""``(start, end, payload)``: the tokens ``[start, end)`` of the request and the chunk
+payload (the layout's ``payload_shape(end - start)``) they go to or come from."""
+
+
+def _nbytes(jobs: Sequence[Job]) -> int:
+    return sum(payload.numel() * payload.element_size() for _, _, payload in jobs)
+
+
+async def gather(
+    transfers: Transfers, plan: TransferPlan, jobs: list[Job], *, timeout: float
+) -> None:
+    """Copy each job's tokens out of the engine's KV memory into its payload; returns
+    when the copies are complete (a CPU copy, once started, is not interrupted)."""
+    await transfers.run(
+        plan.gather_chunks,
+        jobs,
+        device=plan.device,
+        direction=Direction.STORE,
+        nbytes=_nbytes(jobs),
+        timeout=timeout,
+    )
+
+
+async def scatter(
+    transfers: Transfers, plan: TransferPlan, jobs: list[Job], *, timeout: float
+) -> None:
+    """Copy each job's payload into the engine's KV memory (tokens with a negative slot
+    are not written); returns when the copies are complete."""
+    await transfers.run(
+        plan.scatter_chunks,
+        jobs,
+        device=plan.device,
+        direction=Direction.LOAD,
+        nbytes=_nbytes(jobs),
+        timeout=timeout,
+    )
+
+
+def mark_loaded(
+    mask: torch.Tensor, plan: TransferPlan, slots_cpu: torch.Tensor, start: int, end: int
+) -> int:
+    """Mark in ``mask`` (bool, CPU) the tokens of ``[start, end)`` a scatter wrote: all
+    of them, but those with a negative slot. Returns ``end - start``, the tokens loaded."""
+    if plan.first_skipped(start) is None:
+        mask[start:end] = True
+    else:
+        mask[start:end] = slots_cpu[start:end] >= 0
+    return end - start

@@ -1,0 +1,157 @@
+"""The load half of the request core: reserve the held prefix → the caller copies → release.
+
+Every rule about what a load serves lives here, for every caller (the embedded retrieve
+pipeline, the sidecar serving a client that copies the KV itself): :meth:`LoadCore.begin`
+counts the request and waits (bounded) for a prefetch under its lookup id,
+:meth:`LoadCore.reserve` takes a reference on the payloads of the leading chunks the tiers
+hold (reading those only disk or Redis hold into host memory, verified), the caller copies
+out of them, :meth:`LoadCore.release` returns them and :meth:`LoadCore.finish` drops the
+lookup's pins and counts the tokens loaded. :meth:`LoadCore.prefetch` loads a prompt's
+lower-tier hits into host memory ahead of its retrieve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+
+from ..backends.manager import StorageManager, chunk_keys
+from ..keys import ChunkKey
+from ..memory import MemoryObj
+from ..stats import Counters
+from .store import release
+
+__all__ = ["LoadCore"]
+
+log = structlog.get_logger(__name__)
+
+
+class LoadCore:
+    """The load rules over one storage manager."""
+
+    def __init__(
+        self,
+        manager: StorageManager,
+        counters: Counters,
+        *,
+        batch_chunks: int,
+        timeout: float,
+        healthy: Callable[[], bool],
+        pins_changed: Callable[[], None],
+    ) -> None:
+        self._manager = manager
+        self._counters = counters
+        self._batch_chunks = batch_chunks
+        self._timeout = timeout
+        self._healthy = healthy
+        self._pins_changed = pins_changed
+        self._prefetches: dict[Hashable, anyio.Event] = {}
+        self._background: TaskGroup | None = None
+
+    def start(self, task_group: TaskGroup) -> None:
+        """Run prefetches in ``task_group`` from now on."""
+        self._background = task_group
+
+    async def begin(self, lookup_id: Hashable | None) -> bool:
+        """Count a load request and wait (at most ``retrieve_timeout``) for a prefetch
+        under ``lookup_id``; True when the cache can serve it."""
+        self._counters.retrieve_requests += 1
+        if not self._healthy():
+            return False
+        if lookup_id is not None:
+            done = self._prefetches.pop(lookup_id, None)
+            if done is not None:
+                with anyio.move_on_after(self._timeout):
+                    await done.wait()
+        return True
+
+    def findable(self, keys: Sequence[bytes], locations: Sequence[str] | None) -> int:
+        """How many leading ``keys`` a load may find: the CPU tier's count when it is the
+        only tier read, else all of them (a slow tier's part is found by reading it, with
+        no existence check first)."""
+        manager = self._manager
+        if not manager.slow_tiers or (
+            locations is not None and all(name == "cpu" for name in locations)
+        ):
+            return manager.contains_prefix(keys)
+        return len(keys)
+
+    async def reserve(
+        self,
+        keys: Sequence[ChunkKey],
+        locations: Sequence[str] | None,
+        lookup_id: Hashable | None = None,
+    ) -> list[MemoryObj]:
+        """The payloads of the leading ``keys`` the tiers hold, stopping at the first none
+        holds, each referenced for the caller (give them back with :meth:`release`).
+        Payloads prefetched or pinned for ``lookup_id`` are used; chunks only disk or
+        Redis hold are read into host memory and their checksums verified (a chunk that
+        fails is a miss)."""
+        if not keys:
+            return []
+        return await self._manager.fetch_prefix(keys, locations, lookup_id)
+
+    @staticmethod
+    def release(objs: Sequence[MemoryObj]) -> None:
+        """Return the references :meth:`reserve` gave."""
+        release(objs)
+
+    def finish(self, lookup_id: Hashable | None, loaded_tokens: int) -> None:
+        """End a load: drop the pins held for ``lookup_id`` and count the tokens loaded."""
+        if lookup_id is not None:
+            self._manager.unpin(lookup_id)
+        self._counters.retrieved_tokens += loaded_tokens
+
+    async def remove(self, keys: Sequence[ChunkKey], locations: Sequence[str] | None = None) -> int:
+        """Forget chunks that were loaded (``remove_after_retrieve``: the receiver of a
+        disaggregated prefill takes the KV once; a move that does not copy) from the named
+        tiers (default: all); returns how many were held."""
+        if not keys:
+            return 0
+        return await self._manager.remove(keys, locations)
+
+    # -- prefetch ---------------------------------------------------------------------------
+
+    def prefetch(
+        self, keys: Sequence[bytes], locations: tuple[str, ...] | None, lookup_id: Hashable
+    ) -> bool:
+        """Start reading ``keys`` (a prompt's leading hits) into host memory in the
+        background, pinned for ``lookup_id`` until its load (or ``pin_timeout``). False
+        when nothing was started (no keys, or not started)."""
+        if not keys or self._background is None:
+            return False
+        done = anyio.Event()
+        self._prefetches[lookup_id] = done
+        self._background.start_soon(self._prefetch, list(keys), locations, lookup_id, done)
+        return True
+
+    async def _prefetch(
+        self,
+        keys: list[bytes],
+        locations: tuple[str, ...] | None,
+        lookup_id: Hashable,
+        done: anyio.Event,
+    ) -> None:
+        objs: list[MemoryObj] = []
+        try:
+            with anyio.move_on_after(self._timeout):
+                step = self._batch_chunks
+                as_keys = chunk_keys(keys)
+                for start in range(0, len(as_keys), step):
+                    batch = as_keys[start : start + step]
+                    got = await self._manager.fetch_prefix(batch, locations)
+                    objs.extend(got)
+                    if len(got) < len(batch):
+                        break
+            if self._prefetches.get(lookup_id) is done:
+                self._manager.pin_objects(keys[: len(objs)], objs, lookup_id)
+                self._pins_changed()
+                log.debug("prefetched", lookup_id=str(lookup_id), chunks=len(objs))
+        except Exception:
+            log.exception("prefetch_failed", lookup_id=str(lookup_id))
+        finally:
+            release(objs)  # the pin set holds its own references
+            done.set()

@@ -1,0 +1,238 @@
+"""The store half of the request core: reserve → the caller fills the buffers → commit.
+
+Every rule about what a store writes lives here, for every caller: the embedded store
+pipeline runs these phases as its stages, the sidecar runs them for a client that copies
+the KV itself. :meth:`StoreCore.begin` decides the chunks (up to the request's limit; the
+ones already held are skipped and held for the request), :meth:`StoreCore.reserve` takes
+host memory for them, stopping at the first that cannot be had in time (a partial store:
+the prefix it has is stored, never a store with a hole), :meth:`StoreCore.commit` puts the
+filled payloads into the tiers, and :meth:`StoreCore.finish` ends the request and counts
+it. :meth:`StoreCore.abort` returns reserved memory unused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
+import numpy as np
+import structlog
+
+from ..backends.manager import StorageManager
+from ..errors import AllocationTimeoutError
+from ..keys import ChunkSpan
+from ..layouts import KVLayout
+from ..memory import MemoryObj, MemoryPool
+from ..stats import Counters
+
+__all__ = ["Cancellable", "StoreCore", "StoreTxn"]
+
+log = structlog.get_logger(__name__)
+
+
+class Cancellable(Protocol):
+    """A request whose waits can be ended from outside (see :meth:`StoreCore.reserve`)."""
+
+    cancelled: bool
+    waiting: anyio.CancelScope | None
+
+
+@dataclass(eq=False, slots=True)
+class StoreTxn:
+    """One store between :meth:`StoreCore.begin` and :meth:`StoreCore.finish`.
+
+    ``spans``: the chunks the store may write (from the mask start, up to its limit);
+    ``todo``: the indices of those not already held; ``stored``: per span, whether it is
+    cached. The transaction owns one reference on each object in ``held`` (chunks it
+    counts as cached), so the store's own later allocations cannot evict its prefix.
+    """
+
+    req_id: str
+    spans: list[ChunkSpan]
+    tokens: np.ndarray | None
+    locations: tuple[str, ...] | None
+    stored: list[bool]
+    held: list[MemoryObj]
+    todo: list[int]
+    partial: bool = False
+    finished: bool = False
+
+    def stored_tokens(self) -> int:
+        """Tokens covered by the leading run of chunks that are cached."""
+        if not self.spans:
+            return 0
+        first = self.spans[0].start
+        end = first
+        for span, ok in zip(self.spans, self.stored, strict=False):
+            if not ok:
+                break
+            end = span.end
+        return end - first
+
+
+def release(objs: Sequence[MemoryObj]) -> None:
+    """Drop the caller's reference on each object."""
+    for obj in objs:
+        obj.unref()
+
+
+class StoreCore:
+    """The store rules over one storage manager and host memory pool."""
+
+    def __init__(
+        self,
+        manager: StorageManager,
+        pool: MemoryPool,
+        layout: KVLayout,
+        counters: Counters,
+        *,
+        allocation_timeout: float,
+        healthy: Callable[[], bool],
+    ) -> None:
+        self._manager = manager
+        self._pool = pool
+        self._layout = layout
+        self._counters = counters
+        self._allocation_timeout = allocation_timeout
+        self._healthy = healthy
+
+    def open(self) -> bool:
+        """Count a store request; True when the cache takes writes now (healthy, not
+        frozen, some target tier writable). A store that gets False stores nothing."""
+        self._counters.store_requests += 1
+        return self._manager.accepts_writes and self._healthy()
+
+    def begin(
+        self,
+        req_id: str,
+        spans: list[ChunkSpan],
+        tokens: np.ndarray | None,
+        *,
+        limit: int,
+        locations: tuple[str, ...] | None,
+    ) -> StoreTxn:
+        """Decide what a store writes: the chunks of ``spans`` ending at or before
+        ``limit`` (a chunk with a token the caller cannot give, and every chunk after it,
+        is not stored); those already held are held for the request and skipped."""
+        if spans and spans[-1].end > limit:
+            spans = [span for span in spans if span.end <= limit]
+        present = self._manager.hold([span.key for span in spans])
+        return StoreTxn(
+            req_id,
+            spans,
+            tokens,
+            locations,
+            stored=[obj is not None for obj in present],
+            held=[obj for obj in present if obj is not None],
+            todo=[index for index, obj in enumerate(present) if obj is None],
+        )
+
+    async def reserve(
+        self, txn: StoreTxn, indices: Sequence[int], owner: Cancellable | None = None
+    ) -> list[MemoryObj]:
+        """Host memory for the payloads of the chunks at ``indices`` (positions in
+        ``txn.spans``), in order, each waiting up to ``allocation_timeout`` for room.
+
+        Stops at the first chunk that gets no memory in time (``txn.partial`` is set and
+        the store logged as partial) or when ``owner`` is cancelled; the objects returned
+        are for ``indices[:len(result)]``, one reference each for the caller (give them
+        to :meth:`commit` or :meth:`abort`). A cancellation of the caller returns what
+        was taken and propagates.
+        """
+        layout, pool = self._layout, self._pool
+        dtype = layout.dtype
+        objs: list[MemoryObj] = []
+        try:
+            for index in indices:
+                shape = layout.payload_shape(txn.spans[index].num_tokens)
+                obj = pool.allocate_nowait(shape, dtype)
+                if obj is None:
+                    obj = await self._wait_for_memory(txn, index, shape, owner)
+                    if obj is None:
+                        break
+                objs.append(obj)
+        except BaseException:
+            release(objs)
+            raise
+        return objs
+
+    async def _wait_for_memory(
+        self,
+        txn: StoreTxn,
+        index: int,
+        shape: tuple[int, ...],
+        owner: Cancellable | None,
+    ) -> MemoryObj | None:
+        """One payload, waiting for room; None when time ran out (partial) or ``owner``
+        was cancelled while it waited."""
+        dtype = self._layout.dtype
+        try:
+            if owner is None:
+                return await self._pool.allocate(shape, dtype, timeout=self._allocation_timeout)
+            with anyio.CancelScope() as owner.waiting:
+                if owner.cancelled:
+                    owner.waiting.cancel()
+                return await self._pool.allocate(shape, dtype, timeout=self._allocation_timeout)
+            return None  # the owner was cancelled while it waited
+        except AllocationTimeoutError:
+            txn.partial = True
+            log.warning(
+                "store_partial",
+                req_id=txn.req_id,
+                stored_chunks=index,
+                chunks=len(txn.spans),
+                reason="host_memory_timeout",
+            )
+            return None
+        finally:
+            if owner is not None:
+                owner.waiting = None
+
+    async def commit(self, txn: StoreTxn, indices: Sequence[int], objs: Sequence[MemoryObj]) -> int:
+        """Put the filled payloads ``objs`` of the chunks at ``indices`` into the tiers
+        (the CPU tier now, the slow tiers written behind unless configured otherwise) and
+        mark them stored; returns how many leading chunks a tier took. The caller's
+        references on ``objs`` are released, whatever happens.
+
+        Raises:
+            InvalidInputError: ``txn.locations`` names a tier that is not enabled.
+        """
+        try:
+            spans = [txn.spans[index] for index in indices]
+            kept = await self._manager.put(spans, objs, txn.tokens, txn.locations)
+            # Hold what the CPU tier now has under these keys (another store may have put
+            # the same chunk first) until the store ends; chunks written to slow tiers only
+            # are held by their writers.
+            cached = self._manager.hold([span.key for span in spans[:kept]])
+            for index, obj in zip(indices[:kept], cached, strict=True):
+                txn.stored[index] = True
+                if obj is not None:
+                    txn.held.append(obj)
+            return kept
+        finally:
+            release(objs)
+
+    def abort(self, txn: StoreTxn, objs: Sequence[MemoryObj] = ()) -> int:
+        """End a store without writing ``objs`` (reserved, maybe filled): every byte of
+        memory it took is returned. Returns 0, the tokens it stored."""
+        release(objs)
+        self._end(txn)
+        return 0
+
+    def finish(self, txn: StoreTxn) -> int:
+        """End a store and count it; returns the tokens, from its first chunk on, whose
+        chunks are cached. Idempotent: a transaction is counted once."""
+        stored = txn.stored_tokens()
+        if not txn.finished:
+            self._counters.stored_tokens += stored
+            self._counters.partial_stores += int(txn.partial)
+        self._end(txn)
+        return stored
+
+    @staticmethod
+    def _end(txn: StoreTxn) -> None:
+        release(txn.held)
+        txn.held.clear()
+        txn.finished = True

@@ -1,0 +1,7 @@
+"""The embedded cache engine: :class:`CacheEngine`, the public face over its parts."""
+
+from __future__ import annotations
+
+from .face import CacheEngine
+
+__all__ = ["CacheEngine"]

@@ -1,0 +1,40 @@
+"""Re-encoding a cached prefix in a slow tier (compress, decompress)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import structlog
+
+from ..backends.base import StorageBackend
+from ..backends.manager import chunk_keys
+from ..backends.record import RecordSpec
+
+__all__ = ["reencode_prefix"]
+
+log = structlog.get_logger(__name__)
+
+
+async def reencode_prefix(
+    tier: StorageBackend, keys: Sequence[bytes], spec: RecordSpec, *, batch_chunks: int
+) -> int:
+    """Rewrite the leading run of ``keys`` that ``tier`` holds with ``spec``'s codec,
+    ``batch_chunks`` at a time; returns the number of chunks re-encoded. A chunk that
+    vanishes midway ends the run."""
+    as_keys = chunk_keys(keys)
+    hits = await tier.contains_prefix(as_keys)
+    done = 0
+    for start in range(0, hits, batch_chunks):
+        batch = as_keys[start : min(start + batch_chunks, hits)]
+        got = await tier.get(batch)
+        objs = [obj for obj in got if obj is not None]
+        try:
+            if len(objs) < len(batch):
+                break
+            await tier.remove(batch)
+            done += await tier.put(batch, objs, spec=spec)
+        finally:
+            for obj in objs:
+                obj.unref()
+    log.info("chunks_reencoded", location=tier.name, method=str(spec.codec), chunks=done)
+    return done

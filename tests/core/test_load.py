@@ -1,0 +1,73 @@
+"""The request core's load phases: the run it reserves, release, and what finish ends."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from lmcache_async.core import LoadCore
+from tests.core.test_store import CHUNK, TIMEOUT, Scene
+
+pytestmark = pytest.mark.anyio
+
+
+def load_core(scene: Scene) -> LoadCore:
+    return LoadCore(
+        scene.manager,
+        scene.counters,
+        batch_chunks=2,
+        timeout=TIMEOUT,
+        healthy=lambda: True,
+        pins_changed=lambda: None,
+    )
+
+
+async def stored(scene: Scene, count: int) -> None:
+    core = scene.core
+    txn = core.begin("s", scene.spans[:count], None, limit=10**9, locations=None)
+    await core.commit(txn, txn.todo, await core.reserve(txn, txn.todo))
+    core.finish(txn)
+
+
+async def test_reserve_gives_the_leading_run_and_release_returns_it() -> None:
+    scene = Scene(8)
+    load = load_core(scene)
+    keys = [span.key for span in scene.spans]
+    with anyio.fail_after(TIMEOUT):
+        await stored(scene, 3)
+        assert await load.begin(None)
+        objs = await load.reserve(keys, None)
+        assert len(objs) == 3
+        assert all(obj.ref_count == 2 for obj in objs)  # the tier's and the load's
+        load.release(objs)
+        assert all(obj.ref_count == 1 for obj in objs)
+        load.finish(None, 3 * CHUNK)
+    assert scene.counters.retrieve_requests == 1
+    assert scene.counters.retrieved_tokens == 3 * CHUNK
+    assert load.findable(keys, None) == 3
+
+
+async def test_finish_drops_the_lookup_pins() -> None:
+    scene = Scene(8)
+    load = load_core(scene)
+    keys = [span.key for span in scene.spans]
+    with anyio.fail_after(TIMEOUT):
+        await stored(scene, 2)
+        assert scene.manager.pin_prefix(keys, "r1") == 2
+        assert scene.manager.pinned_chunks == 2
+        load.finish("r1", 0)
+    assert scene.manager.pinned_chunks == 0
+
+
+async def test_an_unhealthy_cache_serves_no_load() -> None:
+    scene = Scene(2)
+    load = LoadCore(
+        scene.manager,
+        scene.counters,
+        batch_chunks=2,
+        timeout=TIMEOUT,
+        healthy=lambda: False,
+        pins_changed=lambda: None,
+    )
+    assert not await load.begin(None)
+    assert scene.counters.retrieve_requests == 1
