@@ -168,15 +168,26 @@ class StorageManager:
         return self._cpu.contains_prefix_nowait(keys)
 
     async def lookup_prefix(
-        self, keys: Sequence[bytes], locations: Sequence[str] | None = None
+        self,
+        keys: Sequence[bytes],
+        locations: Sequence[str] | None = None,
+        *,
+        cpu_hits: int | None = None,
     ) -> int:
         """Number of leading keys held across the readable tiers.
 
         The run may begin in one tier and continue in another. A slow tier that fails is
-        skipped (a miss), never raised.
+        skipped (a miss), never raised. ``cpu_hits``: the CPU tier's count of leading
+        ``keys`` the caller has just taken (a lookup that tried the CPU tier alone first),
+        so the CPU tier is not walked again for them.
         """
         names = self._tiers.read_from if locations is None else locations
-        hits = self._cpu.contains_prefix_nowait(keys) if self._cpu.name in names else 0
+        if self._cpu.name not in names:
+            hits = 0
+        elif cpu_hits is not None:
+            hits = cpu_hits
+        else:
+            hits = self._cpu.contains_prefix_nowait(keys)
         if hits == len(keys):
             return hits
         tiers = self._readable(names)
