@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 
 import anyio
-import numpy as np
 import structlog
 
+from lmcache_async.core import StoreCore, StoreTxn
 from lmcache_async.errors import EngineClosedError, ProtocolError
 from lmcache_async.keys import ChunkSpan
 from lmcache_async.memory import MemoryObj
@@ -31,36 +31,27 @@ log = structlog.get_logger(__name__)
 @dataclass(eq=False, slots=True)
 class Transaction:
     """Payloads lent to one client between a STORE and its COMMIT, or a RETRIEVE and its
-    RELEASE. It owns one reference on each object in ``objs`` and ``held``."""
+    RELEASE: ``objs`` are the payloads of ``spans``, one reference each. A store's
+    ``store`` is its transaction with the engine's request core, which takes the payloads
+    back (:meth:`release`) when the client never commits."""
 
     txn_id: int
     kind: MessageType
     deadline: float
     spans: list[ChunkSpan]
     objs: list[MemoryObj] = field(default_factory=list)
-    todo: list[int] = field(default_factory=list)  # store: the span index of each obj
-    held: list[MemoryObj] = field(default_factory=list)  # store: chunks already cached
-    stored: list[bool] = field(default_factory=list)  # store: per span
-    tokens: np.ndarray | None = None
-    locations: list[str] | None = None
-    partial: bool = False
-
-    def stored_tokens(self) -> int:
-        """Tokens covered by the leading run of cached chunks (as a store counts them)."""
-        if not self.spans:
-            return 0
-        end = self.spans[0].start
-        for span, ok in zip(self.spans, self.stored, strict=False):
-            if not ok:
-                break
-            end = span.end
-        return end - self.spans[0].start
+    store: StoreTxn | None = None
+    store_core: StoreCore | None = None
 
     def release(self) -> None:
-        for obj in (*self.objs, *self.held):
-            obj.unref()
+        """Give every payload back: a store is aborted with the core, a load's
+        references are dropped."""
+        if self.store is not None and self.store_core is not None:
+            self.store_core.abort(self.store, self.objs)
+        else:
+            for obj in self.objs:
+                obj.unref()
         self.objs.clear()
-        self.held.clear()
 
 
 @dataclass(eq=False, slots=True)

@@ -9,9 +9,11 @@
   verified before the leading run that passes is cached; MOVE: the engine moves a prefix
   to another sidecar.
 
-The handlers speak to the engine in chunks (``chunk_spans``, ``hold_chunks``,
-``allocate_chunk``, ``buffer_offset``, ``put_chunks``, ``fetch_chunks``,
-``record_request``, ``accepts_writes``); the payloads live in the shared-memory arena.
+The handlers decode a message and run the engine's request core (``engine.core``): a
+STORE is the core's store reserve, its COMMIT the core's commit (or abort), a RETRIEVE the
+core's load reserve and its RELEASE the core's release, exactly as the embedded pipelines
+run them. Nothing here decides what is stored or loaded; the payloads live in the
+shared-memory arena.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ import numpy as np
 import structlog
 
 from lmcache_async.backends.record import payload_checksum
+from lmcache_async.core import RequestCore
+from lmcache_async.core.store import release
 from lmcache_async.engine import CacheEngine
-from lmcache_async.errors import AllocationTimeoutError, InvalidInputError, ProtocolError
+from lmcache_async.errors import InvalidInputError, ProtocolError
 from lmcache_async.keys import ChunkSpan
 from lmcache_async.memory import MemoryObj
+from lmcache_async.rpc.move import move
 from lmcache_async.rpc.protocol import Message, MessageType, tokens_from_payload
 from lmcache_async.rpc.sidecar.fields import (
     checksums_field,
@@ -74,95 +79,67 @@ class TransferHandlers:
                 f"{engine.config.chunk_size}), got {start}"
             )
         tokens, hashes, offsets = key_input(message)
-        spans, array = await engine.chunk_spans(tokens, hashes=hashes, offsets=offsets)
-        if start:
-            spans = [span for span in spans if span.start >= start]
-        return spans, array
+        return await engine.chunk_spans(tokens, hashes=hashes, offsets=offsets, start=start)
 
     # -- store ----------------------------------------------------------------------------
 
     async def on_store(self, session: Session | None, message: Message) -> Reply:
         assert session is not None
         engine = self._host.need_engine()
+        core = engine.core
         header = message.header
-        locations = locations_field(header, "store_location")
+        locations = engine.check_locations(
+            locations_field(header, "store_location"), "store_location"
+        )
         spans, tokens = await self._spans(engine, message)
-        if not engine.accepts_writes:
-            engine.record_request("store", 0)
+        if not core.store.open():
             return {"stored": 0}, ()
         limit = header.get("limit")
-        if limit is not None:
-            limit = int_field(header, "limit", 0)
-            spans = [span for span in spans if span.end <= limit]
-        present = engine.hold_chunks([span.key for span in spans])
-        txn = Transaction(
-            self._sessions.next_txn_id(),
-            MessageType.STORE,
-            txn_deadline(message.header, engine.config.store_timeout),
+        txn = core.store.begin(
+            str(header.get("req_id", session.label)),
             spans,
-            stored=[obj is not None for obj in present],
-            held=[obj for obj in present if obj is not None],
-            tokens=tokens,
+            tokens,
+            limit=spans[-1].end if limit is None or not spans else int_field(header, "limit", 0),
             locations=locations,
         )
-        try:
-            for index, obj in enumerate(present):
-                if obj is not None:
-                    continue
-                try:
-                    payload = await engine.allocate_chunk(spans[index].num_tokens)
-                except AllocationTimeoutError:
-                    txn.partial = True
-                    log.warning("store_partial", client=session.label, stored_chunks=index)
-                    break
-                txn.objs.append(payload)
-                txn.todo.append(index)
-        except BaseException:
-            txn.release()
-            raise
-        if not txn.objs:
-            stored = txn.stored_tokens()
-            txn.release()
-            engine.record_request("store", stored, partial=txn.partial)
-            return {"stored": stored}, ()
-        session.transactions[txn.txn_id] = txn
+        objs = await core.store.reserve(txn, txn.todo)
+        if not objs:
+            return {"stored": core.store.finish(txn)}, ()
+        lent = Transaction(
+            self._sessions.next_txn_id(),
+            MessageType.STORE,
+            txn_deadline(header, engine.config.store_timeout),
+            [txn.spans[index] for index in txn.todo[: len(objs)]],
+            objs,
+            store=txn,
+            store_core=core.store,
+        )
+        session.transactions[lent.txn_id] = lent
         chunks = [
-            [spans[i].start, spans[i].end, engine.buffer_offset(obj), obj.nbytes]
-            for i, obj in zip(txn.todo, txn.objs, strict=True)
+            [span.start, span.end, core.buffer_offset(obj), obj.nbytes]
+            for span, obj in zip(lent.spans, objs, strict=True)
         ]
-        return {"txn": txn.txn_id, "chunks": chunks}, ()
+        return {"txn": lent.txn_id, "chunks": chunks}, ()
 
     async def on_commit(self, session: Session | None, message: Message) -> Reply:
         assert session is not None
-        engine = self._host.need_engine()
-        txn = session.take(message, MessageType.STORE)
-        if txn is None:
-            engine.record_request("store", 0)
+        core = self._host.need_engine().core
+        lent = session.take(message, MessageType.STORE)
+        if lent is None or lent.store is None:
             return {"stored": 0, "expired": True}, ()
+        txn = lent.store
         try:
             if flag_field(message.header, "abort"):
-                engine.record_request("store", 0)
                 return {"stored": 0}, ()
             if message.payloads:
-                await self._fill(engine, txn, message.payloads)
-            spans = [txn.spans[i] for i in txn.todo]
-            kept = await engine.put_chunks(
-                spans, txn.objs, txn.tokens, store_location=txn.locations
-            )
-            cached = engine.hold_chunks([span.key for span in spans[:kept]])
-            for index, obj in zip(txn.todo[:kept], cached, strict=True):
-                txn.stored[index] = True
-                if obj is not None:
-                    txn.held.append(obj)
-            stored = txn.stored_tokens()
-            engine.record_request("store", stored, partial=txn.partial)
-            return {"stored": stored}, ()
+                await self._fill(core, lent, message.payloads)
+            objs, lent.objs = lent.objs, []  # the commit gives them back
+            await core.store.commit(txn, txn.todo[: len(objs)], objs)
+            return {"stored": core.store.finish(txn)}, ()
         finally:
-            txn.release()
+            lent.release()  # an abort, a bad frame: every payload back, nothing counted
 
-    async def _fill(
-        self, engine: CacheEngine, txn: Transaction, payloads: list[memoryview]
-    ) -> None:
+    async def _fill(self, core: RequestCore, txn: Transaction, payloads: list[memoryview]) -> None:
         """Copy inline payload frames (a client on another host) into the payloads.
 
         Raises:
@@ -179,7 +156,7 @@ class TransferHandlers:
                 raise ProtocolError(
                     f"payload {index} holds {payload.nbytes} bytes, the chunk {obj.nbytes}"
                 )
-            offset = engine.buffer_offset(obj)
+            offset = core.buffer_offset(obj)
             jobs.append((arena[offset : offset + obj.nbytes], np.frombuffer(payload, np.uint8)))
 
         def copy() -> None:
@@ -196,32 +173,35 @@ class TransferHandlers:
     async def on_retrieve(self, session: Session | None, message: Message) -> Reply:
         assert session is not None
         engine = self._host.need_engine()
+        load = engine.core.load
         header = message.header
-        locations = locations_field(header, "retrieve_locations")
         lookup_id = lookup_id_field(header, required=False)
         scoped = None if lookup_id is None else session.scoped(lookup_id)
+        objs: list[MemoryObj] = []
         try:
-            spans, _ = await self._spans(engine, message)
-            objs = await engine.fetch_chunks(
-                [span.key for span in spans], lookup_id=scoped, retrieve_locations=locations
+            locations = engine.check_locations(
+                locations_field(header, "retrieve_locations"), "retrieve_locations"
             )
+            spans, _ = await self._spans(engine, message)
+            if await load.begin(scoped):
+                objs = await load.reserve([span.key for span in spans], locations, scoped)
         finally:
-            if lookup_id is not None and scoped is not None:
+            if lookup_id is not None:
+                # The payloads are referenced now: the pins have done their job.
                 session.lookup_ids.discard(lookup_id)
-                await engine.lookup_unpin(scoped)
+                load.finish(scoped, 0)
         if not objs:
-            engine.record_request("retrieve", 0)
             return {"chunks": []}, ()
         spans = spans[: len(objs)]
-        txn = Transaction(
+        lent = Transaction(
             self._sessions.next_txn_id(),
             MessageType.RETRIEVE,
-            txn_deadline(message.header, engine.config.retrieve_timeout),
+            txn_deadline(header, engine.config.retrieve_timeout),
             spans,
-            objs=objs,
+            objs,
         )
-        session.transactions[txn.txn_id] = txn
-        offsets = [engine.buffer_offset(obj) for obj in objs]
+        session.transactions[lent.txn_id] = lent
+        offsets = [engine.core.buffer_offset(obj) for obj in objs]
         chunks = [
             [span.start, span.end, offset, obj.nbytes]
             for span, obj, offset in zip(spans, objs, offsets, strict=True)
@@ -233,91 +213,94 @@ class TransferHandlers:
                 buffer[offset : offset + obj.nbytes]
                 for obj, offset in zip(objs, offsets, strict=True)
             ]
-        return {"txn": txn.txn_id, "chunks": chunks}, payloads
+        return {"txn": lent.txn_id, "chunks": chunks}, payloads
 
     async def on_release(self, session: Session | None, message: Message) -> None:
         assert session is not None
-        txn = session.take(message, MessageType.RETRIEVE)
-        if txn is None:
+        lent = session.take(message, MessageType.RETRIEVE)
+        if lent is None:
             return
-        txn.release()
+        lent.release()
         loaded = message.header.get("loaded", 0)
         if is_strict_int(loaded) and loaded >= 0:
-            self._host.need_engine().record_request("retrieve", loaded)
+            self._host.need_engine().core.load.finish(None, loaded)
 
     # -- moves between instances ----------------------------------------------------------
 
     async def on_push(self, session: Session | None, message: Message) -> Reply:
         """Cache chunks another instance pushed inline, each verified against its checksum
-        first; the leading run that passes is cached, the rest refused and not counted."""
+        first; the leading run that passes is stored through the core, the rest refused."""
         assert session is not None
         engine = self._host.need_engine()
+        store = engine.core.store
         header = message.header
         if "hashes" in header or not message.payloads:
             raise ProtocolError("a push carries a token frame, then the chunk payloads")
         frames = message.payloads[1:]
         checksums = checksums_field(header, len(frames))
-        locations = locations_field(header, "store_location")
+        locations = engine.check_locations(
+            locations_field(header, "store_location"), "store_location"
+        )
         spans, tokens = await self._spans(engine, message)
-        if not engine.accepts_writes:
-            engine.record_request("store", 0)
+        spans = spans[: len(frames)]
+        if not store.open() or not spans:
             return {"stored": 0, "chunks": 0, "refused": len(frames)}, ()
-        objs: list[MemoryObj] = []
+        txn = store.begin(
+            str(header.get("req_id", session.label)),
+            spans,
+            tokens,
+            limit=spans[-1].end,
+            locations=locations,
+        )
+        objs = await store.reserve(txn, txn.todo)
+        todo = txn.todo[: len(objs)]
         try:
-            for index, (span, frame) in enumerate(zip(spans, frames, strict=False)):
-                try:
-                    obj = await engine.allocate_chunk(span.num_tokens)
-                except AllocationTimeoutError:
-                    log.warning("push_partial", client=session.label, taken_chunks=index)
-                    break
-                if frame.nbytes != obj.nbytes:
-                    obj.unref()
-                    log.warning(
-                        "push_chunk_refused",
-                        client=session.label,
-                        chunk=index,
-                        reason=f"{frame.nbytes} bytes, the chunk holds {obj.nbytes}",
-                    )
-                    break
-                objs.append(obj)
-            good = await self._verify(engine, objs, frames, checksums)
-            if good < len(objs):
-                log.warning(
-                    "push_chunk_refused", client=session.label, chunk=good, reason="bad checksum"
-                )
-                for obj in objs[good:]:
-                    obj.unref()
-                del objs[good:]
-            kept = 0
-            if objs:
-                kept = await engine.put_chunks(
-                    spans[: len(objs)], objs, tokens, store_location=locations
-                )
-            if kept:
-                await self._flush_push(engine, header)
-        finally:
-            for obj in objs:
-                obj.unref()
-        stored = spans[kept - 1].end - spans[0].start if kept else 0
-        engine.record_request("store", stored, partial=kept < len(frames))
+            good = await self._verify(
+                engine.core,
+                session.label,
+                objs,
+                [frames[index] for index in todo],
+                [checksums[index] for index in todo],
+            )
+            taken, objs = objs[:good], objs[good:]
+            await store.commit(txn, todo[:good], taken)
+        except BaseException:
+            store.abort(txn, objs)
+            raise
+        release(objs)  # refused: a bad checksum or size, and what came after it
+        kept = next((index for index, ok in enumerate(txn.stored) if not ok), len(txn.stored))
+        stored = store.finish(txn)
+        if kept:
+            await self._flush_push(engine, header)
         return {"stored": stored, "chunks": kept, "refused": len(frames) - kept}, ()
 
     async def _verify(
         self,
-        engine: CacheEngine,
+        core: RequestCore,
+        client: str,
         objs: list[MemoryObj],
         frames: list[memoryview],
         checksums: list[int],
     ) -> int:
         """Copy each frame into its payload and check the copy against its checksum (kept
         on the object); returns how many leading payloads passed."""
+        for index, (obj, frame) in enumerate(zip(objs, frames, strict=True)):
+            if frame.nbytes != obj.nbytes:
+                log.warning(
+                    "push_chunk_refused",
+                    client=client,
+                    chunk=index,
+                    reason=f"{frame.nbytes} bytes, the chunk holds {obj.nbytes}",
+                )
+                objs, frames = objs[:index], frames[:index]
+                break
         arena = np.frombuffer(self._host.need_buffer(), dtype=np.uint8)
         jobs = [
             (
-                arena[engine.buffer_offset(obj) : engine.buffer_offset(obj) + obj.nbytes],
+                arena[core.buffer_offset(obj) : core.buffer_offset(obj) + obj.nbytes],
                 np.frombuffer(frame, dtype=np.uint8),
             )
-            for obj, frame in zip(objs, frames, strict=False)
+            for obj, frame in zip(objs, frames, strict=True)
         ]
 
         def verify() -> int:
@@ -330,8 +313,12 @@ class TransferHandlers:
             return len(jobs)
 
         if sum(obj.nbytes for obj in objs) < _INLINE_COPY_BYTES:
-            return verify()
-        return await anyio.to_thread.run_sync(verify)
+            good = verify()
+        else:
+            good = await anyio.to_thread.run_sync(verify)
+        if good < len(objs):
+            log.warning("push_chunk_refused", client=client, chunk=good, reason="bad checksum")
+        return good
 
     async def _flush_push(self, engine: CacheEngine, header: dict[str, Any]) -> None:
         """Wait for queued disk and Redis writes, within half the pusher's patience, so
@@ -351,7 +338,12 @@ class TransferHandlers:
         old_position: Any = header.get("old_position")
         new_position: Any = header.get("new_position")
         copy = flag_field(header, "copy", required=True)
-        moved = await engine.move(
-            tokens, old_position, new_position, copy, timeout=seconds_field(header, "timeout")
+        moved = await move(
+            engine,
+            tokens,
+            old_position,
+            new_position,
+            copy,
+            timeout=seconds_field(header, "timeout"),
         )
         return {"moved": moved}, ()
