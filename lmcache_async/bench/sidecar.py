@@ -39,8 +39,9 @@ import torch
 import yaml
 import zmq
 
-from lmcache_async import CacheEngine, EngineConfig, KVLayout, RemoteCacheEngine
-from lmcache_async.bench import format_table, parse_dtype, percentiles
+from lmcache_async import CacheEngine, EngineConfig, KVCacheClient, KVLayout, RemoteCacheEngine
+from lmcache_async.bench import format_table, gbps, parse_dtype, percentiles
+from lmcache_async.bench.baselines import slots_over
 from lmcache_async.bench.echo import STOP as ECHO_STOP
 from lmcache_async.config import GB
 from lmcache_async.errors import InvalidInputError, TierUnavailableError
@@ -112,24 +113,10 @@ class SidecarBenchOptions:
         )
 
 
-# Both engines offer these calls; the benchmark drives either through them.
-_Engine = CacheEngine | RemoteCacheEngine
-
-
-def _slots(blocks: torch.Tensor, block_size: int, num_tokens: int) -> torch.Tensor:
-    """Slots of ``num_tokens`` tokens laid over ``blocks`` in order; int64 ``[num_tokens]``."""
-    pos = torch.arange(num_tokens, dtype=torch.int64)
-    return blocks[pos // block_size] * block_size + pos % block_size
-
-
 async def _timed(fn: Callable[[], Awaitable[object]]) -> tuple[float, object]:
     t0 = time.perf_counter()
     result = await fn()
     return time.perf_counter() - t0, result
-
-
-def _rate(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else math.nan
 
 
 @dataclass(slots=True)
@@ -172,8 +159,8 @@ def _make_work(options: SidecarBenchOptions) -> _Work:
         layout=layout,
         kv=kv,
         tokens=prompt(options.tokens),
-        src_slots=_slots(src_blocks, bs, options.tokens),
-        dst_slots=_slots(dst_blocks, bs, options.tokens),
+        src_slots=slots_over(src_blocks, bs, options.tokens),
+        dst_slots=slots_over(dst_blocks, bs, options.tokens),
         dst_blocks=dst_blocks,
         lookup_prompt=prompt(options.lookup_tokens),
         lookup_kv=lookup_kv,
@@ -183,7 +170,7 @@ def _make_work(options: SidecarBenchOptions) -> _Work:
 
 
 async def _measure(
-    engine: _Engine, work: _Work, options: SidecarBenchOptions, problems: list[str], name: str
+    engine: KVCacheClient, work: _Work, options: SidecarBenchOptions, problems: list[str], name: str
 ) -> dict[str, Any]:
     """Store/retrieve times and lookup latencies of one engine (in-process or sidecar)."""
     times: dict[str, list[float]] = {"store": [], "retrieve": []}
@@ -370,15 +357,15 @@ async def _wait_ready(url: str, layout: KVLayout, options: SidecarBenchOptions) 
 
 
 def _entry(nbytes: int, sidecar: list[float], inprocess: list[float]) -> dict[str, Any]:
-    side = _rate(nbytes, statistics.median(sidecar))
-    local = _rate(nbytes, statistics.median(inprocess))
+    side = gbps(nbytes, statistics.median(sidecar))
+    local = gbps(nbytes, statistics.median(inprocess))
     ratio = side / local
     return {
         "sidecar_gbps": side,
         "inprocess_gbps": local,
         "ratio": ratio,
-        "sidecar_best_gbps": _rate(nbytes, min(sidecar)),
-        "inprocess_best_gbps": _rate(nbytes, min(inprocess)),
+        "sidecar_best_gbps": gbps(nbytes, min(sidecar)),
+        "inprocess_best_gbps": gbps(nbytes, min(inprocess)),
         "target_ratio": TARGETS["throughput_ratio"],
         "ok": ratio >= TARGETS["throughput_ratio"],
     }
