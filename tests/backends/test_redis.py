@@ -23,16 +23,16 @@ import redis.asyncio
 import redis.asyncio.cluster
 import torch
 
-from lmcache_async.backends import redis as redis_backend
+from lmcache_async.backends import redis_conn
 from lmcache_async.backends.codec import Codec
 from lmcache_async.backends.record import RecordSpec
 from lmcache_async.backends.redis import (
     DEFAULT_KEY_PREFIX,
     PUT_SPLIT,
     RedisBackend,
-    _overlapped,
     parse_remote_url,
 )
+from lmcache_async.backends.redis_records import overlapped
 from lmcache_async.errors import (
     ConfigError,
     EngineClosedError,
@@ -390,7 +390,7 @@ async def test_overlapped_stages_raise_the_error_itself(failing: str) -> None:
         return False
 
     with anyio.fail_after(5), pytest.raises(TierUnavailableError):
-        await _overlapped(5, first, second)
+        await overlapped(5, first, second)
     assert seen == ([0, 10] if failing == "first" else [0])
 
 
@@ -409,7 +409,7 @@ async def test_overlapped_stops_when_asked_and_keeps_order() -> None:
         return n == 2
 
     with anyio.fail_after(5):
-        await _overlapped(6, first, second)
+        await overlapped(6, first, second)
     assert seen == [0, 1, 2]
     assert max(started) <= 3, "at most one item is produced ahead"
 
@@ -457,7 +457,7 @@ async def test_large_and_small_values_round_trip_byte_exact(
 async def test_put_without_a_known_stream_uses_redis_py_send(
     redis_server: RedisServer, open_tier: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_backend, "_stream_writer", lambda conn: None)
+    monkeypatch.setattr(redis_conn, "_stream_writer", lambda conn: None)
     env = await open_tier(redis_server.url, capacity=32 * 1024 * 1024, **BIG)
     keys = [key(i) for i in range(8)]
     objs = await put_random(env, keys, MIXED_TOKENS[:8])
@@ -475,7 +475,7 @@ async def assert_all_back(tier: Any, keys: list[ChunkKey], objs: list[Any]) -> N
 
 
 def in_use_connections(env: Env) -> int:
-    return len(env.tier._client.connection_pool._in_use_connections)
+    return len(env.tier._conn.client.connection_pool._in_use_connections)
 
 
 async def assert_whole_or_absent(env: Env, keys: list[ChunkKey], objs: list[Any]) -> None:
@@ -544,14 +544,14 @@ async def test_put_cut_short_mid_write_fails_fast_and_leaves_nothing_behind(
         await filled(env.pool, env.layout.payload_shape(CHUNK), env.layout.dtype, seed=i)
         for i in range(24)
     ]
-    real_exists = tier._exists
+    real_exists = tier._conn.exists
 
     async def exists_then_stop(rkeys: list[bytes]) -> list[bool]:
         found = await real_exists(rkeys)
         os.kill(pid, signal.SIGSTOP)
         return found
 
-    monkeypatch.setattr(tier, "_exists", exists_then_stop)
+    monkeypatch.setattr(tier._conn, "exists", exists_then_stop)
     try:
         start = time.monotonic()
         with anyio.fail_after(timeout + 3):
