@@ -319,7 +319,7 @@ async def test_small_cpu_requests_skip_the_stage_tasks(tmp_path: Path) -> None:
     submitted: list[str] = []
 
     def count(engine: CacheEngine) -> None:
-        for pipe in (engine._store_pipe, engine._retrieve_pipe):
+        for pipe in (engine._parts.store_pipe, engine._parts.retrieve_pipe):
             submit = pipe.submit
 
             async def counted(item: Any, pipe: Any = pipe, submit: Any = submit) -> None:

@@ -116,7 +116,7 @@ async def test_truncated_value_is_a_miss(redis_server: RedisServer) -> None:
         async with open_engine(redis_server.url) as first:
             await store(first, 64, 5)
             assert await first.flush()
-            key = first._hasher.spans(tokens_of(64, 5))[1].key
+            key = first.key_hasher.spans(tokens_of(64, 5))[1].key
         raw = redis.Redis.from_url(redis_server.url)
         try:
             names = [n for n in raw.keys("*") if key.to_str().encode() in n]

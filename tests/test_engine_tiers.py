@@ -148,8 +148,8 @@ async def test_prefix_that_begins_on_disk_and_continues_in_cpu(tmp_path: Path) -
             await store(engine, 96, store_location=["disk"])
             await store(engine, 96, store_location=["cpu"])
             # Drop the first two chunks from the CPU tier only.
-            keys = [s.key for s in engine._hasher.spans(tokens_of(96, 1))]
-            assert await engine._manager.remove(keys[:2], ["cpu"]) == 2
+            keys = [s.key for s in engine.key_hasher.spans(tokens_of(96, 1))]
+            assert await engine._parts.manager.remove(keys[:2], ["cpu"]) == 2
             assert engine.stats().tiers["cpu"].chunks == 4
             assert await engine.lookup(tokens_of(96, 1), search_range=["cpu"]) == 0
             assert await engine.lookup(tokens_of(96, 1)) == 96
@@ -242,7 +242,7 @@ async def test_corrupt_file_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
         async with engine_on(tmp_path) as engine:
             await store(engine, 64)
         async with engine_on(tmp_path) as engine:
-            third = engine._hasher.spans(tokens_of(64, 1))[2].key.to_str()
+            third = engine.key_hasher.spans(tokens_of(64, 1))[2].key.to_str()
             (victim,) = [p for p in chunk_files(tmp_path) if p.name.startswith(third)]
             data = bytearray(victim.read_bytes())
             data[-5] ^= 0x40

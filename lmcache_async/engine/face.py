@@ -12,7 +12,6 @@ parts, each built here with its dependencies passed in, are the key input
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Hashable, Sequence
 from types import TracebackType
 
@@ -21,35 +20,25 @@ import anyio.to_thread
 import numpy as np
 import structlog
 import torch
-from anyio import CancelScope
 from anyio.abc import TaskGroup
 
 from ..backends.codec import Codec
-from ..backends.cpu import CPUBackend
-from ..backends.manager import StorageManager
 from ..backends.record import RecordSpec
 from ..config import EngineConfig
-from ..core import LoadCore, RequestCore, StoreCore
-from ..cuda import Transfers
-from ..errors import ConfigError, EngineClosedError, InvalidInputError
-from ..events import EventBuffer, KVEvent
+from ..core import RequestCore
+from ..errors import InvalidInputError
 from ..health import HealthMonitor
-from ..keys import ChunkHasher, ChunkKey, ChunkSpan, DigestFrames, HashAlgorithm, Namespace
-from ..layouts import KVCacheViews, KVLayout
-from ..memory import MemoryObj, MemoryPool
+from ..keys import ChunkHasher, ChunkKey, ChunkSpan, Namespace
+from ..layouts import KVLayout
 from ..pipelines.common import Request
-from ..pipelines.layerwise import LayerwisePipeline, RetrieveLayers, StoreLayers
-from ..pipelines.retrieve import RetrieveRequest, build_retrieve_stages
-from ..pipelines.stage import Pipeline
-from ..pipelines.store import StoreRequest, build_store_stages
-from ..stats import Counters, EngineStats
+from ..pipelines.layerwise import RetrieveLayers, StoreLayers
+from ..pipelines.retrieve import RetrieveRequest
+from ..pipelines.store import StoreRequest
 from ..tokens import Tokens
-from .compress import reencode_prefix
-from .execute import Runner
-from .lookups import Lookups
-from .requests import RequestKeys
-from .snapshot import engine_stats
-from .tiers import check_tier_settings, open_slow_tiers, record_spec
+from .controls import TierControls
+from .parts import build_parts
+from .queries import Queries
+from .tiers import open_slow_tiers, record_spec
 
 __all__ = ["CacheEngine"]
 
@@ -60,13 +49,13 @@ log = structlog.get_logger(__name__)
 _DIGEST_MEMO_PROMPTS = 32
 
 
-class CacheEngine:
+class CacheEngine(Queries, TierControls):
     """Stores and retrieves the KV cache of token prefixes for one model and KV layout.
 
     Create it with :meth:`open`. Methods are called from the event loop that opened it.
     Input errors raise :class:`~lmcache_async.errors.InvalidInputError` before anything is
-    stored; after :meth:`aclose` every method raises
-    :class:`~lmcache_async.errors.EngineClosedError`.
+    stored; after :meth:`aclose` every method but :meth:`stats` (a snapshot of what the
+    engine left) raises :class:`~lmcache_async.errors.EngineClosedError`.
     """
 
     def __init__(
@@ -87,109 +76,7 @@ class CacheEngine:
             revision=revision,
             tenant_salt=tenant,
         )
-        self._hasher = ChunkHasher(
-            self.namespace,
-            chunk_size=config.chunk_size,
-            algorithm=HashAlgorithm(config.hash_algorithm),
-            memo_size=_DIGEST_MEMO_PROMPTS,
-        )
-        self._kv_views = KVCacheViews(layout)  # the serving engine's caches, checked once
-        # A sidecar's lookups come as digest frames.
-        self._keys = RequestKeys(
-            config, self._hasher, DigestFrames(_DIGEST_MEMO_PROMPTS), self._kv_views
-        )
-        self._events = EventBuffer(config.max_kv_events, enabled=config.enable_kv_events)
-        self._pool = (
-            MemoryPool(config.cpu_capacity_bytes)
-            if pool_buffer is None
-            else MemoryPool.from_buffer(pool_buffer)
-        )
-        chunk_bytes = math.prod(layout.payload_shape(config.chunk_size)) * layout.dtype.itemsize
-        if chunk_bytes > self._pool.capacity_bytes:
-            raise ConfigError(
-                "max_local_cpu_size",
-                f"{config.max_local_cpu_size} GB holds less than one chunk of this layout "
-                f"({chunk_bytes} bytes for {config.chunk_size} tokens)",
-            )
-        check_tier_settings(config)
-        cpu = CPUBackend(self._pool)
-        self._manager = StorageManager(
-            cpu,
-            events=self._events,
-            chunk_size=config.chunk_size,
-            pin_timeout=config.pin_timeout,
-            hot_cache=config.local_cpu,
-            store_location=config.store_location,
-            retrieve_locations=config.retrieve_locations,
-            write_queue_size=config.slow_tier_queue_size,
-            wait_for_slow_tiers=config.wait_for_slow_tiers,
-        )
-        cpu.set_eviction_listener(self._manager.on_evicted)
-        self._health: HealthMonitor | None = None
-        self._health_scope = CancelScope()
-        self._counters = Counters()
-        self._transfers = Transfers(inline_bytes=config.inline_copy_bytes)
-        self._layerwise = LayerwisePipeline(
-            self._manager,
-            self._pool,
-            layout,
-            self._transfers,
-            self._counters,
-            healthy=self.is_healthy,
-            allocation_timeout=config.allocation_timeout,
-            store_timeout=config.store_timeout,
-            retrieve_timeout=config.retrieve_timeout,
-            remove_after_retrieve=config.remove_after_retrieve,
-        )
-        load = LoadCore(
-            self._manager,
-            self._counters,
-            batch_chunks=config.pipeline_batch_chunks,
-            timeout=config.retrieve_timeout,
-            healthy=self.is_healthy,
-            # Late bound: the lookups are built next, with this core.
-            pins_changed=lambda: self._lookups.pins_changed(),  # noqa: PLW0108
-        )
-        self._lookups = Lookups(
-            config, self._manager, load, self._layerwise, self._counters, healthy=self.is_healthy
-        )
-        store = StoreCore(
-            self._manager,
-            self._pool,
-            layout,
-            self._counters,
-            allocation_timeout=config.allocation_timeout,
-            healthy=self.is_healthy,
-        )
-        self._core = RequestCore(store, load, self._pool)
-        self._runner = Runner(
-            self._manager,
-            self._counters,
-            token_bytes=layout.token_bytes,
-            inline_copy_bytes=config.inline_copy_bytes,
-        )
-        self._store_pipe = Pipeline(
-            "store",
-            build_store_stages(
-                store,
-                self._transfers,
-                batch_chunks=config.pipeline_batch_chunks,
-                copy_timeout=config.store_timeout,
-            ),
-            buffer_size=config.pipeline_queue_size,
-        )
-        self._retrieve_pipe = Pipeline(
-            "retrieve",
-            build_retrieve_stages(
-                load,
-                self._transfers,
-                batch_chunks=config.pipeline_batch_chunks,
-                copy_timeout=config.retrieve_timeout,
-            ),
-            buffer_size=config.pipeline_queue_size,
-        )
-        self._started = False
-        self._closed = False
+        super().__init__(build_parts(config, layout, self.namespace, pool_buffer))
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -230,27 +117,27 @@ class CacheEngine:
         return _EngineContext(engine)
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
-        slow = await open_slow_tiers(self.config, self._pool, self.record_spec())
-        self._manager.attach_slow_tiers(slow)
-        await stack.enter_async_context(self._store_pipe)
-        await stack.enter_async_context(self._retrieve_pipe)
+        slow = await open_slow_tiers(self.config, self._parts.pool, self.record_spec())
+        self._parts.manager.attach_slow_tiers(slow)
+        await stack.enter_async_context(self._parts.store_pipe)
+        await stack.enter_async_context(self._parts.retrieve_pipe)
         task_group: TaskGroup = await stack.enter_async_context(anyio.create_task_group())
-        await task_group.start(self._lookups.reap_pins, name="pin-reaper")
-        self._core.load.start(task_group)
-        await self._manager.start(task_group)
+        await task_group.start(self._parts.lookups.reap_pins, name="pin-reaper")
+        self._parts.core.load.start(task_group)
+        await self._parts.manager.start(task_group)
         if slow:
-            self._health = HealthMonitor(
+            self._parts.health = HealthMonitor(
                 slow, interval=self.config.health_check_interval, timeout=self.config.remote_timeout
             )
             task_group.start_soon(self._watch_health, name="tier-health")
-        self._started = True
+        self._parts.started = True
         log.info(
             "engine_started",
             model=self.namespace.model_name,
             layout=self.layout.fingerprint,
-            cpu_bytes=self._pool.capacity_bytes,
+            cpu_bytes=self._parts.pool.capacity_bytes,
             chunk_size=self.config.chunk_size,
-            tiers=list(self._manager.tier_names),
+            tiers=list(self._parts.manager.tier_names),
         )
 
     def record_spec(self, codec: Codec | None = None) -> RecordSpec:
@@ -258,44 +145,36 @@ class CacheEngine:
         return record_spec(self.config, self.layout, codec)
 
     async def _watch_health(self) -> None:
-        assert self._health is not None
-        with self._health_scope:
-            await self._health.run()
+        assert self._parts.health is not None
+        with self._parts.health_scope:
+            await self._parts.health.run()
 
     async def aclose(self) -> None:
         """Finish queued work, stop the pipelines and release every byte of host memory."""
-        if self._closed:
+        if self._parts.closed:
             return
-        self._closed = True
-        await self._store_pipe.aclose()
-        await self._retrieve_pipe.aclose()
-        if self._started:
+        self._parts.closed = True
+        await self._parts.store_pipe.aclose()
+        await self._parts.retrieve_pipe.aclose()
+        if self._parts.started:
             with anyio.move_on_after(self.config.store_timeout, shield=True):
-                await self._store_pipe.wait_stopped()
-                await self._retrieve_pipe.wait_stopped()
-        await self._lookups.stop_reaping()
-        self._health_scope.cancel()
+                await self._parts.store_pipe.wait_stopped()
+                await self._parts.retrieve_pipe.wait_stopped()
+        await self._parts.lookups.stop_reaping()
+        self._parts.health_scope.cancel()
         # Joining the copy and bridge threads blocks: do it off the event loop, and finish
         # it even when the closing task is being cancelled.
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._transfers.close)
+            await anyio.to_thread.run_sync(self._parts.transfers.close)
         with anyio.CancelScope(shield=True):
-            await self._manager.aclose(drain_timeout=self.config.store_timeout)
-        self._pool.close()
-        self._kv_views.forget()
+            await self._parts.manager.aclose(drain_timeout=self.config.store_timeout)
+        self._parts.pool.close()
+        self._parts.kv_views.forget()
         log.info("engine_closed", model=self.namespace.model_name)
 
     @property
     def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosedError("the cache engine is closed")
-        if not self._started:
-            raise EngineClosedError(
-                "the cache engine is not started: use `async with CacheEngine.open(...)`"
-            )
+        return self._parts.closed
 
     # -- requests -------------------------------------------------------------------------
 
@@ -330,7 +209,7 @@ class CacheEngine:
         """
         self._check_open()
         locations = self.check_locations(store_location, "store_location")
-        request, start = self._keys.prepare(
+        request, start = self._parts.keys.prepare(
             StoreRequest,
             tokens=tokens,
             kv_caches=kv_caches,
@@ -341,16 +220,16 @@ class CacheEngine:
             offsets=offsets,
         )
         request.locations = locations
-        if not self._core.store.open():
+        if not self._parts.core.store.open():
             return 0
         skipped = request.plan.first_skipped(start)
         request.limit = request.num_tokens if skipped is None else skipped
-        stored = await self._runner.execute(
-            self._store_pipe,
+        stored = await self._parts.runner.execute(
+            self._parts.store_pipe,
             request,
             request.completion,
             self.config.store_timeout,
-            inline=self._runner.runs_inline(request, locations),
+            inline=self._parts.runner.runs_inline(request, locations),
         )
         return request.stored_tokens() if stored is None else stored
 
@@ -378,11 +257,11 @@ class CacheEngine:
         removed from the cache. Raises InvalidInputError for bad input.
         """
         self._check_open()
-        load = self._core.load
+        load = self._parts.core.load
         request: RetrieveRequest | None = None
         try:
             locations = self.check_locations(retrieve_locations, "retrieve_locations")
-            request, _ = self._keys.prepare(
+            request, _ = self._parts.keys.prepare(
                 RetrieveRequest,
                 tokens=tokens,
                 kv_caches=kv_caches,
@@ -397,12 +276,12 @@ class CacheEngine:
             request.mask = torch.zeros(request.num_tokens, dtype=torch.bool)
             if not await load.begin(lookup_id):
                 return request.mask
-            result = await self._runner.execute(
-                self._retrieve_pipe,
+            result = await self._parts.runner.execute(
+                self._parts.retrieve_pipe,
                 request,
                 request.completion,
                 self.config.retrieve_timeout,
-                inline=self._runner.runs_inline(request, locations),
+                inline=self._parts.runner.runs_inline(request, locations),
             )
             if result is None:
                 # Timed out or failed: a snapshot, in case an abandoned copy lands later.
@@ -435,7 +314,7 @@ class CacheEngine:
         the loop: at the first step).
         """
         self._check_open()
-        request, start = self._keys.prepare(
+        request, start = self._parts.keys.prepare(
             Request,
             tokens=tokens,
             kv_caches=kv_caches,
@@ -445,10 +324,10 @@ class CacheEngine:
             hashes=hashes,
             offsets=offsets,
         )
-        self._counters.store_requests += 1
+        self._parts.counters.store_requests += 1
         skipped = request.plan.first_skipped(start)
         limit = request.num_tokens if skipped is None else skipped
-        return self._layerwise.store(request, limit=limit)
+        return self._parts.layerwise.store(request, limit=limit)
 
     def retrieve_layer(
         self,
@@ -472,7 +351,7 @@ class CacheEngine:
         """
         self._check_open()
         try:
-            request, _ = self._keys.prepare(
+            request, _ = self._parts.keys.prepare(
                 Request,
                 tokens=tokens,
                 kv_caches=kv_caches,
@@ -484,117 +363,11 @@ class CacheEngine:
             )
         except BaseException:
             if lookup_id is not None:
-                self._manager.unpin(lookup_id)
+                self._parts.manager.unpin(lookup_id)
             raise
         request.lookup_id = lookup_id
-        self._counters.retrieve_requests += 1
-        return self._layerwise.retrieve(request, lookup_id=lookup_id)
-
-    # -- lookups --------------------------------------------------------------------------
-
-    async def lookup(
-        self,
-        tokens: Tokens | None = None,
-        *,
-        lookup_id: Hashable | None = None,
-        pin: bool = False,
-        hashes: Sequence[int | bytes] | None = None,
-        offsets: Sequence[int] | None = None,
-        search_range: Sequence[str] | None = None,
-    ) -> int:
-        """Number of prefix tokens (from token 0) whose KV is cached in any tier.
-
-        The prefix may begin in the CPU tier and continue on disk or in Redis;
-        ``search_range`` limits the tiers asked (default: ``retrieve_locations``). With
-        ``pin=True`` and a ``lookup_id`` the chunks in the CPU tier are pinned (never
-        evicted) until :meth:`lookup_unpin`, a :meth:`retrieve` with the same id, or
-        ``pin_timeout``. Raises InvalidInputError for bad input.
-        """
-        self._check_open()
-        if pin and lookup_id is None:
-            raise InvalidInputError("pin=True needs a lookup_id")
-        locations = self.check_locations(search_range, "search_range")
-        keys, ends, num_tokens = await self._keys.lookup_keys(tokens, hashes, offsets)
-        return await self._lookups.lookup(
-            keys, ends, num_tokens, lookup_id=lookup_id, pin=pin, locations=locations
-        )
-
-    async def lookup_digests(
-        self,
-        digests: Sequence[bytes] | bytes | memoryview,
-        num_tokens: int,
-        *,
-        lookup_id: Hashable | None = None,
-        pin: bool = False,
-        search_range: Sequence[str] | None = None,
-    ) -> int:
-        """As :meth:`lookup`, for a prompt of ``num_tokens`` tokens whose chunk digests
-        (:attr:`key_hasher`'s ``digests``, one per chunk, the last maybe short) were
-        computed by the caller, e.g. a sidecar client: no tokens cross the wire.
-        ``digests`` may also come as their concatenation (bytes or a view, as a wire frame
-        holds them).
-
-        Raises:
-            InvalidInputError: ``num_tokens`` is not an int >= 0, the number of digests is
-                not that of its chunks, a digest is not ``DIGEST_SIZE`` bytes, or as
-                :meth:`lookup`.
-        """
-        self._check_open()
-        locations = self.check_locations(search_range, "search_range")
-        keys = self._keys.digest_keys(digests, num_tokens, lookup_id=lookup_id, pin=pin)
-        return await self._lookups.lookup(
-            keys, [], num_tokens, lookup_id=lookup_id, pin=pin, locations=locations
-        )
-
-    def lookup_digests_now(
-        self,
-        digests: Sequence[bytes] | bytes | memoryview,
-        num_tokens: int,
-        *,
-        lookup_id: Hashable | None = None,
-        pin: bool = False,
-    ) -> int | None:
-        """:meth:`lookup_digests` over the configured tiers, answered without waiting when
-        the CPU tier can answer it alone; None (nothing done) when disk or Redis must be
-        asked, the engine is layerwise or unhealthy: then await :meth:`lookup_digests`.
-        A socket reader on the event loop's callbacks answers most lookups this way.
-
-        Raises:
-            InvalidInputError: as :meth:`lookup_digests`.
-        """
-        self._check_open()
-        keys = self._keys.digest_keys(digests, num_tokens, lookup_id=lookup_id, pin=pin)
-        return self._lookups.now(keys, [], num_tokens, lookup_id=lookup_id, pin=pin)
-
-    async def prefetch(
-        self,
-        tokens: Tokens | None = None,
-        *,
-        lookup_id: Hashable,
-        hashes: Sequence[int | bytes] | None = None,
-        offsets: Sequence[int] | None = None,
-        search_range: Sequence[str] | None = None,
-    ) -> int:
-        """Look up a prompt and start loading its hits from disk or Redis into host memory.
-
-        Returns the prefix tokens cached (as :meth:`lookup`) at once; the loading runs in
-        the background, and a later :meth:`retrieve` with the same ``lookup_id`` waits for
-        it and is served from what it loaded (pinned until then, or ``pin_timeout``).
-        Raises InvalidInputError for bad input.
-        """
-        self._check_open()
-        if lookup_id is None:
-            raise InvalidInputError("prefetch needs a lookup_id")
-        locations = self.check_locations(search_range, "search_range")
-        keys, ends, num_tokens = await self._keys.lookup_keys(tokens, hashes, offsets)
-        return await self._lookups.prefetch(
-            keys, ends, num_tokens, lookup_id=lookup_id, locations=locations
-        )
-
-    async def lookup_unpin(self, lookup_id: Hashable) -> None:
-        """Release the pins taken by :meth:`lookup` for ``lookup_id`` (no-op if none)."""
-        self._check_open()
-        self._manager.unpin(lookup_id)
+        self._parts.counters.retrieve_requests += 1
+        return self._parts.layerwise.retrieve(request, lookup_id=lookup_id)
 
     # -- chunks, for callers that copy KV themselves --------------------------------------
 
@@ -603,13 +376,13 @@ class CacheEngine:
         """The request core, for a caller that copies the KV itself (the sidecar): it
         runs the same store and load phases as this engine's pipelines."""
         self._check_open()
-        return self._core
+        return self._parts.core
 
     @property
     def key_hasher(self) -> ChunkHasher:
         """The hasher of this engine's chunk keys: a client with the same seed, algorithm
         and chunk size computes the same keys (:meth:`lookup_digests`)."""
-        return self._hasher
+        return self._parts.hasher
 
     async def chunk_spans(
         self,
@@ -623,193 +396,9 @@ class CacheEngine:
         and retrieve cut it, and its tokens as int32 (None when keyed by ``hashes``). A long
         prompt is hashed in a worker thread. Raises InvalidInputError for bad input."""
         self._check_open()
-        return await self._keys.chunk_spans(tokens, hashes=hashes, offsets=offsets, start=start)
-
-    def check_locations(self, locations: Sequence[str] | None, name: str) -> tuple[str, ...] | None:
-        """Validated per-call tier names, or None for the configured ones.
-
-        Raises:
-            InvalidInputError: a name that is not an enabled tier (``name`` is the field).
-        """
-        if locations is None:
-            return None
-        return self._manager.check_locations(locations, name)
-
-    # -- tiers and switches ---------------------------------------------------------------
-
-    async def compress(
-        self,
-        tokens: Tokens | None = None,
-        method: str = "zstd",
-        location: str = "disk",
-        *,
-        hashes: Sequence[int | bytes] | None = None,
-        offsets: Sequence[int] | None = None,
-    ) -> int:
-        """Re-encode the stored chunks of a prompt's cached prefix in a slow tier.
-
-        ``method``: ``zstd`` or ``lz4`` (lossless), ``int8`` (lossy, per-channel scale) or
-        ``none`` (what :meth:`decompress` uses). ``location``: ``disk`` or ``redis``. Returns
-        the number of chunks re-encoded. Raises InvalidInputError for an unknown method or a
-        location that is not an enabled slow tier.
-        """
-        self._check_open()
-        codec = Codec.parse(method)
-        tier = self._manager.tier(location)
-        if tier.name == "cpu":
-            raise InvalidInputError("compress works on the disk or redis tier, not on cpu")
-        keys, _, _ = await self._keys.lookup_keys(tokens, hashes, offsets)
-        return await reencode_prefix(
-            tier, keys, self.record_spec(codec), batch_chunks=self.config.pipeline_batch_chunks
+        return await self._parts.keys.chunk_spans(
+            tokens, hashes=hashes, offsets=offsets, start=start
         )
-
-    async def decompress(
-        self,
-        tokens: Tokens | None = None,
-        location: str = "disk",
-        *,
-        hashes: Sequence[int | bytes] | None = None,
-        offsets: Sequence[int] | None = None,
-    ) -> int:
-        """Store a prompt's chunks in ``location`` without compression again (the inverse of
-        :meth:`compress`; a lossy ``int8`` encoding stays as lossy as it was). Returns the
-        number of chunks re-encoded."""
-        return await self.compress(tokens, "none", location, hashes=hashes, offsets=offsets)
-
-    async def check_health(self) -> dict[str, bool]:
-        """Probe every tier now (instead of waiting for the monitor's next round); returns
-        each tier's state."""
-        self._check_open()
-        if self._health is not None:
-            await self._health.check_once()
-        return self._manager.tier_health()
-
-    async def flush(self, timeout: float | None = None) -> bool:
-        """Wait until chunks queued for disk and Redis are written (at most ``timeout``
-        seconds, default ``store_timeout``); False when time ran out."""
-        self._check_open()
-        return await self._manager.flush(self.config.store_timeout if timeout is None else timeout)
-
-    async def clear(self, locations: Sequence[str] | None = None) -> int:
-        """Drop every cached chunk of the named tiers (default: all) and, with the CPU tier,
-        every pin; returns how many chunks were dropped."""
-        self._check_open()
-        return await self._manager.clear(self.check_locations(locations, "locations"))
-
-    def freeze(self, enabled: bool) -> None:
-        """Freeze mode: stores write nothing; lookups and retrieves are still served."""
-        self._check_open()
-        self._manager.freeze(enabled)
-
-    def set_hot_cache(self, enabled: bool) -> None:
-        """Switch the CPU hot cache: when off, stores keep nothing new in host memory."""
-        self._check_open()
-        self._manager.set_hot_cache(enabled)
-
-    @property
-    def accepts_writes(self) -> bool:
-        """Whether a store could keep anything now (open, healthy, not frozen, and some
-        target tier takes writes)."""
-        return not self._closed and self._manager.accepts_writes and self.is_healthy()
-
-    def take_events(self) -> list[KVEvent]:
-        """Return and forget the KV events (chunks stored / removed) recorded so far."""
-        return self._events.take()
-
-    async def wait_events(self) -> None:
-        """Return once at least one KV event is waiting for :meth:`take_events` (never
-        while events are disabled: bound it with a cancel scope)."""
-        await self._events.wait()
-
-    def is_healthy(self) -> bool:
-        """True while the engine is open, its pipelines run and its tiers can serve."""
-        return (
-            not self._closed
-            and self._store_pipe.running
-            and self._retrieve_pipe.running
-            and self._manager.healthy()
-        )
-
-    def stats(self) -> EngineStats:
-        """A snapshot of traffic, memory, tiers and switches."""
-        return engine_stats(
-            self._counters, self._pool, self._manager, self._events, healthy=self.is_healthy()
-        )
-
-    # -- TEMPORARY: the sidecar's old chunk-level API, until it runs on `core` ------------
-
-    def hold_chunks(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
-        self._check_open()
-        return self._manager.hold(keys)
-
-    async def allocate_chunk(self, num_tokens: int) -> MemoryObj:
-        self._check_open()
-        if not isinstance(num_tokens, int) or not 0 < num_tokens <= self.config.chunk_size:
-            raise InvalidInputError(
-                f"num_tokens must be in [1, {self.config.chunk_size}], got {num_tokens!r}"
-            )
-        shape = self.layout.payload_shape(num_tokens)
-        obj = self._pool.allocate_nowait(shape, self.layout.dtype)
-        if obj is None:
-            obj = await self._pool.allocate(
-                shape, self.layout.dtype, timeout=self.config.allocation_timeout
-            )
-        return obj
-
-    def buffer_offset(self, obj: MemoryObj) -> int:
-        return self._core.buffer_offset(obj)
-
-    async def put_chunks(
-        self,
-        spans: Sequence[ChunkSpan],
-        objs: Sequence[MemoryObj],
-        tokens: np.ndarray | None = None,
-        *,
-        store_location: Sequence[str] | None = None,
-    ) -> int:
-        self._check_open()
-        locations = self.check_locations(store_location, "store_location")
-        return await self._manager.put(spans, objs, tokens, locations)
-
-    async def fetch_chunks(
-        self,
-        keys: Sequence[ChunkKey],
-        *,
-        lookup_id: Hashable | None = None,
-        retrieve_locations: Sequence[str] | None = None,
-    ) -> list[MemoryObj]:
-        self._check_open()
-        locations = self.check_locations(retrieve_locations, "retrieve_locations")
-        if not self.is_healthy() or not keys:
-            return []
-        self._counters.retrieve_requests -= 1  # begin counts; record_request counts again
-        await self._core.load.begin(lookup_id)
-        return await self._core.load.reserve(keys, locations, lookup_id)
-
-    def record_request(self, kind: str, tokens: int, *, partial: bool = False) -> None:
-        counters = self._counters
-        if kind == "store":
-            counters.store_requests += 1
-            counters.stored_tokens += tokens
-            counters.partial_stores += int(partial)
-        elif kind == "retrieve":
-            counters.retrieve_requests += 1
-            counters.retrieved_tokens += tokens
-        else:
-            raise InvalidInputError(f"kind must be 'store' or 'retrieve', got {kind!r}")
-
-    async def move(
-        self,
-        tokens: Tokens,
-        old_position: str,
-        new_position: tuple[str, str] | Sequence[str],
-        copy: bool = True,
-        *,
-        timeout: float | None = None,
-    ) -> int:
-        from ..rpc.move import move  # noqa: PLC0415
-
-        return await move(self, tokens, old_position, new_position, copy, timeout=timeout)
 
 
 def _loaded_keys(spans: Sequence[ChunkSpan], mask: torch.Tensor) -> list[ChunkKey]:

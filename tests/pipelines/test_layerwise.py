@@ -218,7 +218,7 @@ def pool_use(engine: CacheEngine) -> tuple[int, int]:
 
 async def layer_hits(engine: CacheEngine, tokens: Sequence[int]) -> int:
     """Chunks whose every layer is cached (the lookup the engine uses in layerwise mode)."""
-    return await engine._layerwise.lookup(engine._hasher.digests(tokens))
+    return await engine._parts.layerwise.lookup(engine.key_hasher.digests(tokens))
 
 
 # ---------------------------------------------------------------------------- round trips
@@ -424,8 +424,8 @@ async def test_a_chunk_counts_only_when_every_layer_is_cached() -> None:
     async with open_engine(scene.layout) as engine:
         assert await anext_last(scene.store(engine)) == 3 * CHUNK
         assert await layer_hits(engine, scene.tokens) == 3
-        spans = engine._hasher.spans(scene.tokens)
-        await engine._manager.remove([spans[1].key.with_layer(NUM_LAYERS - 1)])
+        spans = engine.key_hasher.spans(scene.tokens)
+        await engine._parts.manager.remove([spans[1].key.with_layer(NUM_LAYERS - 1)])
         assert await layer_hits(engine, scene.tokens) == 1
         before = [t.clone() for t in scene.target]
         mask = await anext_last(scene.retrieve(engine))
@@ -474,7 +474,7 @@ async def test_pins_for_the_lookup_id_are_released_at_the_end() -> None:
     scene = Scene("mla", torch.float32, 2 * CHUNK, seed=10)
     async with open_engine(scene.layout) as engine:
         assert await anext_last(scene.store(engine)) == 2 * CHUNK
-        assert engine._layerwise.pin(engine._hasher.digests(scene.tokens), "req") == 2
+        assert engine._parts.layerwise.pin(engine.key_hasher.digests(scene.tokens), "req") == 2
         assert engine.stats().pinned_chunks == 2 * NUM_LAYERS
         mask = await anext_last(scene.retrieve(engine, lookup_id="req"))
         assert mask.all()
@@ -489,8 +489,8 @@ async def test_a_receiver_removes_every_layer_of_what_it_loaded() -> None:
     scene = Scene("flash_nhd", torch.float16, 3 * CHUNK, seed=12)
     async with open_engine(scene.layout, remove_after_retrieve=True) as engine:
         assert await anext_last(scene.store(engine)) == 3 * CHUNK
-        spans = engine._hasher.spans(scene.tokens)
-        await engine._manager.remove([spans[1].key.with_layer(0)])  # chunk 1 is incomplete
+        spans = engine.key_hasher.spans(scene.tokens)
+        await engine._parts.manager.remove([spans[1].key.with_layer(0)])  # chunk 1 is incomplete
         before = [t.clone() for t in scene.target]
         mask = await anext_last(scene.retrieve(engine))
         assert mask.tolist() == prefix(3 * CHUNK, 0, CHUNK).tolist()
@@ -674,7 +674,7 @@ async def test_closing_the_engine_mid_way_ends_the_iterators_cleanly() -> None:
         await anext(store)
         await anext(retrieve)
         await anext(retrieve)
-        pool = engine._pool
+        pool = engine._parts.pool
     assert [item async for item in store] == [None] * (NUM_LAYERS - 1) + [0]
     rest = [item async for item in retrieve]
     assert rest[:-1] == [None] * (NUM_LAYERS - 2)

@@ -26,6 +26,7 @@ import zmq.asyncio
 from lmcache_async import CacheEngine, EngineConfig, InvalidInputError, RemoteCacheEngine
 from lmcache_async.backends.record import payload_checksum, tensor_bytes
 from lmcache_async.rpc.client import check_move_target
+from lmcache_async.rpc.move import move
 from lmcache_async.rpc.protocol import MessageType, decode, encode, tokens_payload
 from tests.rpc.test_sidecar import (
     CHUNK,
@@ -226,7 +227,7 @@ async def test_an_unreachable_target_moves_nothing_within_the_timeout(
         async with embedded() as engine:
             assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == num_tokens
             began = time.monotonic()
-            assert await engine.move(tokens, "cpu", (nowhere, "cpu"), timeout=0.3) == 0
+            assert await move(engine, tokens, "cpu", (nowhere, "cpu"), timeout=0.3) == 0
             assert time.monotonic() - began < 2.0
             assert await engine.lookup(tokens) == num_tokens
 
@@ -250,11 +251,11 @@ async def test_bad_positions_are_refused_clearly(pair: tuple[Sidecar, Sidecar]) 
                 with pytest.raises(InvalidInputError, match=message):
                     await on_a.move(tokens, old, new)
                 with pytest.raises(InvalidInputError, match=message):
-                    await engine.move(tokens, old, new)
+                    await move(engine, tokens, old, new)
             with pytest.raises(InvalidInputError, match="copy must be a bool"):
-                await engine.move(tokens, "cpu", (b.url, "cpu"), copy="no")
+                await move(engine, tokens, "cpu", (b.url, "cpu"), copy="no")
             with pytest.raises(InvalidInputError, match="timeout"):
-                await engine.move(tokens, "cpu", (b.url, "cpu"), timeout=0)
+                await move(engine, tokens, "cpu", (b.url, "cpu"), timeout=0)
             # A tier the target lacks is refused by the target, through A for a client.
             kv, slots = kv_for(CHUNK, 6)
             assert await on_a.store(tokens, kv_caches=kv, slot_mapping=slots) == CHUNK
@@ -262,7 +263,7 @@ async def test_bad_positions_are_refused_clearly(pair: tuple[Sidecar, Sidecar]) 
                 await on_a.move(tokens, "cpu", (b.url, "redis"))
             assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == CHUNK
             with pytest.raises(InvalidInputError, match="'redis' is not an enabled tier"):
-                await engine.move(tokens, "cpu", (b.url, "redis"))
+                await move(engine, tokens, "cpu", (b.url, "redis"))
         assert a.alive() and b.alive()
 
 
@@ -296,7 +297,7 @@ async def test_an_embedded_engine_moves_from_its_disk_tier_to_a_sidecar(
             assert stored == num_tokens
             assert await engine.flush()
             assert await engine.lookup(tokens, search_range=["cpu"]) == 0
-            moved = await engine.move(tokens, "disk", (b.url, "cpu"), copy=False)
+            moved = await move(engine, tokens, "disk", (b.url, "cpu"), copy=False)
             assert moved == num_tokens
             assert await engine.lookup(tokens) == 0
             assert await on_b.lookup(tokens) == num_tokens
@@ -316,11 +317,11 @@ async def test_an_embedded_engine_of_another_namespace_or_chunk_size_is_refused(
         async with CacheEngine.open(config, LAYOUT, model_name="another-model") as engine:
             assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == 2 * CHUNK
             with pytest.raises(InvalidInputError, match="namespace mismatch"):
-                await engine.move(tokens, "cpu", (b.url, "cpu"))
+                await move(engine, tokens, "cpu", (b.url, "cpu"))
         async with embedded(chunk_size=2 * CHUNK) as engine:
             assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == 2 * CHUNK
             with pytest.raises(InvalidInputError, match="chunk_size"):
-                await engine.move(tokens, "cpu", (b.url, "cpu"))
+                await move(engine, tokens, "cpu", (b.url, "cpu"))
 
 
 # -- malformed pushes and moves on the wire -------------------------------------------------------

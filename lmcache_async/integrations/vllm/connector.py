@@ -1,5 +1,3 @@
-# mypy: disallow-subclassing-any=False
-# (vLLM's modules are not followed, so its base classes are Any to mypy.)
 """``LMCacheAsyncConnector``, the vLLM v1 KV connector; the protocol is drawn in
 :mod:`lmcache_async.integrations.vllm`.
 

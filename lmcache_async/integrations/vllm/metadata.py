@@ -1,5 +1,3 @@
-# mypy: disallow-subclassing-any=False
-# (vLLM's modules are not followed, so its base classes are Any to mypy.)
 """The orders the scheduler side sends the workers each step, through the connector
 metadata: what to load before the forward pass (:class:`LoadSpec`) and what to store
 after it (:class:`SaveSpec`), and the slots of vLLM's paged memory they touch.

@@ -1,0 +1,119 @@
+"""The engine's controls: tier names, re-encoding, health, flushing, clearing, the freeze
+and hot-cache switches, KV events and statistics. One group of
+:class:`~lmcache_async.engine.CacheEngine`'s public methods, over its parts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..backends.codec import Codec
+from ..errors import InvalidInputError
+from ..events import KVEvent
+from ..stats import EngineStats
+from ..tokens import Tokens
+from .compress import reencode_prefix
+from .parts import EngineBase
+from .snapshot import engine_stats
+from .tiers import record_spec
+
+__all__ = ["TierControls"]
+
+
+class TierControls(EngineBase):
+    """What an operator does to a running engine's tiers, and what it reads of them."""
+
+    async def compress(
+        self,
+        tokens: Tokens | None = None,
+        method: str = "zstd",
+        location: str = "disk",
+        *,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+    ) -> int:
+        """Re-encode the stored chunks of a prompt's cached prefix in a slow tier.
+
+        ``method``: ``zstd`` or ``lz4`` (lossless), ``int8`` (lossy, per-channel scale) or
+        ``none`` (what :meth:`decompress` uses). ``location``: ``disk`` or ``redis``. Returns
+        the number of chunks re-encoded. Raises InvalidInputError for an unknown method or a
+        location that is not an enabled slow tier.
+        """
+        self._check_open()
+        codec = Codec.parse(method)
+        tier = self._parts.manager.tier(location)
+        if tier.name == "cpu":
+            raise InvalidInputError("compress works on the disk or redis tier, not on cpu")
+        keys, _, _ = await self._parts.keys.lookup_keys(tokens, hashes, offsets)
+        return await reencode_prefix(
+            tier,
+            keys,
+            record_spec(self._parts.config, self._parts.layout, codec),
+            batch_chunks=self._parts.config.pipeline_batch_chunks,
+        )
+
+    async def decompress(
+        self,
+        tokens: Tokens | None = None,
+        location: str = "disk",
+        *,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+    ) -> int:
+        """Store a prompt's chunks in ``location`` without compression again (the inverse of
+        :meth:`compress`; a lossy ``int8`` encoding stays as lossy as it was). Returns the
+        number of chunks re-encoded."""
+        return await self.compress(tokens, "none", location, hashes=hashes, offsets=offsets)
+
+    async def check_health(self) -> dict[str, bool]:
+        """Probe every tier now (instead of waiting for the monitor's next round); returns
+        each tier's state."""
+        self._check_open()
+        if self._parts.health is not None:
+            await self._parts.health.check_once()
+        return self._parts.manager.tier_health()
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until chunks queued for disk and Redis are written (at most ``timeout``
+        seconds, default ``store_timeout``); False when time ran out."""
+        self._check_open()
+        return await self._parts.manager.flush(
+            self._parts.config.store_timeout if timeout is None else timeout
+        )
+
+    async def clear(self, locations: Sequence[str] | None = None) -> int:
+        """Drop every cached chunk of the named tiers (default: all) and, with the CPU tier,
+        every pin; returns how many chunks were dropped."""
+        self._check_open()
+        return await self._parts.manager.clear(self.check_locations(locations, "locations"))
+
+    def freeze(self, enabled: bool) -> None:
+        """Freeze mode: stores write nothing; lookups and retrieves are still served."""
+        self._check_open()
+        self._parts.manager.freeze(enabled)
+
+    def set_hot_cache(self, enabled: bool) -> None:
+        """Switch the CPU hot cache: when off, stores keep nothing new in host memory."""
+        self._check_open()
+        self._parts.manager.set_hot_cache(enabled)
+
+    @property
+    def accepts_writes(self) -> bool:
+        """Whether a store could keep anything now (open, healthy, not frozen, and some
+        target tier takes writes)."""
+        return not self._parts.closed and self._parts.manager.accepts_writes and self.is_healthy()
+
+    def take_events(self) -> list[KVEvent]:
+        """Return and forget the KV events (chunks stored / removed) recorded so far."""
+        return self._parts.events.take()
+
+    async def wait_events(self) -> None:
+        """Return once at least one KV event is waiting for :meth:`take_events` (never
+        while events are disabled: bound it with a cancel scope)."""
+        await self._parts.events.wait()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of traffic, memory, tiers and switches."""
+        parts = self._parts
+        return engine_stats(
+            parts.counters, parts.pool, parts.manager, parts.events, healthy=self.is_healthy()
+        )

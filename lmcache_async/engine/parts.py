@@ -1,0 +1,247 @@
+"""The parts of one engine, built from its config with their dependencies passed in.
+
+:func:`build_parts` creates the memory pool, the tiers' manager, the request core, the
+pipelines and the lookups, each given what it needs; :class:`EngineParts` holds them with
+the engine's lifecycle state, and :class:`EngineBase` is what every group of the engine's
+public methods shares: the parts, the open check and the health test.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from anyio import CancelScope
+
+from ..backends.cpu import CPUBackend
+from ..backends.manager import StorageManager
+from ..config import EngineConfig
+from ..core import LoadCore, RequestCore, StoreCore
+from ..cuda import Transfers
+from ..errors import ConfigError, EngineClosedError
+from ..events import EventBuffer
+from ..health import HealthMonitor
+from ..keys import ChunkHasher, DigestFrames, HashAlgorithm, Namespace
+from ..layouts import KVCacheViews, KVLayout
+from ..memory import MemoryPool
+from ..pipelines.layerwise import LayerwisePipeline
+from ..pipelines.retrieve import build_retrieve_stages
+from ..pipelines.stage import Pipeline
+from ..pipelines.store import build_store_stages
+from ..stats import Counters
+from .execute import Runner
+from .lookups import Lookups
+from .requests import RequestKeys
+from .tiers import check_tier_settings
+
+__all__ = ["EngineBase", "EngineParts", "build_parts"]
+
+# Long prompts whose chunk digests are remembered: a prompt is typically looked up,
+# retrieved and stored in turn.
+_DIGEST_MEMO_PROMPTS = 32
+
+
+@dataclass(eq=False)
+class EngineParts:
+    """Everything one engine is made of, and whether it is started or closed."""
+
+    config: EngineConfig
+    layout: KVLayout
+    namespace: Namespace
+    hasher: ChunkHasher
+    kv_views: KVCacheViews
+    keys: RequestKeys
+    events: EventBuffer
+    pool: MemoryPool
+    manager: StorageManager
+    counters: Counters
+    transfers: Transfers
+    layerwise: LayerwisePipeline
+    lookups: Lookups
+    core: RequestCore
+    runner: Runner
+    store_pipe: Pipeline
+    retrieve_pipe: Pipeline
+    health: HealthMonitor | None = None
+    health_scope: CancelScope = field(default_factory=CancelScope)
+    started: bool = False
+    closed: bool = False
+
+    def healthy(self) -> bool:
+        """True while the engine is open, its pipelines run and its tiers can serve."""
+        return (
+            not self.closed
+            and self.store_pipe.running
+            and self.retrieve_pipe.running
+            and self.manager.healthy()
+        )
+
+
+class _Liveness:
+    """The parts' health test, for the parts built before the parts exist."""
+
+    parts: EngineParts | None = None
+
+    def __call__(self) -> bool:
+        return self.parts is not None and self.parts.healthy()
+
+
+def build_parts(
+    config: EngineConfig,
+    layout: KVLayout,
+    namespace: Namespace,
+    pool_buffer: memoryview | None,
+) -> EngineParts:
+    """Build an engine's parts (nothing started).
+
+    Raises:
+        ConfigError: the CPU tier holds less than one chunk, or a location names a tier
+            the config does not enable.
+    """
+    liveness = _Liveness()
+    hasher = ChunkHasher(
+        namespace,
+        chunk_size=config.chunk_size,
+        algorithm=HashAlgorithm(config.hash_algorithm),
+        memo_size=_DIGEST_MEMO_PROMPTS,
+    )
+    kv_views = KVCacheViews(layout)  # the serving engine's caches, checked once
+    # A sidecar's lookups come as digest frames.
+    keys = RequestKeys(config, hasher, DigestFrames(_DIGEST_MEMO_PROMPTS), kv_views)
+    events = EventBuffer(config.max_kv_events, enabled=config.enable_kv_events)
+    pool = (
+        MemoryPool(config.cpu_capacity_bytes)
+        if pool_buffer is None
+        else MemoryPool.from_buffer(pool_buffer)
+    )
+    chunk_bytes = math.prod(layout.payload_shape(config.chunk_size)) * layout.dtype.itemsize
+    if chunk_bytes > pool.capacity_bytes:
+        raise ConfigError(
+            "max_local_cpu_size",
+            f"{config.max_local_cpu_size} GB holds less than one chunk of this layout "
+            f"({chunk_bytes} bytes for {config.chunk_size} tokens)",
+        )
+    check_tier_settings(config)
+    cpu = CPUBackend(pool)
+    manager = StorageManager(
+        cpu,
+        events=events,
+        chunk_size=config.chunk_size,
+        pin_timeout=config.pin_timeout,
+        hot_cache=config.local_cpu,
+        store_location=config.store_location,
+        retrieve_locations=config.retrieve_locations,
+        write_queue_size=config.slow_tier_queue_size,
+        wait_for_slow_tiers=config.wait_for_slow_tiers,
+    )
+    cpu.set_eviction_listener(manager.on_evicted)
+    counters = Counters()
+    transfers = Transfers(inline_bytes=config.inline_copy_bytes)
+    layerwise = LayerwisePipeline(
+        manager,
+        pool,
+        layout,
+        transfers,
+        counters,
+        healthy=liveness,
+        allocation_timeout=config.allocation_timeout,
+        store_timeout=config.store_timeout,
+        retrieve_timeout=config.retrieve_timeout,
+        remove_after_retrieve=config.remove_after_retrieve,
+    )
+    load = LoadCore(
+        manager,
+        counters,
+        batch_chunks=config.pipeline_batch_chunks,
+        timeout=config.retrieve_timeout,
+        healthy=liveness,
+        # Late bound: the lookups are built next, with this core.
+        pins_changed=lambda: lookups.pins_changed(),  # noqa: PLW0108
+    )
+    lookups = Lookups(config, manager, load, layerwise, counters, healthy=liveness)
+    store = StoreCore(
+        manager,
+        pool,
+        layout,
+        counters,
+        allocation_timeout=config.allocation_timeout,
+        healthy=liveness,
+    )
+    core = RequestCore(store, load, pool)
+    runner = Runner(
+        manager,
+        counters,
+        token_bytes=layout.token_bytes,
+        inline_copy_bytes=config.inline_copy_bytes,
+    )
+    store_pipe = Pipeline(
+        "store",
+        build_store_stages(
+            store,
+            transfers,
+            batch_chunks=config.pipeline_batch_chunks,
+            copy_timeout=config.store_timeout,
+        ),
+        buffer_size=config.pipeline_queue_size,
+    )
+    retrieve_pipe = Pipeline(
+        "retrieve",
+        build_retrieve_stages(
+            load,
+            transfers,
+            batch_chunks=config.pipeline_batch_chunks,
+            copy_timeout=config.retrieve_timeout,
+        ),
+        buffer_size=config.pipeline_queue_size,
+    )
+    parts = EngineParts(
+        config,
+        layout,
+        namespace,
+        hasher,
+        kv_views,
+        keys,
+        events,
+        pool,
+        manager,
+        counters,
+        transfers,
+        layerwise,
+        lookups,
+        core,
+        runner,
+        store_pipe,
+        retrieve_pipe,
+    )
+    liveness.parts = parts
+    return parts
+
+
+class EngineBase:
+    """What every group of the engine's public methods shares."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self._parts = parts
+
+    def _check_open(self) -> None:
+        if self._parts.closed:
+            raise EngineClosedError("the cache engine is closed")
+        if not self._parts.started:
+            raise EngineClosedError(
+                "the cache engine is not started: use `async with CacheEngine.open(...)`"
+            )
+
+    def is_healthy(self) -> bool:
+        """True while the engine is open, its pipelines run and its tiers can serve."""
+        return self._parts.healthy()
+
+    def check_locations(self, locations: Sequence[str] | None, name: str) -> tuple[str, ...] | None:
+        """Validated per-call tier names, or None for the configured ones.
+
+        Raises:
+            InvalidInputError: a name that is not an enabled tier (``name`` is the field).
+        """
+        if locations is None:
+            return None
+        return self._parts.manager.check_locations(locations, name)

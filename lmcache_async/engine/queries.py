@@ -1,0 +1,121 @@
+"""The engine's questions: how much of a prompt is cached, pinned or prefetched for its
+load. One group of :class:`~lmcache_async.engine.CacheEngine`'s public methods, over the
+lookups and the key input of its parts."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from ..errors import InvalidInputError
+from ..tokens import Tokens
+from .parts import EngineBase
+
+__all__ = ["Queries"]
+
+
+class Queries(EngineBase):
+    """Lookups, pins and prefetches of a running engine."""
+
+    async def lookup(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        lookup_id: Hashable | None = None,
+        pin: bool = False,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        search_range: Sequence[str] | None = None,
+    ) -> int:
+        """Number of prefix tokens (from token 0) whose KV is cached in any tier.
+
+        The prefix may begin in the CPU tier and continue on disk or in Redis;
+        ``search_range`` limits the tiers asked (default: ``retrieve_locations``). With
+        ``pin=True`` and a ``lookup_id`` the chunks in the CPU tier are pinned (never
+        evicted) until :meth:`lookup_unpin`, a :meth:`retrieve` with the same id, or
+        ``pin_timeout``. Raises InvalidInputError for bad input.
+        """
+        self._check_open()
+        if pin and lookup_id is None:
+            raise InvalidInputError("pin=True needs a lookup_id")
+        locations = self.check_locations(search_range, "search_range")
+        keys, ends, num_tokens = await self._parts.keys.lookup_keys(tokens, hashes, offsets)
+        return await self._parts.lookups.lookup(
+            keys, ends, num_tokens, lookup_id=lookup_id, pin=pin, locations=locations
+        )
+
+    async def lookup_digests(
+        self,
+        digests: Sequence[bytes] | bytes | memoryview,
+        num_tokens: int,
+        *,
+        lookup_id: Hashable | None = None,
+        pin: bool = False,
+        search_range: Sequence[str] | None = None,
+    ) -> int:
+        """As :meth:`lookup`, for a prompt of ``num_tokens`` tokens whose chunk digests
+        (:attr:`key_hasher`'s ``digests``, one per chunk, the last maybe short) were
+        computed by the caller, e.g. a sidecar client: no tokens cross the wire.
+        ``digests`` may also come as their concatenation (bytes or a view, as a wire frame
+        holds them).
+
+        Raises:
+            InvalidInputError: ``num_tokens`` is not an int >= 0, the number of digests is
+                not that of its chunks, a digest is not ``DIGEST_SIZE`` bytes, or as
+                :meth:`lookup`.
+        """
+        self._check_open()
+        locations = self.check_locations(search_range, "search_range")
+        keys = self._parts.keys.digest_keys(digests, num_tokens, lookup_id=lookup_id, pin=pin)
+        return await self._parts.lookups.lookup(
+            keys, [], num_tokens, lookup_id=lookup_id, pin=pin, locations=locations
+        )
+
+    def lookup_digests_now(
+        self,
+        digests: Sequence[bytes] | bytes | memoryview,
+        num_tokens: int,
+        *,
+        lookup_id: Hashable | None = None,
+        pin: bool = False,
+    ) -> int | None:
+        """:meth:`lookup_digests` over the configured tiers, answered without waiting when
+        the CPU tier can answer it alone; None (nothing done) when disk or Redis must be
+        asked, the engine is layerwise or unhealthy: then await :meth:`lookup_digests`.
+        A socket reader on the event loop's callbacks answers most lookups this way.
+
+        Raises:
+            InvalidInputError: as :meth:`lookup_digests`.
+        """
+        self._check_open()
+        keys = self._parts.keys.digest_keys(digests, num_tokens, lookup_id=lookup_id, pin=pin)
+        return self._parts.lookups.now(keys, [], num_tokens, lookup_id=lookup_id, pin=pin)
+
+    async def prefetch(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        lookup_id: Hashable,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        search_range: Sequence[str] | None = None,
+    ) -> int:
+        """Look up a prompt and start loading its hits from disk or Redis into host memory.
+
+        Returns the prefix tokens cached (as :meth:`lookup`) at once; the loading runs in
+        the background, and a later :meth:`retrieve` with the same ``lookup_id`` waits for
+        it and is served from what it loaded (pinned until then, or ``pin_timeout``).
+        Raises InvalidInputError for bad input.
+        """
+        self._check_open()
+        if lookup_id is None:
+            raise InvalidInputError("prefetch needs a lookup_id")
+        locations = self.check_locations(search_range, "search_range")
+        keys, ends, num_tokens = await self._parts.keys.lookup_keys(tokens, hashes, offsets)
+        return await self._parts.lookups.prefetch(
+            keys, ends, num_tokens, lookup_id=lookup_id, locations=locations
+        )
+
+    async def lookup_unpin(self, lookup_id: Hashable) -> None:
+        """Release the pins taken by :meth:`lookup` for ``lookup_id`` (no-op if none)."""
+        self._check_open()
+        self._parts.manager.unpin(lookup_id)
