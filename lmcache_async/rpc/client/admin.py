@@ -1,0 +1,95 @@
+"""A client's administration calls: CLEAR, FREEZE, HOT_CACHE, STATS and PING.
+
+Each is a miss (logged) when the sidecar cannot be reached: 0 chunks cleared, False for a
+switch or a ping, no engine or server part in the stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from lmcache_async.errors import InvalidInputError, ProtocolError
+from lmcache_async.rpc.client.connection import Connection
+from lmcache_async.rpc.client.welcome import check_tiers
+from lmcache_async.rpc.client.wire import Unavailable, count
+from lmcache_async.rpc.protocol import Message, MessageType
+
+__all__ = ["AdminCalls"]
+
+log = structlog.get_logger(__name__)
+
+
+class AdminCalls:
+    """The administration requests over ``conn``."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    async def _admin(self, msg_type: MessageType, header: dict[str, Any]) -> Message | None:
+        conn = self._conn
+        link = await conn.usable()
+        if link is None:
+            log.warning("sidecar_unreachable", request=msg_type.name, url=conn.url)
+            return None
+        try:
+            return await conn.ask(link, msg_type, header)
+        except (Unavailable, ProtocolError) as exc:
+            log.warning("sidecar_request_failed", request=msg_type.name, error=str(exc))
+            return None
+
+    async def clear(self, locations: Sequence[str] | None) -> int:
+        """As :meth:`RemoteCacheEngine.clear`."""
+        self._conn.check_open()
+        names = check_tiers(self._conn.welcome, locations, "locations")
+        reply = await self._admin(MessageType.CLEAR, {"locations": names})
+        return 0 if reply is None else count(reply, "chunks")
+
+    async def switch(self, msg_type: MessageType, enabled: bool) -> bool:
+        """FREEZE or HOT_CACHE: whether the sidecar could be reached.
+
+        Raises:
+            InvalidInputError: ``enabled`` is not a bool.
+            EngineClosedError: the client is closed.
+        """
+        self._conn.check_open()
+        if not isinstance(enabled, bool):
+            raise InvalidInputError(f"enabled must be a bool, got {type(enabled).__name__}")
+        return await self._admin(msg_type, {"enabled": enabled}) is not None
+
+    async def stats(self) -> dict[str, Any]:
+        """As :meth:`RemoteCacheEngine.stats`."""
+        conn = self._conn
+        conn.check_open()
+        reply = await self._admin(MessageType.STATS, {})
+        counters = conn.counters
+        client = {
+            "connected": conn.link is not None,
+            "requests": counters.requests,
+            "unavailable": counters.unavailable,
+            "timeouts": counters.timeouts,
+            "reconnects": counters.reconnects,
+            "refused": counters.refused,
+            "shared_memory": conn.link is not None and conn.link.segment is not None,
+        }
+        if reply is None:
+            return {"engine": None, "server": None, "client": client}
+        return {
+            "engine": reply.header.get("stats"),
+            "server": reply.header.get("server"),
+            "client": client,
+        }
+
+    async def ping(self) -> bool:
+        """As :meth:`RemoteCacheEngine.ping`."""
+        conn = self._conn
+        link = await conn.usable()
+        if link is None:
+            return False
+        try:
+            await conn.ask(link, MessageType.PING, None)
+        except (Unavailable, ProtocolError):
+            return False
+        return True

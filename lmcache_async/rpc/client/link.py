@@ -1,0 +1,216 @@
+"""One DEALER socket to the sidecar and the session it holds: requests with ids, their
+replies matched in the reader callback, and one timer for all their deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import anyio
+import structlog
+import zmq
+import zmq.asyncio
+
+from lmcache_async.errors import ProtocolError
+from lmcache_async.rpc.client.segment import Segment
+from lmcache_async.rpc.client.welcome import Welcome
+from lmcache_async.rpc.client.wire import Unavailable, raise_error
+from lmcache_async.rpc.protocol import Message, MessageLimits, MessageType, decode, encode
+from lmcache_async.rpc.transport import LoopSocket
+
+__all__ = ["Link"]
+
+log = structlog.get_logger(__name__)
+
+_RECONNECT_IVL_MS: Final = 100
+_ZERO_COPY_BYTES: Final = 4 << 20
+
+
+class Link:
+    """One DEALER socket and the session it holds with the server.
+
+    Replies are read in the event loop's reader callback (:class:`LoopSocket`): each goes
+    straight to the future of the request with its id; a reply nobody waits for (it came
+    after its request timed out) is dropped, its transaction given back. ``welcome`` and
+    ``segment`` are what the server's HELLO reply gave this link.
+    """
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        url: str,
+        identity: bytes,
+        server_public_key: bytes | None,
+        limits: MessageLimits,
+    ) -> None:
+        self.identity = identity
+        self.url = url
+        self._limits = limits
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
+        socket.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+        socket.setsockopt(zmq.IDENTITY, identity)
+        if server_public_key is not None:
+            public, secret = zmq.curve_keypair()
+            socket.curve_serverkey = server_public_key
+            socket.curve_publickey = public
+            socket.curve_secretkey = secret
+        socket.connect(url)
+        self._socket = LoopSocket(socket, self._on_message)
+        self._ids = itertools.count(1)
+        # A future resolves to the reply, or to None when the link is closed.
+        self._pending: dict[int, asyncio.Future[Message | None]] = {}
+        # Each waiting request's deadline, and one timer for the earliest of them: with
+        # requests of one timeout it is armed once per timeout, not once per request.
+        self._deadlines: dict[int, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self.dead = False
+        self.welcome: Welcome | None = None
+        self.segment: Segment | None = None
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        try:
+            message = decode(
+                frames,
+                max_header_bytes=self._limits.max_header_bytes,
+                max_payload_bytes=self._limits.max_payload_bytes,
+            )
+        except ProtocolError as exc:
+            log.warning("sidecar_bad_reply", reason=str(exc))
+            return
+        request_id = message.request_id
+        if not isinstance(request_id, int):
+            return
+        future = self._pending.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result(message)
+        elif "txn" in message.header:
+            self._give_back(message)
+
+    def _give_back(self, reply: Message) -> None:
+        """End the transaction of a reply that came after its request timed out, so the
+        server does not hold its memory until the transaction's deadline (best effort: a
+        message the socket cannot take now is left to that deadline)."""
+        txn = reply.header["txn"]
+        if reply.type is MessageType.STORE:
+            frames = encode(MessageType.COMMIT, {"txn": txn, "abort": True})
+        elif reply.type is MessageType.RETRIEVE:
+            frames = encode(MessageType.RELEASE, {"txn": txn, "loaded": 0})
+        else:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self._socket.send_nowait(frames)
+
+    async def request(
+        self,
+        msg_type: MessageType,
+        header: dict[str, Any] | None,
+        payloads: Sequence[object] = (),
+        *,
+        timeout: float,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> Message:
+        """Send a request and wait for its reply; ``meanwhile`` is called once the
+        request is on its way, before the wait.
+
+        Raises:
+            Unavailable: the link is dead, the reply did not come in time, the server has
+                no session for us or its engine is closed, or it failed internally.
+            InvalidInputError: the server refused the request's input.
+            ProtocolError: the server could not read the request.
+        """
+        if self.dead:
+            raise Unavailable("the link is down")
+        request_id = next(self._ids)
+        frames = encode(msg_type, header, payloads, request_id=request_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        future: asyncio.Future[Message | None] = loop.create_future()
+        self._pending[request_id] = future
+        try:
+            copy = _copy_frames(frames)
+            if not self._socket.send_nowait(frames, copy=copy):
+                async with asyncio.timeout_at(deadline):
+                    await self._socket.send(frames, copy=copy)
+            # The link's timer fails the future at the deadline: asyncio.timeout around
+            # the await, or a timer per request, would cost every request far more.
+            self._deadlines[request_id] = deadline
+            if deadline < self._timer_at:
+                self._arm(loop, deadline)
+            if meanwhile is not None:
+                meanwhile()
+            reply = await future
+        except TimeoutError:
+            raise Unavailable(f"no reply to {msg_type.name} within {timeout} s") from None
+        except zmq.ZMQError as exc:
+            raise Unavailable(f"{msg_type.name} failed: {exc}") from None
+        finally:
+            self._pending.pop(request_id, None)
+            self._deadlines.pop(request_id, None)
+        if reply is None:
+            raise Unavailable(f"{msg_type.name}: the link was closed")
+        if reply.type is MessageType.ERROR:
+            raise_error(msg_type, reply)
+        if reply.type is not msg_type:
+            raise ProtocolError(f"a {reply.type.name} reply to a {msg_type.name} request")
+        return reply
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = loop.call_at(when, self._expire_due, loop)
+
+    def _expire_due(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Fail the requests whose deadline has come; arm the timer for the next one."""
+        self._timer, self._timer_at = None, math.inf
+        now = loop.time()
+        for request_id, deadline in list(self._deadlines.items()):
+            if deadline <= now:
+                del self._deadlines[request_id]
+                future = self._pending.get(request_id)
+                if future is not None and not future.done():
+                    future.set_exception(TimeoutError())
+        if self._deadlines:
+            self._arm(loop, min(self._deadlines.values()))
+
+    async def notify(self, msg_type: MessageType, header: dict[str, Any], timeout: float) -> None:
+        """Send a message that gets no reply (RELEASE, an aborted COMMIT); best effort,
+        bounded by ``timeout`` and shielded, so it is sent even by a cancelled caller."""
+        if self.dead:
+            return
+        frames = encode(msg_type, header)
+        try:
+            if self._socket.send_nowait(frames):
+                return
+            with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+                await self._socket.send(frames)
+        except zmq.ZMQError:
+            return
+
+    def close(self) -> None:
+        """Close the socket; waiting requests fail at once."""
+        self.dead = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
+        for future in self._pending.values():
+            if not future.done():
+                future.set_result(None)
+        self._pending.clear()
+        self._socket.close()
+        if self.segment is not None:
+            self.segment.retire()
+
+
+def _copy_frames(frames: Sequence[bytes | memoryview]) -> bool:
+    """Whether to let ZeroMQ copy a message: below a few MiB a copy is cheaper than the
+    zero-copy hand-off (which hands each frame's release to pyzmq's garbage thread)."""
+    return sum(len(frame) for frame in frames) < _ZERO_COPY_BYTES

@@ -1,0 +1,132 @@
+"""A client's lookups: LOOKUP, PREFETCH and UNPIN.
+
+With the server's key hasher (from its welcome) a lookup by tokens sends the prompt's
+chunk digests (16 bytes a chunk), not the tokens: the server neither converts nor hashes
+the prompt. A prompt the hasher remembers is sent on a guess, its tokens compared with the
+remembered ones while the request is in flight.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from lmcache_async.config import DEFAULT_INLINE_HASH_TOKENS
+from lmcache_async.errors import ProtocolError
+from lmcache_async.keys import ChunkHasher, DigestGuess
+from lmcache_async.rpc.client.connection import Connection
+from lmcache_async.rpc.client.welcome import check_tiers
+from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, count, key_fields
+from lmcache_async.rpc.protocol import MessageType
+from lmcache_async.tokens import Tokens
+
+__all__ = ["Lookups"]
+
+log = structlog.get_logger(__name__)
+
+
+class Lookups:
+    """The lookup requests over ``conn``."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    async def digests(self, hasher: ChunkHasher, tokens: Tokens) -> list[bytes]:
+        """The chunk digests of ``tokens``: remembered, hashed here when short, else in a
+        worker thread. Raises InvalidInputError for bad tokens."""
+        probe = hasher.probe(tokens)
+        if probe.digests is not None:
+            return probe.digests
+        if len(tokens) < DEFAULT_INLINE_HASH_TOKENS:
+            return hasher.digests(tokens, probe=probe)
+        return await anyio.to_thread.run_sync(
+            functools.partial(hasher.digests, tokens, probe=probe)
+        )
+
+    async def guessed(self, guess: DigestGuess, options: dict[str, Any]) -> int | None:
+        """A lookup sent with the digests the memo guesses for the prompt, its tokens
+        compared with the remembered ones while the request is in flight: off the round
+        trip, which would otherwise wait for reading the whole prompt twice. The hits,
+        0 when the sidecar cannot be reached, or None when the guess was wrong (the
+        tokens changed in place): then the caller asks again with the right digests,
+        and its pins replace any this lookup made."""
+        confirmed = False
+
+        def confirm() -> None:
+            nonlocal confirmed
+            confirmed = guess.confirm()
+
+        header = {"digests_of": guess.num_tokens, **options}
+        payloads = [b"".join(guess.digests)]
+        hits = await self.hits(
+            MessageType.LOOKUP, header, payloads, guess.num_tokens, meanwhile=confirm
+        )
+        if hits is None:
+            return 0  # a miss, whatever the tokens are
+        return hits if confirmed else None
+
+    async def hits(
+        self,
+        msg_type: MessageType,
+        header: dict[str, Any],
+        payloads: Sequence[object],
+        num_tokens: int,
+        *,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> int | None:
+        """The ``hits`` a LOOKUP or PREFETCH answers, 0 for no tokens; None when the
+        sidecar cannot be reached (logged at debug). ``meanwhile`` runs once the request
+        is sent, before its reply is awaited."""
+        conn = self._conn
+        link = await conn.usable()
+        if link is None:
+            return None
+        if num_tokens == 0:
+            return 0
+        try:
+            reply = await conn.ask(link, msg_type, header, payloads, meanwhile=meanwhile)
+            return count(reply, "hits")
+        except (Unavailable, ProtocolError) as exc:
+            log.debug("sidecar_request_missed", type=msg_type.name, error=str(exc))
+            return None
+
+    async def prefetch(
+        self,
+        tokens: Tokens | None,
+        *,
+        lookup_id: Hashable,
+        hashes: Sequence[int | bytes] | None,
+        offsets: Sequence[int] | None,
+        search_range: Sequence[str] | None,
+    ) -> int:
+        """As :meth:`RemoteCacheEngine.prefetch`.
+
+        Raises:
+            InvalidInputError: bad input.
+            EngineClosedError: the client is closed.
+        """
+        self._conn.check_open()
+        header, payloads, num_tokens = key_fields(tokens, hashes, offsets)
+        header["lookup_id"] = check_lookup_id(lookup_id)
+        locations = check_tiers(self._conn.welcome, search_range, "search_range")
+        if locations is not None:
+            header["search_range"] = locations
+        return await self.hits(MessageType.PREFETCH, header, payloads, num_tokens) or 0
+
+    async def unpin(self, lookup_id: Hashable) -> None:
+        """As :meth:`RemoteCacheEngine.lookup_unpin`."""
+        conn = self._conn
+        conn.check_open()
+        header = {"lookup_id": check_lookup_id(lookup_id)}
+        link = await conn.usable()
+        if link is None:
+            return
+        try:
+            await conn.ask(link, MessageType.UNPIN, header)
+        except (Unavailable, ProtocolError):
+            return

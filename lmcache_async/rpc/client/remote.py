@@ -1,0 +1,449 @@
+""":class:`RemoteCacheEngine`: a sidecar's cache behind the async engine interface.
+
+The engine is a front over parts with one concern each, passed the connection they share:
+:class:`~.connection.Connection` (the link, hellos, heartbeats, reconnects; built from the
+checked :class:`~.settings.ClientSettings`),
+:class:`~.transfers.DataPath` (store and retrieve with their KV copies),
+:class:`~.lookups.Lookups`, :class:`~.admin.AdminCalls` and :class:`~.moves.Moves`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+import torch
+from anyio.abc import TaskGroup
+
+from lmcache_async.config import DEFAULT_INLINE_COPY_BYTES
+from lmcache_async.cuda import Transfers
+from lmcache_async.errors import InvalidInputError
+from lmcache_async.layouts import KVCacheViews, KVLayout
+from lmcache_async.rpc.client.admin import AdminCalls
+from lmcache_async.rpc.client.connection import Connection
+from lmcache_async.rpc.client.lookups import Lookups
+from lmcache_async.rpc.client.moves import Moves
+from lmcache_async.rpc.client.settings import (
+    DEFAULT_CLIENT_LIMITS,
+    DEFAULT_RECONNECT_INTERVAL,
+    DEFAULT_TIMEOUT,
+    ClientSettings,
+)
+from lmcache_async.rpc.client.transfers import DataPath
+from lmcache_async.rpc.client.welcome import check_tiers
+from lmcache_async.rpc.client.wire import check_lookup_id, key_fields
+from lmcache_async.rpc.protocol import MessageLimits, MessageType
+from lmcache_async.tokens import Tokens
+
+__all__ = ["RemoteCacheEngine"]
+
+
+class RemoteCacheEngine:
+    """A sidecar's cache, behind the async interface of
+    :class:`~lmcache_async.CacheEngine` (store, retrieve, lookup, lookup_unpin, prefetch,
+    clear, freeze, set_hot_cache, stats, move, is_healthy, aclose).
+
+    Create it with :meth:`connect`. :meth:`push_chunks` is the receiving half of a move
+    (payloads with their checksums, verified by the sidecar). ``freeze``,
+    ``set_hot_cache`` and ``stats`` are coroutines here (they ask the server).
+    ``store_layer``/``retrieve_layer``, ``flush`` and KV events are not offered over the
+    sidecar. Lookups by tokens send the prompt's chunk digests (the server says how it
+    hashes in its welcome), not the tokens.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        layout: KVLayout,
+        *,
+        model_name: str,
+        revision: str | None = None,
+        tenant: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        server_public_key: bytes | str | None = None,
+        shared_memory: bool | None = None,
+        reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL,
+        name: str | None = None,
+        limits: MessageLimits = DEFAULT_CLIENT_LIMITS,
+    ) -> None:
+        settings = ClientSettings(
+            url=url,
+            layout=layout,
+            model_name=model_name,
+            revision=revision,
+            tenant=tenant,
+            timeout=timeout,
+            server_public_key=server_public_key,
+            shared_memory=shared_memory,
+            reconnect_interval=reconnect_interval,
+            name=name,
+            limits=limits,
+        )
+        self.url = url
+        self.layout = layout
+        self._conn = Connection(settings)
+        self._data = DataPath(
+            self._conn,
+            layout,
+            KVCacheViews(layout),  # the serving engine's caches, checked once
+            Transfers(inline_bytes=DEFAULT_INLINE_COPY_BYTES),
+        )
+        self._lookups = Lookups(self._conn)
+        self._admin = AdminCalls(self._conn)
+        self._moves = Moves(self._conn)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @classmethod
+    def connect(
+        cls,
+        url: str,
+        layout: KVLayout,
+        *,
+        model_name: str,
+        revision: str | None = None,
+        tenant: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        server_public_key: bytes | str | None = None,
+        shared_memory: bool | None = None,
+        require_server: bool = True,
+        reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL,
+        name: str | None = None,
+    ) -> _RemoteContext:
+        """An async context manager: say hello to the sidecar at ``url``, yield the client,
+        close it on exit.
+
+        ``model_name``, ``revision``, ``tenant`` and ``layout`` name the namespace; the
+        first client fixes it for the sidecar. ``server_public_key`` (z85) is needed for a
+        sidecar started with a CURVE secret key. ``shared_memory``: None uses the server's
+        segment when it is on this host, False always sends payloads inline, True requires
+        the segment. With ``require_server=False`` an unreachable sidecar is not an error:
+        calls are misses until it answers.
+
+        Raises:
+            InvalidInputError: a bad argument, or the sidecar serves another namespace
+                (the message names the difference).
+            ProtocolError: the sidecar speaks another protocol version.
+            TierUnavailableError: with ``require_server``, no answer within ``timeout``
+                (a sidecar with CURVE keys does not answer a client without its key).
+        """
+        engine = cls(
+            url,
+            layout,
+            model_name=model_name,
+            revision=revision,
+            tenant=tenant,
+            timeout=timeout,
+            server_public_key=server_public_key,
+            shared_memory=shared_memory,
+            reconnect_interval=reconnect_interval,
+            name=name,
+        )
+        return _RemoteContext(engine, require_server)
+
+    async def _start(self, task_group: TaskGroup, require_server: bool) -> None:
+        await self._conn.start(task_group, require_server)
+
+    async def aclose(self) -> None:
+        """Close the socket, unmap the segment and stop the copy threads; idempotent.
+        Later calls raise EngineClosedError."""
+        if self._conn.closed:
+            return
+        self._conn.close()
+        await self._data.aclose()
+        self._conn.term()
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.closed
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def store(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        kv_caches: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        req_id: str | None = None,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        store_location: Sequence[str] | None = None,
+    ) -> int:
+        """As :meth:`CacheEngine.store <lmcache_async.CacheEngine.store>`: copy the KV of
+        ``tokens`` into the sidecar's cache; returns the tokens cached from the first
+        stored chunk on, 0 when the sidecar is unreachable or too slow.
+
+        Raises:
+            InvalidInputError: bad input (nothing stored).
+            EngineClosedError: the client is closed.
+        """
+        return await self._data.store(
+            tokens,
+            kv_caches=kv_caches,
+            slot_mapping=slot_mapping,
+            mask=mask,
+            req_id=req_id,
+            hashes=hashes,
+            offsets=offsets,
+            store_location=store_location,
+        )
+
+    async def retrieve(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        kv_caches: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        req_id: str | None = None,
+        lookup_id: Hashable | None = None,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        retrieve_locations: Sequence[str] | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`CacheEngine.retrieve <lmcache_async.CacheEngine.retrieve>`: load the
+        cached run of chunks from the mask start on into ``kv_caches``; returns the bool CPU
+        mask of the tokens written (all False when the sidecar is unreachable).
+
+        Raises:
+            InvalidInputError: bad input.
+            EngineClosedError: the client is closed.
+        """
+        return await self._data.retrieve(
+            tokens,
+            kv_caches=kv_caches,
+            slot_mapping=slot_mapping,
+            mask=mask,
+            req_id=req_id,
+            lookup_id=lookup_id,
+            hashes=hashes,
+            offsets=offsets,
+            retrieve_locations=retrieve_locations,
+        )
+
+    async def lookup(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        lookup_id: Hashable | None = None,
+        pin: bool = False,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        search_range: Sequence[str] | None = None,
+    ) -> int:
+        """As :meth:`CacheEngine.lookup <lmcache_async.CacheEngine.lookup>`: prefix tokens
+        cached in the sidecar (0 when it is unreachable). Pins (``pin=True`` with a
+        ``lookup_id``: an int or str) belong to this client and are released by
+        :meth:`lookup_unpin`, a retrieve with the id, or when this client goes away.
+
+        Raises:
+            InvalidInputError: bad input.
+            EngineClosedError: the client is closed.
+        """
+        # Decided here rather than in Lookups: a lookup's round trip is the hot path, and
+        # this keeps it free of one more layer of calls.
+        conn = self._conn
+        conn.check_open()
+        if not isinstance(pin, bool):
+            raise InvalidInputError(f"pin must be a bool, got {type(pin).__name__}")
+        if pin and lookup_id is None:
+            raise InvalidInputError("pin=True needs a lookup_id")
+        options: dict[str, Any] = {"pin": pin}
+        if lookup_id is not None:
+            options["lookup_id"] = check_lookup_id(lookup_id)
+        locations = check_tiers(conn.welcome, search_range, "search_range")
+        if locations is not None:
+            options["search_range"] = locations
+        lookups, hasher = self._lookups, conn.hasher
+        if hasher is None or tokens is None or hashes is not None or offsets is not None:
+            header, key_payloads, num_tokens = key_fields(tokens, hashes, offsets)
+            header.update(options)
+            return await lookups.hits(MessageType.LOOKUP, header, key_payloads, num_tokens) or 0
+        # Chunk digests instead of the tokens: 16 bytes a chunk on the wire, and the server
+        # neither converts nor hashes the prompt.
+        guess = hasher.guess(tokens)
+        if guess is not None:
+            hits = await lookups.guessed(guess, options)
+            if hits is not None:
+                return hits
+        digests = await lookups.digests(hasher, tokens)
+        header = {"digests_of": len(tokens), **options}
+        return await lookups.hits(MessageType.LOOKUP, header, [b"".join(digests)], len(tokens)) or 0
+
+    async def prefetch(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        lookup_id: Hashable,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        search_range: Sequence[str] | None = None,
+    ) -> int:
+        """As :meth:`CacheEngine.prefetch <lmcache_async.CacheEngine.prefetch>`: look up
+        and start loading the hits from disk or Redis into the sidecar's memory, for a
+        later :meth:`retrieve` with the same ``lookup_id`` (0 when unreachable).
+
+        Raises:
+            InvalidInputError: bad input.
+            EngineClosedError: the client is closed.
+        """
+        return await self._lookups.prefetch(
+            tokens, lookup_id=lookup_id, hashes=hashes, offsets=offsets, search_range=search_range
+        )
+
+    async def lookup_unpin(self, lookup_id: Hashable) -> None:
+        """Release this client's pins for ``lookup_id`` (logged when it fails)."""
+        await self._lookups.unpin(lookup_id)
+
+    # -- moves between instances ----------------------------------------------------------
+
+    async def push_chunks(
+        self,
+        tokens: Tokens,
+        payloads: Sequence[torch.Tensor | bytes | bytearray | memoryview],
+        *,
+        checksums: Sequence[int],
+        start: int = 0,
+        location: str | None = None,
+    ) -> int:
+        """Cache chunk payloads in the sidecar as they are, each verified there against its
+        checksum: the receiving half of :meth:`CacheEngine.move
+        <lmcache_async.CacheEngine.move>`.
+
+        ``tokens``: the prompt up to the end of the last chunk pushed. ``payloads``: the
+        payload of each chunk from token ``start`` on (a multiple of the chunk size), as the
+        layout's ``payload_shape(num_tokens)`` in its dtype (a contiguous CPU tensor, or its
+        raw bytes). ``checksums``: the xxh3-64 of each payload's bytes
+        (:func:`~lmcache_async.backends.record.payload_checksum`). They travel inline; the
+        sidecar refuses a payload whose bytes or size do not match, and every chunk after
+        it. ``location``: the sidecar's tier to write (default: its ``store_location``);
+        queued disk or Redis writes are flushed before it answers.
+
+        Returns the tokens from ``start`` on whose chunks the sidecar took: a prefix of
+        those pushed, 0 when the sidecar is unreachable or too slow (logged).
+
+        Raises:
+            InvalidInputError: bad input, or a tier the sidecar does not have.
+            EngineClosedError: the client is closed.
+        """
+        return await self._moves.push_chunks(
+            tokens, payloads, checksums=checksums, start=start, location=location
+        )
+
+    async def move(
+        self,
+        tokens: Tokens,
+        old_position: str,
+        new_position: tuple[str, str] | Sequence[str],
+        copy: bool = True,
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Have the sidecar move a prefix to another sidecar: as :meth:`CacheEngine.move
+        <lmcache_async.CacheEngine.move>` run by the sidecar's engine.
+
+        ``old_position``: a tier of this sidecar; ``new_position``: ``(url, location)`` of
+        the target sidecar and its tier. The sidecar gives each request to the target this
+        client's timeout; ``timeout`` bounds the whole wait here (default: ten times the
+        client's timeout). Returns the prefix tokens now at the target; 0 when this sidecar
+        or the target is unreachable, or the wait ran out (logged; a move that ran out of
+        time here may still finish there).
+
+        Raises:
+            InvalidInputError: bad tokens, ``old_position`` is not a tier of this sidecar,
+                ``new_position`` is not a (URL, tier) pair, or the target refused it
+                (another namespace or chunk size, no such tier).
+            EngineClosedError: the client is closed.
+        """
+        return await self._moves.move(tokens, old_position, new_position, copy, timeout=timeout)
+
+    # -- administration -------------------------------------------------------------------
+
+    async def clear(self, locations: Sequence[str] | None = None) -> int:
+        """Drop every cached chunk of the named tiers (default: all) in the sidecar;
+        returns how many chunks were dropped (0 when unreachable)."""
+        return await self._admin.clear(locations)
+
+    async def freeze(self, enabled: bool) -> bool:
+        """Switch the sidecar's freeze mode; False when it could not be reached."""
+        return await self._admin.switch(MessageType.FREEZE, enabled)
+
+    async def set_hot_cache(self, enabled: bool) -> bool:
+        """Switch the sidecar's CPU hot cache; False when it could not be reached."""
+        return await self._admin.switch(MessageType.HOT_CACHE, enabled)
+
+    async def stats(self) -> dict[str, Any]:
+        """The sidecar engine's stats (``"engine"``: the fields of
+        :class:`~lmcache_async.EngineStats` as plain data, None when unreachable), the
+        server's own state (``"server"``: sessions, transactions, segment) and this client's
+        counters (``"client"``)."""
+        return await self._admin.stats()
+
+    async def ping(self) -> bool:
+        """One empty round trip to the sidecar: True when it answered within the timeout."""
+        return await self._admin.ping()
+
+    async def wait_connected(self) -> None:
+        """Wait until the client has a session with the sidecar (bound the wait with
+        ``anyio.fail_after``). Raises EngineClosedError when the client is closed."""
+        self._conn.check_open()
+        await self._conn.connected.wait()
+
+    def is_healthy(self) -> bool:
+        """True while connected to a sidecar whose last heartbeat said it can serve."""
+        conn = self._conn
+        return not conn.closed and conn.link is not None and conn.healthy
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether payloads move through the sidecar's shared memory now (else inline)."""
+        link = self._conn.link
+        return link is not None and link.segment is not None
+
+    @property
+    def chunk_size(self) -> int | None:
+        """The sidecar's chunk size (None before the first hello)."""
+        welcome = self._conn.welcome
+        return None if welcome is None else welcome.chunk_size
+
+
+class _RemoteContext:
+    """What :meth:`RemoteCacheEngine.connect` returns: ``async with`` yields the client."""
+
+    def __init__(self, engine: RemoteCacheEngine, require_server: bool) -> None:
+        self._engine = engine
+        self._require_server = require_server
+        self._task_group: TaskGroup | None = None
+
+    async def __aenter__(self) -> RemoteCacheEngine:
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        self._task_group = task_group
+        try:
+            await self._engine._start(task_group, self._require_server)
+        except BaseException:
+            await self._close()
+            raise
+        return self._engine
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        """Close the client, then leave the task group: its tasks (the keeper, the receive
+        loops) end through their own cancel scopes, so an exception from the ``async with``
+        body passes through as it is, not wrapped in an exception group."""
+        try:
+            await self._engine.aclose()
+        finally:
+            assert self._task_group is not None
+            await self._task_group.__aexit__(None, None, None)

@@ -1,0 +1,109 @@
+"""How a client reaches its sidecar (:class:`ClientSettings`), checked once when built,
+and the HELLO it introduces itself with."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket as socketlib
+from dataclasses import dataclass
+from typing import Any, Final
+
+from lmcache_async.errors import InvalidInputError
+from lmcache_async.keys import Namespace
+from lmcache_async.layouts import KVLayout
+from lmcache_async.rpc.protocol import PROTOCOL_VERSION, MessageLimits
+from lmcache_async.rpc.transport import boot_id
+
+__all__ = [
+    "DEFAULT_CLIENT_LIMITS",
+    "DEFAULT_RECONNECT_INTERVAL",
+    "DEFAULT_TIMEOUT",
+    "ClientSettings",
+]
+
+DEFAULT_TIMEOUT: Final = 5.0
+"""Seconds any one request may take before it counts as a miss."""
+DEFAULT_RECONNECT_INTERVAL: Final = 0.5
+"""Seconds between hellos while the sidecar is unreachable."""
+DEFAULT_CLIENT_LIMITS: Final = MessageLimits(max_header_bytes=4 << 20, max_payload_bytes=1 << 30)
+"""Replies a client accepts: a 4 MiB header and 1 GiB of inline payload."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientSettings:
+    """The arguments of :class:`~lmcache_async.rpc.client.RemoteCacheEngine`, checked.
+
+    Raises:
+        InvalidInputError: naming the first bad argument.
+    """
+
+    url: str
+    layout: KVLayout
+    model_name: str
+    revision: str | None = None
+    tenant: str | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    server_public_key: bytes | str | None = None
+    shared_memory: bool | None = None
+    reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL
+    name: str | None = None
+    limits: MessageLimits = DEFAULT_CLIENT_LIMITS
+
+    def __post_init__(self) -> None:
+        url = self.url
+        if not isinstance(url, str) or not url.startswith(("ipc://", "tcp://")):
+            raise InvalidInputError(f"url must be ipc://PATH or tcp://HOST:PORT, got {url!r:.80}")
+        if not isinstance(self.layout, KVLayout):
+            raise InvalidInputError("layout must be a KVLayout")
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise InvalidInputError("model_name must be a non-empty string")
+        for label in ("revision", "tenant", "name"):
+            value = getattr(self, label)
+            if value is not None and not isinstance(value, str):
+                raise InvalidInputError(f"{label} must be a str or None, got {value!r:.40}")
+        for label in ("timeout", "reconnect_interval"):
+            number = getattr(self, label)
+            if (
+                isinstance(number, bool)
+                or not isinstance(number, (int, float))
+                or not math.isfinite(number)
+                or number <= 0
+            ):
+                raise InvalidInputError(f"{label} must be a positive number, got {number!r}")
+        if self.shared_memory is not None and not isinstance(self.shared_memory, bool):
+            raise InvalidInputError("shared_memory must be True, False or None (auto)")
+        key = self.server_key
+        if key is not None and (not isinstance(key, bytes) or len(key) != 40):
+            raise InvalidInputError("server_public_key must be a 40-character z85 CURVE key")
+        if not isinstance(self.limits, MessageLimits):
+            raise InvalidInputError("limits must be a MessageLimits")
+
+    @property
+    def server_key(self) -> bytes | None:
+        """The server's z85 CURVE public key as bytes (None: no CURVE)."""
+        key = self.server_public_key
+        return key.encode("ascii") if isinstance(key, str) else key
+
+    def hello(self) -> dict[str, Any]:
+        """The HELLO header: the namespace asked for, and who this client is and where."""
+        return {
+            "model_name": self.model_name,
+            "revision": self.revision,
+            "tenant": self.tenant,
+            "layout": self.layout.to_dict(),
+            "client": self.name or f"{socketlib.gethostname()}:{os.getpid()}",
+            "host": socketlib.gethostname(),
+            "boot_id": boot_id(),
+            "pid": os.getpid(),
+            "protocol": PROTOCOL_VERSION,
+        }
+
+    def key_namespace(self) -> Namespace:
+        """The namespace chunk keys are hashed in (as the server hashes them)."""
+        return Namespace(
+            model_name=self.model_name,
+            layout_fingerprint=self.layout.fingerprint,
+            revision=self.revision,
+            tenant_salt=self.tenant,
+        )
