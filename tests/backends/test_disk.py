@@ -22,7 +22,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from lmcache_async.backends import disk as disk_module
+from lmcache_async.backends import disk_file
 from lmcache_async.backends.codec import Codec
 from lmcache_async.backends.disk import CHUNK_SUFFIX, TEMP_PREFIX, DiskBackend
 from lmcache_async.backends.record import PREFIX_SIZE, RecordSpec
@@ -407,14 +407,14 @@ async def test_a_get_split_over_threads_keeps_each_outcome_in_place(
     """Large gets read in several worker threads; hits, corrupt files and missing files
     land at their own positions, whichever thread read them."""
     batches: list[int] = []
-    read_batch = disk_module._read_batch
+    read_batch = disk_file._read_batch
 
     def counting(spec: RecordSpec, reads: list[tuple[Path, bytes, torch.Tensor]]) -> object:
         batches.append(len(reads))
         return read_batch(spec, reads)
 
-    monkeypatch.setattr(disk_module, "_read_batch", counting)
-    monkeypatch.setattr(disk_module, "_SPLIT_READ_BYTES", FULL_BYTES)
+    monkeypatch.setattr(disk_file, "_read_batch", counting)
+    monkeypatch.setattr(disk_file, "_SPLIT_READ_BYTES", FULL_BYTES)
     ids = list(range(9))
     async with opened(root, pool) as disk:
         await put(disk, pool, *ids)
@@ -531,7 +531,7 @@ async def test_write_failure_fails_that_put_cleanly(
     root: Path, pool: MemoryPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with opened(root, pool) as disk:
-        real = disk_module._write_all
+        real = disk_file._write_all
         calls = 0
 
         def disk_full(fd: int, data: bytes | memoryview) -> None:
@@ -542,10 +542,10 @@ async def test_write_failure_fails_that_put_cleanly(
                 raise OSError(errno.ENOSPC, "No space left on device")
             real(fd, data)
 
-        monkeypatch.setattr(disk_module, "_write_all", disk_full)
+        monkeypatch.setattr(disk_file, "_write_all", disk_full)
         with capture_logs() as logs, pytest.raises(TierError, match="No space left"):
             await put(disk, pool, 0, 1, 2)
-        monkeypatch.setattr(disk_module, "_write_all", real)
+        monkeypatch.setattr(disk_file, "_write_all", real)
         assert temp_files(root) == []
         stats = disk.stats()
         assert (stats.errors, stats.puts, stats.chunks) == (1, 1, 1)
