@@ -36,6 +36,7 @@ from ..keys import ChunkKey
 from ..memory import MemoryObj, MemoryPool
 from ..stats import TierStats
 from .base import StorageBackend
+from .counters import TierCounters
 from .record import RecordSpec
 from .redis_conn import DEFAULT_TIMEOUT, RedisConnection, RedisTarget, parse_remote_url
 from .redis_records import (
@@ -131,11 +132,10 @@ class RedisBackend(StorageBackend):
         self._loader = RecordLoader(pool, spec, allocation_timeout)
         self._chunk_bytes = max(1, math.prod(spec.shape_of(spec.max_tokens)) * spec.dtype.itemsize)
         self._batch_keys = max(1, batch_bytes // self._chunk_bytes)
-        self._conn = RedisConnection(target, timeout=timeout)
+        self._counts = TierCounters()
+        self._conn = RedisConnection(target, timeout=timeout, counters=self._counts)
         self._scratch: list[bytearray] = []
         self._chunks = self._bytes = 0
-        self._hits = self._misses = self._puts = 0
-        self._corrupt = 0
 
     @classmethod
     async def open(
@@ -226,15 +226,13 @@ class RedisBackend(StorageBackend):
                 if obj is not None:
                     obj.unref()
             raise
-        hits = sum(obj is not None for obj in out)
-        self._hits += hits
-        self._misses += len(keys) - hits
+        self._counts.got(len(keys), sum(obj is not None for obj in out))
         return out
 
     async def _drop_corrupt(self, entries: Sequence[tuple[ChunkKey, str]]) -> None:
         for key, reason in entries:
             log.warning("tier_entry_corrupt", tier=self.name, key=key.to_str(), reason=reason)
-        self._corrupt += len(entries)
+        self._counts.corrupt += len(entries)
         try:
             await self._conn.unlink([self._key(key) for key, _ in entries])
         except TierError as exc:
@@ -279,7 +277,7 @@ class RedisBackend(StorageBackend):
                 added += 1
                 self._bytes += size
         self._chunks += added
-        self._puts += added
+        self._counts.puts += added
         return added
 
     # -- put, standalone: SET commands written from the objects' memory -------------------
@@ -439,17 +437,12 @@ class RedisBackend(StorageBackend):
         return await self._conn.ping()
 
     def stats(self) -> TierStats:
-        return TierStats(
-            name=self.name,
+        return self._counts.stats(
+            self.name,
             chunks=self._chunks,
-            bytes=self._bytes,
-            hits=self._hits,
-            misses=self._misses,
-            puts=self._puts,
+            nbytes=self._bytes,
             evictions=0,
             healthy=self.healthy(),
-            corrupt=self._corrupt,
-            errors=self._conn.errors,
         )
 
     async def aclose(self) -> None:

@@ -30,6 +30,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from ..errors import ConfigError, EngineClosedError, TierError, TierUnavailableError
+from .counters import TierCounters
 
 __all__ = [
     "CLUSTER_SCHEME",
@@ -171,20 +172,21 @@ def _stream_writer(conn: Any) -> asyncio.StreamWriter | None:
 class RedisConnection:
     """The client of one server or cluster, with the calls the tier makes on it.
 
-    ``timeout`` bounds every connect, socket read and write and small call. ``errors``
-    counts calls that failed; :attr:`healthy` is False from a call that could not reach the
-    server until :meth:`ping` reaches it again (and after :meth:`aclose`).
+    ``timeout`` bounds every connect, socket read and write and small call. Calls that
+    fail are counted in ``counters.errors`` (the tier's counters); :attr:`healthy` is
+    False from a call that could not reach the server until :meth:`ping` reaches it again
+    (and after :meth:`aclose`).
 
     Raises:
         ConfigError: (field ``remote_url``) redis-py refused the target's settings.
     """
 
-    def __init__(self, target: RedisTarget, *, timeout: float) -> None:
+    def __init__(self, target: RedisTarget, *, timeout: float, counters: TierCounters) -> None:
         self.target = target
         self.timeout = timeout
         self.client: Any = self._make_client()
         self.closed = False
-        self.errors = 0
+        self._counters = counters
         self._healthy = True
 
     def _make_client(self) -> Any:
@@ -246,7 +248,7 @@ class RedisConnection:
             redis_errors.BusyLoadingError,
             redis_errors.RedisClusterException,
         ) as exc:
-            self.errors += 1
+            self._counters.errors += 1
             if self._healthy:
                 log.warning(
                     "redis_tier_down", op=op, url=self.target.display, error=repr(exc)[:200]
@@ -254,7 +256,7 @@ class RedisConnection:
             self._healthy = False
             raise TierUnavailableError(f"redis {op} failed: {exc!r}"[:500]) from exc
         except redis_errors.RedisError as exc:
-            self.errors += 1
+            self._counters.errors += 1
             log.warning("redis_tier_error", op=op, error=repr(exc)[:200])
             raise TierError(f"redis {op} failed: {exc!r}"[:500]) from exc
 
