@@ -12,17 +12,23 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from lmcache_async.errors import InvalidInputError
 
-if TYPE_CHECKING:
-    # Only for the annotation: layouts imports this module to build plans.
-    from lmcache_async.layouts import KVLayout
+__all__ = ["PlanLayout", "PlanPart", "TransferPlan"]
 
-__all__ = ["PlanPart", "TransferPlan"]
+
+class PlanLayout(Protocol):
+    """What a plan reads of its layout (a :class:`~lmcache_async.layouts.KVLayout`, which
+    builds plans and so is not imported here)."""
+
+    @property
+    def width(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +71,7 @@ class TransferPlan:
 
     def __init__(
         self,
-        layout: KVLayout,
+        layout: PlanLayout,
         *,
         parts: Sequence[PlanPart],
         rows_per_token: int,
