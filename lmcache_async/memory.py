@@ -15,6 +15,9 @@ Threading: a pool and its objects belong to one event-loop thread. ``allocate*``
 ``ref``/``unref``, ``pin``/``unpin`` and ``close`` must be called from that thread (a worker
 thread may read and write an object's :attr:`MemoryObj.tensor` while the owner holds a
 reference). The evictor is called synchronously on that thread and must not allocate.
+
+:class:`MemoryObj` lives in :mod:`lmcache_async.memory_obj` (re-exported here), and the
+arena is allocated, or carved from a buffer, by :mod:`lmcache_async.arena`.
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ import math
 import operator
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeAlias
+from typing import NamedTuple
 
 import anyio
 import anyio.lowlevel
 import structlog
 import torch
 
+from lmcache_async.arena import Buffer, alignment_skip, buffer_tensor, host_arena
 from lmcache_async.errors import AllocationTimeoutError, EngineClosedError, InvalidInputError
+from lmcache_async.memory_obj import MemoryObj
 from lmcache_async.stats import PoolStats
 
 __all__ = ["DEFAULT_PAGE_SIZE", "Evictor", "MemoryObj", "MemoryPool", "PoolStats"]
@@ -44,172 +49,10 @@ DEFAULT_PAGE_SIZE = 64 * 1024
 _PAGE_ALIGNMENT = 256
 """Page sizes must be a multiple of this, so every page offset is aligned for any dtype."""
 
-_ARENA_ALIGNMENT = 4096
-"""The arena starts on an OS-page boundary, so page boundaries are absolute addresses."""
-
-Buffer: TypeAlias = memoryview | bytearray
-"""A writable buffer an arena may be carved from (e.g. ``SharedMemory.buf``)."""
-
 Evictor = Callable[[int], int]
 """Hook ``evictor(nbytes) -> released``: asked for ``nbytes`` more contiguous room, it evicts
 entries (their :meth:`MemoryObj.unref` returns pages to the pool) and returns how many bytes
 it released. The pool checks what was actually freed rather than trusting the return value."""
-
-
-class MemoryObj:
-    """A typed tensor view on contiguous pages of a pool's arena.
-
-    Carries a reference count and a pin count. Created only by :class:`MemoryPool`, with
-    ``ref_count == 1`` owned by the caller. When the reference count drops to zero the pages
-    return to the pool and the object is *freed*: its tensor must no longer be used. Pins do
-    not keep memory alive (references do); they tell the CPU tier not to evict the object.
-    """
-
-    __slots__ = (
-        "_dtype",
-        "_nbytes",
-        "_npages",
-        "_page",
-        "_pin",
-        "_pool",
-        "_ref",
-        "_shape",
-        "_tensor",
-        "checksum",
-    )
-
-    def __init__(
-        self,
-        pool: MemoryPool,
-        *,
-        page: int,
-        npages: int,
-        tensor: torch.Tensor,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        nbytes: int,
-    ) -> None:
-        self._pool = pool
-        self._page = page
-        self._npages = npages
-        self._tensor: torch.Tensor | None = tensor
-        self._shape = shape
-        self._dtype = dtype
-        self._nbytes = nbytes
-        self._ref = 1
-        self._pin = 0
-        # Checksum of the payload bytes, set by the first slow tier that writes it (the
-        # payload is immutable once cached, so every tier reuses it).
-        self.checksum: int | None = None
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The payload view, of :attr:`shape` and :attr:`dtype`, in the pool's arena.
-
-        Raises:
-            EngineClosedError: the object was freed (its pages may belong to another object).
-        """
-        if self._tensor is None:
-            raise EngineClosedError("MemoryObj already freed")
-        return self._tensor
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Shape the object was allocated with."""
-        return self._shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Element type the object was allocated with."""
-        return self._dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Exact payload size in bytes (not rounded to pages)."""
-        return self._nbytes
-
-    @property
-    def offset(self) -> int:
-        """Byte offset of the payload from the start of the pool's arena (page-aligned).
-
-        With :attr:`MemoryPool.arena_offset` it locates the payload in the buffer the pool
-        was built on, so another process mapping that buffer sees the same bytes.
-        """
-        return self._page * self._pool.page_size
-
-    @property
-    def ref_count(self) -> int:
-        """Current number of references; 0 once freed."""
-        return self._ref
-
-    @property
-    def pin_count(self) -> int:
-        """Current number of pins."""
-        return self._pin
-
-    @property
-    def freed(self) -> bool:
-        """Whether the pages have been returned to the pool."""
-        return self._ref == 0
-
-    def ref(self) -> MemoryObj:
-        """Add a reference and return ``self``.
-
-        Raises:
-            EngineClosedError: the object was already freed.
-        """
-        if self._ref == 0:
-            raise EngineClosedError("cannot ref a freed MemoryObj")
-        self._ref += 1
-        return self
-
-    def unref(self) -> None:
-        """Drop a reference; at zero the pages return to the pool and waiters are woken.
-
-        Raises:
-            EngineClosedError: the object was already freed (reference count already 0).
-        """
-        if self._ref == 0:
-            raise EngineClosedError("unref of a freed MemoryObj")
-        self._ref -= 1
-        if self._ref == 0:
-            self._tensor = None
-            self._pool._release(self)
-        else:
-            # The owner that remains may be the CPU tier alone: the entry may now be evictable.
-            self._pool._wake_head()
-
-    def pin(self) -> None:
-        """Add a pin (the CPU tier never evicts a pinned object).
-
-        Raises:
-            EngineClosedError: the object was already freed.
-        """
-        if self._ref == 0:
-            raise EngineClosedError("cannot pin a freed MemoryObj")
-        self._pin += 1
-        if self._pin == 1:
-            self._pool._pinned += 1
-
-    def unpin(self) -> None:
-        """Remove a pin. Allowed after the object was freed, to balance an earlier pin.
-
-        Raises:
-            InvalidInputError: the pin count is already 0.
-        """
-        if self._pin == 0:
-            raise InvalidInputError("unpin of a MemoryObj that is not pinned")
-        self._pin -= 1
-        if self._pin == 0 and self._ref > 0:
-            self._pool._pinned -= 1
-            self._pool._wake_head()
-
-    def __repr__(self) -> str:
-        return (
-            f"MemoryObj(shape={self._shape}, dtype={self._dtype}, nbytes={self._nbytes}, "
-            f"page={self._page}, npages={self._npages}, ref_count={self._ref}, "
-            f"pin_count={self._pin})"
-        )
 
 
 _MAX_REMEMBERED_SHAPES = 256
@@ -285,27 +128,7 @@ class MemoryPool:
                 f"page_size must be a positive multiple of {_PAGE_ALIGNMENT}, got {page_size}"
             )
         num_pages = max(1, capacity_bytes // page_size)
-        size = num_pages * page_size
-        if buffer is not None:
-            if pin_memory:
-                raise InvalidInputError("pin_memory cannot be combined with a given buffer")
-            pin = False
-            raw = _buffer_tensor(buffer)
-            if raw.numel() < _alignment_skip(raw) + size:
-                raise InvalidInputError(
-                    f"buffer of {raw.numel()} bytes cannot hold an arena of {size} bytes "
-                    f"starting on a {_ARENA_ALIGNMENT}-byte boundary"
-                )
-        else:
-            pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-            try:
-                raw = torch.empty(size + _ARENA_ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
-            except RuntimeError as exc:
-                raise InvalidInputError(f"cannot allocate the host arena: {exc}") from exc
-        # The host allocator only promises 64-byte alignment; start the arena on a 4 KiB
-        # boundary so every page, and so every payload, is at least 256-byte aligned.
-        skip = _alignment_skip(raw)
-        arena = raw[skip : skip + size]
+        arena, skip, pin = host_arena(num_pages * page_size, pin_memory, buffer)
 
         self._arena = arena
         self._arena_offset = skip
@@ -354,7 +177,7 @@ class MemoryPool:
                 f"buffer must be a bytes-like object, got {type(buffer).__name__}"
             ) from None
         # The arena starts on an alignment boundary inside the buffer.
-        usable = view.nbytes - _alignment_skip(_buffer_tensor(view))
+        usable = view.nbytes - alignment_skip(buffer_tensor(view))
         if isinstance(page_size, int) and page_size > 0 and usable < page_size:
             raise InvalidInputError(
                 f"buffer of {view.nbytes} bytes holds less than one page of {page_size}"
@@ -635,28 +458,3 @@ class MemoryPool:
         """Let the first waiter retry: room may have appeared, or become evictable."""
         if self._waiters:
             self._waiters[0].event.set()
-
-
-def _buffer_tensor(buffer: Buffer) -> torch.Tensor:
-    """A uint8 tensor sharing ``buffer``'s memory.
-
-    Raises:
-        InvalidInputError: ``buffer`` is not a non-empty, writable, contiguous bytes-like
-            object.
-    """
-    try:
-        view = memoryview(buffer)
-    except TypeError:
-        raise InvalidInputError(
-            f"buffer must be a bytes-like object, got {type(buffer).__name__}"
-        ) from None
-    if view.readonly:
-        raise InvalidInputError("buffer must be writable")
-    if not view.c_contiguous or view.nbytes == 0:
-        raise InvalidInputError("buffer must be a non-empty contiguous buffer")
-    return torch.frombuffer(view.cast("B"), dtype=torch.uint8)
-
-
-def _alignment_skip(raw: torch.Tensor) -> int:
-    """Bytes to skip from the start of ``raw`` to reach an arena-aligned address."""
-    return -raw.data_ptr() % _ARENA_ALIGNMENT
