@@ -291,23 +291,25 @@ class StorageManager:
         """Cache payloads for ``spans``; returns how many chunks a tier took or queued.
 
         ``tokens`` (the request's tokens, or None when keys came from engine block hashes)
-        fill the KV events. Nothing is written when frozen; the CPU tier keeps nothing new
+        fill the KV events: one per tier written, all built from one copy of the tokens
+        and sharing it. Nothing is written when frozen; the CPU tier keeps nothing new
         with the hot cache off.
         """
         if self._frozen or not spans:
             return 0
         targets = self._tiers.store_to if locations is None else tuple(locations)
         keys = [span.key for span in spans]
+        stored = self._kv_events.stored(spans, tokens)  # built once, for every tier
         kept = 0
         if self._cpu_writable(targets):
-            if self._cpu.put_nowait(keys, objs):
-                self._kv_events.add(self._kv_events.stored(spans, tokens, self._cpu.name))
+            if self._cpu.put_nowait(keys, objs) and (event := stored.to(self._cpu.name)):
+                self._kv_events.add(event)
             kept = len(keys)
         for tier in self._tiers.slow:
             if tier.name not in targets or not tier.healthy():
                 continue
             writer = self._writers[tier.name]
-            event = self._kv_events.stored(spans, tokens, tier.name)
+            event = stored.to(tier.name)
             if self._wait_for_slow:
                 kept = max(kept, await writer.write(keys, objs, event))
             elif writer.submit(keys, objs, event):

@@ -4,8 +4,10 @@ down, failing calls as misses, promotion, and the health monitor bringing a tier
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from lmcache_async.backends.base import StorageBackend
 from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.backends.manager import StorageManager
 from lmcache_async.errors import TierUnavailableError
-from lmcache_async.events import EventBuffer
+from lmcache_async.events import EventBuffer, EventKind
 from lmcache_async.health import HealthMonitor
 from lmcache_async.keys import ChunkHasher, ChunkKey, Namespace
 from lmcache_async.memory import MemoryObj, MemoryPool
@@ -200,4 +202,74 @@ async def test_a_failing_call_is_a_miss_and_counted() -> None:
     with anyio.fail_after(TIMEOUT):
         assert await manager.fetch_prefix([s.key for s in sp]) == []
     assert manager.tier_read_errors == 1
+    await manager.aclose()
+
+
+class CountingTokens(np.ndarray):  # type: ignore[type-arg]
+    """A token array that counts how often it is copied out to a list."""
+
+    tolist_calls = 0
+
+    def tolist(self) -> Any:
+        type(self).tolist_calls += 1
+        return super().tolist()
+
+
+def named_tier(pool: MemoryPool, name: str) -> FakeTier:
+    tier = FakeTier(pool)
+    tier.name = name
+    return tier
+
+
+@pytest.mark.anyio
+async def test_a_put_builds_its_event_once_and_every_tier_shares_it() -> None:
+    """One put to three tiers: one event per tier, from one copy of the tokens."""
+    pool = MemoryPool(1 << 22)
+    events = EventBuffer(100)
+    manager = StorageManager(
+        CPUBackend(pool),
+        events=events,
+        chunk_size=4,
+        pin_timeout=60,
+        slow_tiers=[named_tier(pool, "disk"), named_tier(pool, "redis")],
+        wait_for_slow_tiers=True,
+    )
+    sp = spans(3)
+    tokens = np.arange(12, dtype=np.int64).view(CountingTokens)
+    CountingTokens.tolist_calls = 0
+    objs = payloads(pool, 3)
+    with anyio.fail_after(TIMEOUT):
+        assert await manager.put(sp, objs, tokens) == 3
+    stored = events.take()
+    assert [e.medium for e in stored] == ["cpu", "disk", "redis"]
+    assert all(e.kind is EventKind.STORED for e in stored)
+    assert all(e.token_ids == tuple(range(12)) for e in stored)
+    assert all(e.block_hashes == tuple(s.key.digest for s in sp) for e in stored)
+    assert CountingTokens.tolist_calls == 1
+    assert len({id(e.token_ids) for e in stored}) == 1, "the tiers share one copy"
+    for obj in objs:
+        obj.unref()
+    await manager.aclose()
+    assert pool.stats().used_bytes == 0
+
+
+@pytest.mark.anyio
+async def test_no_event_is_built_while_events_are_off() -> None:
+    pool = MemoryPool(1 << 22)
+    manager = StorageManager(
+        CPUBackend(pool),
+        events=EventBuffer(100, enabled=False),
+        chunk_size=4,
+        pin_timeout=60,
+        slow_tiers=[named_tier(pool, "disk")],
+        wait_for_slow_tiers=True,
+    )
+    tokens = np.arange(8, dtype=np.int64).view(CountingTokens)
+    CountingTokens.tolist_calls = 0
+    objs = payloads(pool, 2)
+    with anyio.fail_after(TIMEOUT):
+        assert await manager.put(spans(2), objs, tokens) == 2
+    assert CountingTokens.tolist_calls == 0
+    for obj in objs:
+        obj.unref()
     await manager.aclose()
