@@ -1,7 +1,8 @@
 """CLEAR, FREEZE, HOT_CACHE, STATS, HEALTH and SHUTDOWN: the sidecar's administration.
 
-None of them needs a session: ``lmcache-async admin`` sends them from a DEALER socket
-that never says HELLO (:mod:`lmcache_async.rpc.admin`).
+None of them needs a session: :class:`~lmcache_async.rpc.admin.AdminClient` (behind
+``lmcache-async ctl`` and ``lmcache-async stats``) sends them over a DEALER socket that
+never says HELLO.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ TIMED_OPERATIONS: Final = {
 
 @dataclass(frozen=True, slots=True)
 class Route:
+    """One message type's handler, and what it needs before it may run: the client's
+    session (else a ``NO_SESSION`` error), an open engine (else ``ENGINE_CLOSED``)."""
+
     handler: Handler
     needs_session: bool
     needs_engine: bool
