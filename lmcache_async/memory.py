@@ -17,7 +17,7 @@ thread may read and write an object's :attr:`MemoryObj.tensor` while the owner h
 reference). The evictor is called synchronously on that thread and must not allocate.
 
 :class:`MemoryObj` lives in :mod:`lmcache_async.memory_obj` (re-exported here), and the
-arena is allocated, or carved from a buffer, by :mod:`lmcache_async.arena`.
+arena is allocated, or carved from a buffer, by :mod:`lmcache_async.memory_arena`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import anyio.lowlevel
 import structlog
 import torch
 
-from lmcache_async.arena import Buffer, alignment_skip, buffer_tensor, host_arena
 from lmcache_async.errors import AllocationTimeoutError, EngineClosedError, InvalidInputError
+from lmcache_async.memory_arena import Buffer, alignment_skip, buffer_tensor, host_arena
 from lmcache_async.memory_obj import MemoryObj
 from lmcache_async.stats import PoolStats
 
