@@ -10,7 +10,7 @@ from ..memory import MemoryObj
 from ..stats import TierStats
 from .record import RecordSpec
 
-__all__ = ["StorageBackend"]
+__all__ = ["StorageBackend", "leading_run"]
 
 
 class StorageBackend(abc.ABC):
@@ -31,6 +31,19 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     async def get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         """The payload of each key, or None where the tier does not hold it."""
+
+    async def get_prefix(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        """The payloads of the leading run of ``keys`` this tier returns, each with one
+        reference for the caller: the run stops at the first key the tier does not hold,
+        cannot read or finds corrupt. No :meth:`contains_prefix` is needed first.
+
+        By default :meth:`get` with whatever follows its first None released; a tier that
+        can tell sooner where its run ends overrides this to read no further.
+
+        Raises:
+            As :meth:`get`.
+        """
+        return leading_run(await self.get(keys))
 
     @abc.abstractmethod
     async def put(
@@ -67,3 +80,16 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Release everything the tier holds."""
+
+
+def leading_run(got: Sequence[MemoryObj | None]) -> list[MemoryObj]:
+    """The objects of ``got`` before its first None; those after it are released."""
+    run: list[MemoryObj] = []
+    for obj in got:
+        if obj is None:
+            break
+        run.append(obj)
+    for obj in got[len(run) :]:
+        if obj is not None:
+            obj.unref()
+    return run

@@ -158,6 +158,9 @@ class CPUBackend(StorageBackend):
     async def get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         return self.get_nowait(keys)
 
+    async def get_prefix(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        return self.get_prefix_nowait(keys)
+
     async def put(
         self,
         keys: Sequence[ChunkKey],

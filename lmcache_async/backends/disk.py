@@ -51,7 +51,7 @@ from ..errors import (
 from ..keys import ChunkKey
 from ..memory import MemoryObj, MemoryPool
 from ..stats import TierStats
-from .base import StorageBackend
+from .base import StorageBackend, leading_run
 from .counters import TierCounters
 from .disk_file import (
     CHUNK_SUFFIX,
@@ -251,6 +251,19 @@ class DiskBackend(StorageBackend):
                     obj.unref()
         self._counts.got(len(keys), len(keys) - out.count(None))
         return out
+
+    async def get_prefix(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        """:meth:`get` of the leading run of ``keys`` the index holds (the first key past
+        it counts as a miss): no file past the run is read.
+
+        Raises:
+            EngineClosedError: the tier or the pool is closed.
+        """
+        self._check_open()
+        held = self._index.held_prefix(keys)
+        if held < len(keys):
+            self._counts.misses += 1
+        return leading_run(await self.get(keys[:held]))
 
     def _settle_reads(
         self,

@@ -35,7 +35,7 @@ from ..errors import ConfigError, InvalidInputError, TierError
 from ..keys import ChunkKey
 from ..memory import MemoryObj, MemoryPool
 from ..stats import TierStats
-from .base import StorageBackend
+from .base import StorageBackend, leading_run
 from .counters import TierCounters
 from .record import RecordSpec
 from .redis_conn import DEFAULT_TIMEOUT, RedisConnection, RedisTarget, parse_remote_url
@@ -206,6 +206,28 @@ class RedisBackend(StorageBackend):
             TierError: Redis reported another error.
             EngineClosedError: the tier or the pool is closed.
         """
+        out = await self._get(keys, prefix=False)
+        self._counts.got(len(keys), sum(obj is not None for obj in out))
+        return out
+
+    async def get_prefix(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        """The leading run of ``keys`` stored, read with GETs alone (no EXISTS first).
+
+        The run ends at the first value missing, corrupt, or left when memory ran out
+        (that key counts as a miss, the keys after it not at all). Values after it are
+        neither allocated nor decoded, and no batch after its batch is asked for, but the
+        one already on its way (:func:`~.redis_records.overlapped` fetches one ahead).
+
+        Raises:
+            As :meth:`get`.
+        """
+        run = leading_run(await self._get(keys, prefix=True))
+        self._counts.got(min(len(keys), len(run) + 1), len(run))
+        return run
+
+    async def _get(self, keys: Sequence[ChunkKey], *, prefix: bool) -> list[MemoryObj | None]:
+        """Fetch and load ``keys`` batch by batch; with ``prefix``, stop at the batch with
+        the first value missing or corrupt, and load nothing past that value."""
         out: list[MemoryObj | None] = [None] * len(keys)
         batches = self._batches(len(keys))
 
@@ -214,10 +236,14 @@ class RedisBackend(StorageBackend):
             return await self._conn.get_values(rkeys, len(rkeys) * self._chunk_bytes)
 
         async def load(n: int, values: list[bytes | None]) -> bool:
-            exhausted, bad = await self._loader.load(keys, batches[n], values, out)
+            batch = batches[n]
+            if prefix and None in values:
+                stop = values.index(None)
+                batch, values = batch[:stop], values[:stop]
+            exhausted, bad = await self._loader.load(keys, batch, values, out)
             if bad:
                 await self._drop_corrupt([(keys[i], reason) for i, reason in bad])
-            return exhausted
+            return exhausted or (prefix and (bool(bad) or len(batch) < len(batches[n])))
 
         try:
             await overlapped(len(batches), fetch, load)
@@ -226,7 +252,6 @@ class RedisBackend(StorageBackend):
                 if obj is not None:
                     obj.unref()
             raise
-        self._counts.got(len(keys), sum(obj is not None for obj in out))
         return out
 
     async def _drop_corrupt(self, entries: Sequence[tuple[ChunkKey, str]]) -> None:

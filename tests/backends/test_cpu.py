@@ -53,6 +53,20 @@ def test_prefix_and_get_return_referenced_payloads() -> None:
     assert pool.stats().used_bytes == 0
 
 
+@pytest.mark.anyio
+async def test_get_prefix_is_the_leading_run() -> None:
+    pool, cpu, _ = make()
+    for i in (0, 1, 3):
+        put(cpu, pool, i)
+    objs = await cpu.get_prefix([key(0), key(1), key(2), key(3)])
+    assert [int(o.tensor[0]) for o in objs] == [0, 1]
+    assert all(o.ref_count == 2 for o in objs)
+    for o in objs:
+        o.unref()
+    await cpu.aclose()
+    assert pool.stats().used_bytes == 0
+
+
 def test_eviction_drops_least_recently_used_unreferenced_unpinned() -> None:
     pool, cpu, evicted = make(pages=3)
     for i in range(3):

@@ -216,6 +216,41 @@ async def test_get_misses_and_prefix_use_the_index(root: Path, pool: MemoryPool)
 
 
 @pytest.mark.anyio
+async def test_get_prefix_reads_only_the_leading_run(
+    root: Path, pool: MemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefix read asks the index where the run ends and reads no file past it; a file
+    found corrupt ends the run there."""
+    read: list[bytes] = []
+    read_batch = disk_file._read_batch
+
+    def counting(spec: RecordSpec, reads: list[tuple[Path, bytes, torch.Tensor]]) -> object:
+        read.extend(k for _, k, _ in reads)
+        return read_batch(spec, reads)
+
+    monkeypatch.setattr(disk_file, "_read_batch", counting)
+    async with opened(root, pool) as disk:
+        await put(disk, pool, 0, 1, 2, 4, 5)
+        got = await disk.get_prefix([key(i) for i in range(6)])
+        try:
+            assert [torch.equal(raw(obj), expected(i)) for i, obj in enumerate(got)] == [True] * 3
+            assert all(obj.ref_count == 1 for obj in got)
+        finally:
+            for obj in got:
+                obj.unref()
+        assert read == [key(0), key(1), key(2)], "nothing past the gap at 3 is read"
+        assert (disk.stats().hits, disk.stats().misses) == (3, 1)
+        flip_payload(disk.path_of(key(1)))
+        got = await disk.get_prefix([key(i) for i in range(3)])
+        assert [torch.equal(raw(obj), expected(0)) for obj in got] == [True]
+        got[0].unref()
+        assert disk.stats().corrupt == 1
+        assert await disk.get_prefix([key(9), key(0)]) == []
+        assert await disk.get_prefix([]) == []
+    assert pool.stats().used_bytes == 0
+
+
+@pytest.mark.anyio
 async def test_existing_keys_are_kept_not_rewritten(root: Path, pool: MemoryPool) -> None:
     async with opened(root, pool) as disk:
         assert await put(disk, pool, 1) == 1

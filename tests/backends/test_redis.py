@@ -289,6 +289,43 @@ async def test_contains_prefix_counts_leading_keys(target: Target, open_tier: Op
     assert await tier.contains_prefix([]) == 0
 
 
+def command_calls(server: RedisServer, command: str) -> int:
+    """How often ``server`` ran ``command`` since its statistics were last reset."""
+    for line in server.command("INFO", "commandstats").decode().splitlines():
+        if line.startswith(f"cmdstat_{command}:"):
+            return int(line.split("calls=", 1)[1].split(",", 1)[0])
+    return 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("batch_keys", [1, 64])
+async def test_get_prefix_reads_the_leading_run_with_gets_alone(
+    redis_server: RedisServer, open_tier: Opener, batch_keys: int
+) -> None:
+    """No EXISTS; nothing past the first missing key is loaded; with one key per batch no
+    batch after it but the one fetched ahead is asked for."""
+    layout = make_layout()
+    chunk_bytes = math.prod(layout.payload_shape(CHUNK)) * layout.dtype.itemsize
+    env = await open_tier(redis_server.url, batch_bytes=batch_keys * chunk_bytes)
+    stored = [0, 1, 2, 4, 5, 6, 7]
+    objs = await put_random(env, [key(i) for i in stored], [CHUNK] * len(stored))
+    in_use = env.pool.stats().num_objects
+    redis_server.command("CONFIG", "RESETSTAT")
+    with anyio.fail_after(5):
+        got = await env.tier.get_prefix([key(i) for i in range(8)])
+    try:
+        assert len(got) == 3
+        assert all(torch.equal(raw_bytes(g), raw_bytes(o)) for g, o in zip(got, objs, strict=False))
+        assert env.pool.stats().num_objects == in_use + 3, "nothing past the gap is kept"
+    finally:
+        release(objs, got)
+    assert command_calls(redis_server, "exists") == 0
+    gets = command_calls(redis_server, "get")
+    assert gets == 8 if batch_keys == 64 else 4 <= gets <= 5
+    assert (env.tier.stats().hits, env.tier.stats().misses) == (3, 1)
+    assert await env.tier.get_prefix([]) == []
+
+
 @pytest.mark.anyio
 async def test_cluster_spreads_keys_over_every_node(
     redis_cluster: RedisCluster, open_tier: Opener
