@@ -262,7 +262,7 @@ def test_layerwise_lookups_served_to_a_scheduler_count_the_disk(tmp_path: Path) 
 @pytest.fixture
 def sidecar_url() -> Iterator[str]:
     """An in-process sidecar on its own thread (chunks of CHUNK tokens)."""
-    from lmcache_async.rpc.server import SidecarServer, SidecarSettings, serve
+    from lmcache_async.rpc.sidecar import SidecarServer, SidecarSettings, serve
 
     directory = tempfile.mkdtemp(prefix="lmc-se-", dir="/tmp")
     url = f"ipc://{directory}/sidecar.sock"

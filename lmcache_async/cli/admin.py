@@ -90,7 +90,7 @@ def run_admin(args: argparse.Namespace) -> int:
 
     from lmcache_async.errors import LMCacheAsyncError  # noqa: PLC0415
     from lmcache_async.rpc import admin  # noqa: PLC0415
-    from lmcache_async.rpc.server import default_endpoint  # noqa: PLC0415
+    from lmcache_async.rpc.transport import default_endpoint  # noqa: PLC0415
 
     if args.command == "ctl" and (args.state is None) != (args.action in ("clear", "health")):
         raise InvalidInputError(

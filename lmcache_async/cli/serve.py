@@ -100,14 +100,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from lmcache_async.config import ENV_PREFIX  # noqa: PLC0415
     from lmcache_async.layouts import KVLayout  # noqa: PLC0415
-    from lmcache_async.rpc.server import (  # noqa: PLC0415
+    from lmcache_async.rpc.sidecar import (  # noqa: PLC0415
         DEFAULT_HEARTBEAT_INTERVAL,
         SidecarNamespace,
         SidecarServer,
         SidecarSettings,
+        serve,
+    )
+    from lmcache_async.rpc.transport import (  # noqa: PLC0415
         default_endpoint,
         load_curve_secret_key,
-        serve,
     )
 
     # Flag values are text: parse them by each key's type, as environment variables are.

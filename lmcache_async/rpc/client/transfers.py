@@ -1,5 +1,7 @@
 """A client's data path: STORE then COMMIT, RETRIEVE then RELEASE, with the KV copies in
-between run here, through the same transfer plans as an embedded engine.
+between run here, through the same transfer plans and copy path
+(:mod:`lmcache_async.core.copy`) as an embedded engine; the sidecar's request core decides
+what is stored and loaded.
 
 Only chunk keys and offsets cross the socket when the server's segment is mapped (the
 copies go straight into and out of its memory); otherwise the payloads travel inline.
@@ -19,7 +21,8 @@ import anyio.to_thread
 import structlog
 import torch
 
-from lmcache_async.cuda import Direction, Transfers
+from lmcache_async.core.copy import gather, mark_loaded, scatter
+from lmcache_async.cuda import Transfers
 from lmcache_async.errors import ProtocolError
 from lmcache_async.layouts import KVCacheViews, KVLayout
 from lmcache_async.rpc.client.connection import Connection
@@ -183,7 +186,6 @@ class DataPath:
         layout = self._layout
         dtype = layout.dtype
         segment = link.segment
-        nbytes = sum(chunk[3] for chunk in chunks)
         with contextlib.ExitStack() as stack:
             if segment is not None:
                 stack.enter_context(segment.use())
@@ -199,14 +201,7 @@ class DataPath:
             jobs = [(start, end, out) for (start, end, _, _), out in zip(chunks, outs, strict=True)]
             # Shielded: the payloads must not be handed back while a copy writes into them.
             with anyio.CancelScope(shield=True):
-                await self._transfers.run(
-                    plan.gather_chunks,
-                    jobs,
-                    device=plan.device,
-                    direction=Direction.STORE,
-                    nbytes=nbytes,
-                    timeout=self._conn.timeout,
-                )
+                await gather(self._transfers, plan, jobs, timeout=self._conn.timeout)
             if segment is not None:
                 return []
             return [out.view(-1).view(torch.uint8).numpy().data for out in outs]
@@ -266,12 +261,9 @@ class DataPath:
                 chunks = self._chunks(reply, prepared)
                 if chunks:
                     await self._scatter(link, prepared.plan, chunks, reply.payloads)
-                    start, end = chunks[0][0], chunks[-1][1]
-                    if prepared.plan.first_skipped(start) is None:
-                        loaded[start:end] = True
-                    else:
-                        loaded[start:end] = prepared.slots_cpu[start:end] >= 0
-                    tokens_loaded = end - start
+                    tokens_loaded = mark_loaded(
+                        loaded, prepared.plan, prepared.slots_cpu, chunks[0][0], chunks[-1][1]
+                    )
             finally:
                 release = {"txn": txn, "loaded": tokens_loaded}
                 await link.notify(MessageType.RELEASE, release, conn.timeout)
@@ -320,11 +312,4 @@ class DataPath:
                 for (start, end, _, _), payload in zip(chunks, payloads, strict=True)
             ]
             with anyio.CancelScope(shield=True):
-                await self._transfers.run(
-                    plan.scatter_chunks,
-                    jobs,
-                    device=plan.device,
-                    direction=Direction.LOAD,
-                    nbytes=sum(chunk[3] for chunk in chunks),
-                    timeout=self._conn.timeout,
-                )
+                await scatter(self._transfers, plan, jobs, timeout=self._conn.timeout)

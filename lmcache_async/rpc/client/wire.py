@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 
 from lmcache_async.errors import InvalidInputError, ProtocolError
+from lmcache_async.key_input import check_key_input
 from lmcache_async.rpc.protocol import (
     ErrorCode,
     Message,
@@ -83,27 +84,16 @@ def key_fields(
         InvalidInputError: tokens and hashes both or neither given, bad tokens, hashes
             or offsets.
     """
-    if hashes is not None:
-        if tokens is not None:
-            raise InvalidInputError("pass either tokens or hashes, not both")
-        if offsets is None:
-            raise InvalidInputError("hashes need offsets (the end token offset of each hash)")
-        if isinstance(offsets, (str, bytes)) or not isinstance(offsets, Sequence):
-            raise InvalidInputError(f"offsets must be a sequence, got {type(offsets).__name__}")
-        ends = list(offsets)
-        for index, end in enumerate(ends):
-            if not is_strict_int(end):
-                raise InvalidInputError(f"offsets[{index}] must be an int, got {end!r:.40}")
+    ends = check_key_input(tokens, hashes, offsets)
+    if ends is not None:
+        assert hashes is not None  # check_key_input: offsets come with hashes
         wire = hashes_to_wire(hashes)
         if len(wire) != len(ends):
             raise InvalidInputError(
                 f"got {len(wire)} hashes but {len(ends)} offsets; they must match"
             )
         return {"hashes": wire, "offsets": ends}, [], (ends[-1] if ends else 0)
-    if tokens is None:
-        raise InvalidInputError("tokens (or hashes with offsets) are required")
-    if offsets is not None:
-        raise InvalidInputError("offsets go with hashes, not with tokens")
+    assert tokens is not None
     payload = tokens_payload(tokens)
     return {}, [payload], payload.nbytes // 4
 

@@ -14,6 +14,7 @@ import structlog
 import zmq
 
 from lmcache_async.errors import EngineClosedError, InvalidInputError, ProtocolError
+from lmcache_async.key_input import check_key_input
 from lmcache_async.rpc.lookup.endpoint import LookupId, check_lookup_id, lookup_endpoint
 from lmcache_async.rpc.protocol import (
     ErrorCode,
@@ -174,23 +175,13 @@ class ClientCore:
         elif pin:
             raise InvalidInputError("pin=True needs a lookup_id")
         payloads: list[memoryview] = []
-        if hashes is not None:
-            if tokens is not None:
-                raise InvalidInputError("pass either tokens or hashes, not both")
-            if offsets is None:
-                raise InvalidInputError("hashes need offsets (the end token offset of each hash)")
-            if isinstance(offsets, (str, bytes)) or not isinstance(offsets, Sequence):
-                raise InvalidInputError(f"offsets must be a sequence, got {type(offsets).__name__}")
-            for index, end in enumerate(offsets):
-                if not is_strict_int(end):
-                    raise InvalidInputError(f"offsets[{index}] must be an int, got {end!r:.40}")
+        ends = check_key_input(tokens, hashes, offsets)
+        if ends is not None:
+            assert hashes is not None  # check_key_input: offsets come with hashes
             header["hashes"] = hashes_to_wire(hashes)
-            header["offsets"] = list(offsets)
+            header["offsets"] = ends
         else:
-            if tokens is None:
-                raise InvalidInputError("tokens (or hashes with offsets) are required")
-            if offsets is not None:
-                raise InvalidInputError("offsets go with hashes, not with tokens")
+            assert tokens is not None
             payloads.append(tokens_payload(tokens))
         call = self._call("lookup", MessageType.LOOKUP, header, payloads, self._finish_lookup)
         if (hashes is not None and not header["hashes"]) or (payloads and not payloads[0].nbytes):
