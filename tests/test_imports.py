@@ -84,7 +84,6 @@ LAYER_OF: Final[Mapping[str, str]] = {
     "hashing": "data model",
     "digests": "data model",
     "digest_memo": "data model",
-    "kv_views": "data model",
     # the rest, bottom up
     "backends": "backends",
     # The request core's two-phase store/load: it drives the backends' storage manager, and

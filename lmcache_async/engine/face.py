@@ -44,10 +44,6 @@ __all__ = ["CacheEngine"]
 
 log = structlog.get_logger(__name__)
 
-# Long prompts whose chunk digests are remembered: a prompt is typically looked up,
-# retrieved and stored in turn.
-_DIGEST_MEMO_PROMPTS = 32
-
 
 class CacheEngine(Queries, TierControls):
     """Stores and retrieves the KV cache of token prefixes for one model and KV layout.

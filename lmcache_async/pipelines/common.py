@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import anyio
@@ -12,9 +12,8 @@ import torch
 
 from ..keys import ChunkSpan
 from ..layouts import TransferPlan
-from ..memory import MemoryObj
 
-__all__ = ["Keyer", "Request", "batched", "compute_spans", "release"]
+__all__ = ["Keyer", "Request", "batched", "compute_spans"]
 
 # Produces a request's chunk spans and, when keys come from tokens, the tokens as int32.
 Keyer = Callable[[], tuple[list[ChunkSpan], np.ndarray | None]]
@@ -75,9 +74,3 @@ async def compute_spans(request: Request) -> None:
 def batched(start: int, stop: int, size: int) -> list[range]:
     """Index ranges of at most ``size`` covering ``[start, stop)``."""
     return [range(i, min(i + size, stop)) for i in range(start, stop, size)]
-
-
-def release(objs: Sequence[MemoryObj]) -> None:
-    """Drop the caller's reference on each object."""
-    for obj in objs:
-        obj.unref()

@@ -41,13 +41,14 @@ import torch
 
 from ..backends.manager import StorageManager
 from ..core.copy import mark_loaded
+from ..core.store import release
 from ..cuda import Direction, Transfers, wait_out
 from ..errors import AllocationTimeoutError, EngineClosedError
 from ..keys import ChunkKey, ChunkSpan
 from ..layouts import KVLayout
 from ..memory import MemoryObj, MemoryPool
 from ..stats import Counters
-from .common import Request, compute_spans, release
+from .common import Request, compute_spans
 
 __all__ = [
     "LayerwisePipeline",

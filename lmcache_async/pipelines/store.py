@@ -18,9 +18,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..core import StoreCore, StoreTxn
 from ..core.copy import gather
+from ..core.store import release
 from ..cuda import Transfers
 from ..memory import MemoryObj
-from .common import Request, batched, compute_spans, release
+from .common import Request, batched, compute_spans
 from .stage import Completion, Emit, drive
 
 __all__ = ["StoreBatch", "StoreRequest", "build_store_stages"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import anyio
 import structlog
 
-from lmcache_async.core import StoreCore, StoreTxn
+from lmcache_async.core import LoadCore, StoreCore, StoreTxn
 from lmcache_async.errors import EngineClosedError, ProtocolError
 from lmcache_async.keys import ChunkSpan
 from lmcache_async.memory import MemoryObj
@@ -49,8 +49,7 @@ class Transaction:
         if self.store is not None and self.store_core is not None:
             self.store_core.abort(self.store, self.objs)
         else:
-            for obj in self.objs:
-                obj.unref()
+            LoadCore.release(self.objs)
         self.objs.clear()
 
 
