@@ -14,6 +14,7 @@ pipelines or requests. Lookup pins are kept in :mod:`.pins`, KV events built in
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Hashable, Sequence
@@ -22,7 +23,7 @@ import numpy as np
 import structlog
 from anyio.abc import TaskGroup
 
-from ..errors import TierError
+from ..errors import InvalidInputError, TierError
 from ..events import EventBuffer
 from ..keys import ChunkKey, ChunkSpan
 from ..memory import MemoryObj
@@ -30,6 +31,7 @@ from ..stats import TierStats
 from .base import StorageBackend
 from .cpu import CPUBackend
 from .pins import Clock, PinSets
+from .prefix import chunk_keys, count_prefix, read_prefix
 from .tier_events import TierEvents
 from .tiers import TierSet
 from .writers import TierWriters
@@ -39,9 +41,9 @@ __all__ = ["StorageManager", "chunk_keys"]
 log = structlog.get_logger(__name__)
 
 
-def chunk_keys(keys: Sequence[bytes]) -> list[ChunkKey]:
-    """Keys as :class:`ChunkKey` (a lookup may probe with bare whole-chunk digests)."""
-    return [key if isinstance(key, ChunkKey) else ChunkKey(key) for key in keys]
+def _check_count(name: str, value: object, most: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise InvalidInputError(f"{name} must be an int from 0 to {most}, got {value!r}")
 
 
 class StorageManager:
@@ -176,39 +178,29 @@ class StorageManager:
     ) -> int:
         """Number of leading keys held across the readable tiers.
 
-        The run may begin in one tier and continue in another. A slow tier that fails is
-        skipped (a miss), never raised. ``cpu_hits``: the CPU tier's count of leading
-        ``keys`` the caller has just taken (a lookup that tried the CPU tier alone first),
-        so the CPU tier is not walked again for them.
+        The run may begin in one tier and continue in another: each tier is asked from
+        where the others have got to, never again where it stopped itself
+        (:mod:`.prefix`). A slow tier that fails is skipped (a miss), never raised.
+
+        ``cpu_hits``: the number of leading ``keys`` the CPU tier holds, when the caller
+        has just counted it (:meth:`contains_prefix` or :meth:`pin_prefix` on the same
+        keys, nothing awaited since). The CPU tier is then not walked over those keys
+        again; it is asked only for what follows a run a slow tier carried further.
+        Ignored when the CPU tier is not read (it counts 0 then).
+
+        Raises:
+            InvalidInputError: ``cpu_hits`` is not an int from 0 to ``len(keys)``.
         """
         names = self._tiers.read_from if locations is None else locations
-        if self._cpu.name not in names:
-            hits = 0
-        elif cpu_hits is not None:
-            hits = cpu_hits
-        else:
-            hits = self._cpu.contains_prefix_nowait(keys)
-        if hits == len(keys):
-            return hits
-        tiers = self._readable(names)
-        progressed = True
-        while progressed and hits < len(keys):
-            progressed = False
-            if hits and self._cpu.name in names:
-                more = self._cpu.contains_prefix_nowait(keys[hits:])
-                hits += more
-            for tier in tiers:
-                if hits == len(keys):
-                    break
-                try:
-                    more = await tier.contains_prefix(chunk_keys(keys[hits:]))
-                except TierError as exc:
-                    self._read_failed(tier, exc)
-                    continue
-                if more:
-                    hits += more
-                    progressed = True
-        return hits
+        if cpu_hits is not None:
+            _check_count("cpu_hits", cpu_hits, len(keys))
+        return await count_prefix(
+            keys,
+            cpu=self._cpu if self._cpu.name in names else None,
+            slow=self._readable(names),
+            on_error=self._read_failed,
+            cpu_hits=cpu_hits,
+        )
 
     def contains(self, key: ChunkKey) -> bool:
         return key in self._cpu
@@ -227,53 +219,34 @@ class StorageManager:
         locations: Sequence[str] | None = None,
         lookup_id: Hashable | None = None,
     ) -> list[MemoryObj]:
-        """Payloads of the leading keys held anywhere, each referenced for the caller.
+        """Payloads of the longest leading run of ``keys`` held anywhere readable, each
+        referenced for the caller; no :meth:`lookup_prefix` is needed first.
 
-        Chunks prefetched for ``lookup_id`` come first, then the CPU tier, then the slow
-        tiers; what a slow tier returns is promoted into the CPU tier (hot cache on).
+        Each key comes from the first of: the chunks prefetched for ``lookup_id``, the
+        CPU tier, the slow tiers fastest first; the run may pass from one to another and
+        back, and ends at the first key none of them returns (missing, corrupt, a failing
+        tier, or no pool memory in time). Slow tiers read only from where the run stands,
+        with their reads alone (:meth:`StorageBackend.get_prefix`: GETs on Redis, no
+        EXISTS); what they return is promoted into the CPU tier (hot cache on, CPU among
+        ``locations``). A failing tier is a miss counted in ``tier_read_errors``.
         """
         names = self._tiers.read_from if locations is None else tuple(locations)
         pinned = self._pins.get(lookup_id) if lookup_id is not None else None
-        out: list[MemoryObj] = []
-        tiers = self._readable(names)
-        while len(out) < len(keys):
-            before = len(out)
-            if pinned is not None:
-                for key in keys[len(out) :]:
-                    obj = pinned.by_key.get(key)
-                    if obj is None or obj.freed:
-                        break
-                    out.append(obj.ref())
-            if self._cpu.name in names:
-                out.extend(self._cpu.get_prefix_nowait(keys[len(out) :]))
-            for tier in tiers:
-                if len(out) == len(keys):
-                    break
-                out.extend(await self._read_slow(tier, keys[len(out) :], names))
-            if len(out) == before:
-                break
-        return out
+        return await read_prefix(
+            keys,
+            pinned=None if pinned is None else pinned.by_key,
+            cpu=self._cpu if self._cpu.name in names else None,
+            slow=self._readable(names),
+            promote=functools.partial(self._promote, names),
+            on_error=self._read_failed,
+        )
 
-    async def _read_slow(
-        self, tier: StorageBackend, keys: Sequence[ChunkKey], names: Sequence[str]
-    ) -> list[MemoryObj]:
-        """The leading run of ``keys`` ``tier`` returns, promoted into the CPU tier."""
-        try:
-            got = await tier.get(keys)
-        except TierError as exc:
-            self._read_failed(tier, exc)
-            return []
-        run: list[MemoryObj] = []
-        for obj in got:
-            if obj is None:
-                break
-            run.append(obj)
-        for obj in got[len(run) :]:
-            if obj is not None:
-                obj.unref()
-        if run and self._cpu_writable(tuple(names) if self._cpu.name in names else ()):
-            self.promoted_chunks += self._cpu.put_nowait(list(keys[: len(run)]), run)
-        return run
+    def _promote(
+        self, names: Sequence[str], keys: Sequence[ChunkKey], run: list[MemoryObj]
+    ) -> None:
+        """Keep in the CPU tier what a slow tier returned, if the CPU tier takes writes."""
+        if self._cpu_writable(tuple(names) if self._cpu.name in names else ()):
+            self.promoted_chunks += self._cpu.put_nowait(list(keys), run)
 
     def _read_failed(self, tier: StorageBackend, exc: Exception) -> None:
         self.tier_read_errors += 1

@@ -1,9 +1,13 @@
-"""StorageManager with a controllable slow tier: write-behind queue bounds, a tier that is
-down, failing calls as misses, promotion, and the health monitor bringing a tier back."""
+"""StorageManager with controllable slow tiers: write-behind queue bounds, a tier that is
+down, failing calls as misses, promotion, the health monitor bringing a tier back, one
+event per put built once, lookups that start from the CPU tier's count, and fetches
+without a lookup over a prefix split across the CPU, disk and Redis tiers (fakes, then
+the real tiers on a redis-server)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -13,19 +17,33 @@ import torch
 
 from lmcache_async.backends.base import StorageBackend
 from lmcache_async.backends.cpu import CPUBackend
+from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.backends.manager import StorageManager
-from lmcache_async.errors import TierUnavailableError
+from lmcache_async.backends.redis import RedisBackend
+from lmcache_async.errors import InvalidInputError, TierUnavailableError
 from lmcache_async.events import EventBuffer, EventKind
 from lmcache_async.health import HealthMonitor
 from lmcache_async.keys import ChunkHasher, ChunkKey, Namespace
 from lmcache_async.memory import MemoryObj, MemoryPool
 from lmcache_async.stats import TierStats
+from tests.backends.test_redis import (
+    CHUNK,
+    PAGE,
+    command_calls,
+    filled,
+    make_layout,
+    make_spec,
+    raw_bytes,
+)
+from tests.backends.test_redis import key as redis_key
+from tests.servers import RedisServer
 
 TIMEOUT = 10
 
 
 class FakeTier(StorageBackend):
-    """An in-memory slow tier whose puts can be held back and whose calls can fail."""
+    """An in-memory slow tier whose puts can be held back and whose calls can fail; it
+    records the keys each lookup and read asked it about."""
 
     name = "disk"
 
@@ -37,12 +55,15 @@ class FakeTier(StorageBackend):
         self.up = True
         self.probe_ok = True
         self.puts = 0
+        self.contains_calls: list[list[ChunkKey]] = []
+        self.get_calls: list[list[ChunkKey]] = []
 
     def _check(self) -> None:
         if not self.up:
             raise TierUnavailableError("fake tier is down")
 
     async def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        self.contains_calls.append(list(keys))
         self._check()
         n = 0
         for key in keys:
@@ -52,6 +73,7 @@ class FakeTier(StorageBackend):
         return n
 
     async def get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        self.get_calls.append(list(keys))
         self._check()
         out: list[MemoryObj | None] = []
         for key in keys:
@@ -273,3 +295,161 @@ async def test_no_event_is_built_while_events_are_off() -> None:
     for obj in objs:
         obj.unref()
     await manager.aclose()
+
+
+def three_tiers(pool: MemoryPool) -> tuple[StorageManager, CPUBackend, FakeTier, FakeTier]:
+    cpu = CPUBackend(pool)
+    disk, redis = named_tier(pool, "disk"), named_tier(pool, "redis")
+    manager = StorageManager(
+        cpu, events=EventBuffer(100), chunk_size=4, pin_timeout=60, slow_tiers=[disk, redis]
+    )
+    return manager, cpu, disk, redis
+
+
+def hold(tier: FakeTier, sp: list, objs: list[MemoryObj], ids: list[int]) -> None:  # type: ignore[type-arg]
+    for i in ids:
+        tier.data[bytes(sp[i].key)] = objs[i].tensor.clone()
+
+
+@pytest.mark.anyio
+async def test_a_lookup_given_the_cpu_count_does_not_walk_those_keys_again() -> None:
+    pool = MemoryPool(1 << 22)
+    manager, cpu, disk, _ = three_tiers(pool)
+    sp = spans(6)
+    keys = [s.key for s in sp]
+    objs = payloads(pool, 6)
+    cpu.put_nowait(keys[:2], objs[:2])
+    hold(disk, sp, objs, [2, 3, 5])
+    walked_from: list[int] = []
+    walk = cpu.contains_prefix_nowait
+
+    def counting(asked: Sequence[bytes]) -> int:
+        walked_from.append(len(keys) - len(asked))
+        return walk(asked)
+
+    cpu.contains_prefix_nowait = counting  # type: ignore[method-assign]
+    with anyio.fail_after(TIMEOUT):
+        hits = manager.contains_prefix(keys)
+        assert (hits, walked_from) == (2, [0])
+        walked_from.clear()
+        assert await manager.lookup_prefix(keys, cpu_hits=hits) == 4
+        # The CPU tier is asked only where the disk tier left the run, and the disk tier
+        # is not asked again where it stopped.
+        assert walked_from == [4]
+        assert [len(keys) - len(asked) for asked in disk.contains_calls] == [2]
+        walked_from.clear()
+        assert await manager.lookup_prefix(keys) == 4
+        assert walked_from == [0, 4]
+        walked_from.clear()
+        assert await manager.lookup_prefix(keys[:2], cpu_hits=2) == 2
+        assert walked_from == []
+        for bad in (-1, 7, True, 2.0):
+            with pytest.raises(InvalidInputError):
+                await manager.lookup_prefix(keys, cpu_hits=bad)  # type: ignore[arg-type]
+    for obj in objs:
+        obj.unref()
+    await manager.aclose()
+    assert pool.stats().used_bytes == 0
+
+
+@pytest.mark.anyio
+async def test_a_fetch_without_a_lookup_reads_a_prefix_split_over_three_tiers() -> None:
+    """CPU 0-1, disk 2-3, redis 4-5, nothing at 6 (7 on both, past the gap): the fetch
+    returns 0-5 with no lookup call, asks each slow tier only from where the run stands and
+    never again where it stopped itself, and promotes what they returned."""
+    pool = MemoryPool(1 << 22)
+    manager, cpu, disk, redis = three_tiers(pool)
+    sp = spans(8)
+    keys = [s.key for s in sp]
+    objs = payloads(pool, 8)
+    cpu.put_nowait(keys[:2], objs[:2])
+    hold(disk, sp, objs, [2, 3, 7])
+    hold(redis, sp, objs, [4, 5, 7])
+    with anyio.fail_after(TIMEOUT):
+        got = await manager.fetch_prefix(keys)
+    try:
+        assert [bool(torch.equal(g.tensor, o.tensor)) for g, o in zip(got, objs, strict=False)] == [
+            True
+        ] * 6
+        assert len(got) == 6
+    finally:
+        for obj in got:
+            obj.unref()
+    assert disk.contains_calls == redis.contains_calls == []
+    assert disk.get_calls == [keys[2:], keys[6:]]  # it might have held 6
+    assert redis.get_calls == [keys[4:]]  # it stopped at 6 itself
+    assert manager.promoted_chunks == 4
+    assert manager.contains_prefix(keys) == 6
+    with anyio.fail_after(TIMEOUT):
+        again = await manager.fetch_prefix(keys[:6])
+    assert len(again) == 6 and len(disk.get_calls) == 2, "served by the CPU tier alone"
+    for obj in again + objs:
+        obj.unref()
+    await manager.aclose()
+    assert pool.stats().used_bytes == 0
+
+
+@pytest.mark.anyio
+async def test_a_failing_tier_ends_its_part_of_a_fetch_not_the_fetch() -> None:
+    pool = MemoryPool(1 << 22)
+    manager, _, disk, redis = three_tiers(pool)
+    sp = spans(4)
+    keys = [s.key for s in sp]
+    objs = payloads(pool, 4)
+    hold(disk, sp, objs, [0, 1, 2, 3])
+    hold(redis, sp, objs, [0, 1])
+
+    async def boom(keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        raise TierUnavailableError("connection reset")
+
+    disk.get = boom  # type: ignore[method-assign]
+    with anyio.fail_after(TIMEOUT):
+        got = await manager.fetch_prefix(keys)
+    # Redis carries the run to 2; the disk tier, failed once, is not asked again there.
+    assert len(got) == 2 and manager.tier_read_errors == 1
+    for obj in got + objs:
+        obj.unref()
+    await manager.aclose()
+    assert pool.stats().used_bytes == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.subprocess
+async def test_a_fetch_over_cpu_disk_and_real_redis_sends_no_exists(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The same split over the real tiers: Redis sees GETs alone, once per key from where
+    the run reached it; neither slow tier decodes the chunk past the gap."""
+    layout = make_layout()
+    spec = make_spec(layout)
+    pool = MemoryPool(16 << 20, page_size=PAGE, pin_memory=False)
+    disk = await DiskBackend.open(
+        tmp_path, pool=pool, spec=spec, allocation_timeout=1, max_local_disk_size=1 << 26
+    )
+    remote = await RedisBackend.open(redis_server.url, pool=pool, spec=spec, allocation_timeout=1)
+    cpu = CPUBackend(pool)
+    manager = StorageManager(
+        cpu, events=EventBuffer(100), chunk_size=CHUNK, pin_timeout=60, slow_tiers=[disk, remote]
+    )
+    keys = [redis_key(i) for i in range(8)]
+    shape = layout.payload_shape(CHUNK)
+    objs = [await filled(pool, shape, layout.dtype, seed=i) for i in range(8)]
+    with anyio.fail_after(TIMEOUT):
+        cpu.put_nowait(keys[:2], objs[:2])
+        assert await disk.put([keys[i] for i in (2, 3, 7)], [objs[i] for i in (2, 3, 7)]) == 3
+        assert await remote.put([keys[i] for i in (4, 5, 7)], [objs[i] for i in (4, 5, 7)]) == 3
+        redis_server.command("CONFIG", "RESETSTAT")
+        got = await manager.fetch_prefix(keys)
+    try:
+        assert len(got) == 6
+        assert all(torch.equal(raw_bytes(g), raw_bytes(o)) for g, o in zip(got, objs, strict=False))
+    finally:
+        for obj in got + objs:
+            obj.unref()
+    assert command_calls(redis_server, "exists") == 0
+    assert command_calls(redis_server, "get") == 4  # keys 4 to 7, in one batch
+    assert (disk.stats().hits, remote.stats().hits) == (2, 2)
+    assert manager.promoted_chunks == 4
+    assert manager.tier_read_errors == 0
+    await manager.aclose()
+    assert pool.stats().num_objects == 0
