@@ -12,15 +12,12 @@ which the record's checksums catch on the next read (a miss, the file deleted), 
 per chunk costs far more than the occasional lost entry of a cache. ``fsync=True`` syncs
 each file and its directory before the put returns.
 
-*The index* (key → size and shape, least recently used first) lives in memory and is
-rebuilt by :meth:`DiskBackend.open` from each file's header, size and mtime (never its
-payload: checksums are verified on every read instead). Hits refresh a file's mtime, so the
-LRU order survives restarts (to within a minute). At open, temporary files whose writer
-process is gone are deleted, and so are files whose header is bad or whose length does not
-match the file.
-Files written for another KV layout (another fingerprint) are left alone and not indexed:
-engines of other models may share the directory. One running engine per directory and
-layout is supported; two at once would each keep their own index and capacity.
+*The index* (key → size and shape, least recently used first, :mod:`.disk_index`) lives in
+memory and is rebuilt by :meth:`DiskBackend.open` from the files' headers, sizes and mtimes;
+hits refresh a file's mtime, so the LRU order survives restarts (to within a minute).
+Files of another KV layout are left alone: engines of other models may share the
+directory. One running engine per directory and layout is supported; two at once would
+each keep their own index and capacity.
 
 *Threads*: the index and counters belong to the event loop; worker threads only do file
 I/O, checksums and codecs, one thread call per batch. Writes (put, eviction, remove,
