@@ -22,12 +22,12 @@ import structlog
 
 from ..backends.manager import StorageManager
 from ..errors import AllocationTimeoutError
-from ..keys import ChunkSpan
+from ..keys import ChunkKey, ChunkSpan
 from ..layouts import KVLayout
 from ..memory import MemoryObj, MemoryPool
 from ..stats import Counters
 
-__all__ = ["Cancellable", "StoreCore", "StoreTxn"]
+__all__ = ["Cancellable", "StoreCore", "StoreTxn", "layer_keys", "release"]
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +47,9 @@ class StoreTxn:
     ``todo``: the indices of those not already held; ``stored``: per span, whether it is
     cached. The transaction owns one reference on each object in ``held`` (chunks it
     counts as cached), so the store's own later allocations cannot evict its prefix.
+    ``layers``: 0 when each chunk is one payload under its key; ``n`` when it is ``n``
+    per-layer payloads under ``key.with_layer(i)`` (a layerwise store), a chunk counting
+    as held only when every layer is.
     """
 
     req_id: str
@@ -58,6 +61,7 @@ class StoreTxn:
     todo: list[int]
     partial: bool = False
     finished: bool = False
+    layers: int = 0
 
     def stored_tokens(self) -> int:
         """Tokens covered by the leading run of chunks that are cached."""
@@ -76,6 +80,23 @@ def release(objs: Sequence[MemoryObj]) -> None:
     """Drop the caller's reference on each object."""
     for obj in objs:
         obj.unref()
+
+
+def layer_keys(keys: Sequence[bytes], num_layers: int) -> list[ChunkKey]:
+    """Every layer's key of each chunk key, chunk-major.
+
+    ``keys`` are chunk keys or bare digests; the result is ``[k0@L0, ..., k0@L(n-1), k1@L0,
+    ...]``, so the leading run of present keys, divided by ``num_layers``, is the number of
+    leading chunks whose every layer is present.
+
+    Raises:
+        InvalidInputError: a key is not a digest.
+    """
+    out: list[ChunkKey] = []
+    for key in keys:
+        digest = key.digest if isinstance(key, ChunkKey) else bytes(key)
+        out.extend(ChunkKey(digest, layer) for layer in range(num_layers))
+    return out
 
 
 class StoreCore:
@@ -112,21 +133,33 @@ class StoreCore:
         *,
         limit: int,
         locations: tuple[str, ...] | None,
+        layers: int = 0,
     ) -> StoreTxn:
         """Decide what a store writes: the chunks of ``spans`` ending at or before
         ``limit`` (a chunk with a token the caller cannot give, and every chunk after it,
-        is not stored); those already held are held for the request and skipped."""
+        is not stored); those already held are held for the request and skipped. With
+        ``layers`` each chunk is that many per-layer payloads (see :class:`StoreTxn`)."""
         if spans and spans[-1].end > limit:
             spans = [span for span in spans if span.end <= limit]
-        present = self._manager.hold([span.key for span in spans])
+        keys = [span.key for span in spans]
+        if not layers:
+            found = self._manager.hold(keys)
+            stored = [obj is not None for obj in found]
+        else:
+            found = self._manager.hold(layer_keys(keys, layers))
+            stored = [
+                all(obj is not None for obj in found[i * layers : (i + 1) * layers])
+                for i in range(len(spans))
+            ]
         return StoreTxn(
             req_id,
             spans,
             tokens,
             locations,
-            stored=[obj is not None for obj in present],
-            held=[obj for obj in present if obj is not None],
-            todo=[index for index, obj in enumerate(present) if obj is None],
+            stored=stored,
+            held=[obj for obj in found if obj is not None],
+            todo=[index for index, ok in enumerate(stored) if not ok],
+            layers=layers,
         )
 
     async def reserve(
@@ -137,25 +170,36 @@ class StoreCore:
 
         Stops at the first chunk that gets no memory in time (``txn.partial`` is set and
         the store logged as partial) or when ``owner`` is cancelled; the objects returned
-        are for ``indices[:len(result)]``, one reference each for the caller (give them
-        to :meth:`commit` or :meth:`abort`). A cancellation of the caller returns what
-        was taken and propagates.
+        are for ``indices[:len(result) // max(txn.layers, 1)]`` (a layerwise chunk's
+        payloads chunk-major, layer by layer), one reference each for the caller (give
+        them to :meth:`commit` or :meth:`abort`). A cancellation of the caller returns
+        what was taken and propagates.
         """
         layout, pool = self._layout, self._pool
         dtype = layout.dtype
+        per_chunk = max(txn.layers, 1)
+        shape_of = layout.layer_payload_shape if txn.layers else layout.payload_shape
         objs: list[MemoryObj] = []
+        chunk: list[MemoryObj] = []
         try:
             for index in indices:
-                shape = layout.payload_shape(txn.spans[index].num_tokens)
-                obj = pool.allocate_nowait(shape, dtype)
-                if obj is None:
-                    obj = await self._wait_for_memory(txn, index, shape, owner)
+                shape = shape_of(txn.spans[index].num_tokens)
+                for _ in range(per_chunk):
+                    obj = pool.allocate_nowait(shape, dtype)
                     if obj is None:
-                        break
-                objs.append(obj)
+                        obj = await self._wait_for_memory(txn, index, shape, owner)
+                        if obj is None:
+                            break
+                    chunk.append(obj)
+                if len(chunk) < per_chunk:
+                    break  # a chunk is stored whole or not at all
+                objs.extend(chunk)
+                chunk = []
         except BaseException:
             release(objs)
             raise
+        finally:
+            release(chunk)
         return objs
 
     async def _wait_for_memory(
@@ -193,23 +237,37 @@ class StoreCore:
     async def commit(self, txn: StoreTxn, indices: Sequence[int], objs: Sequence[MemoryObj]) -> int:
         """Put the filled payloads ``objs`` of the chunks at ``indices`` into the tiers
         (the CPU tier now, the slow tiers written behind unless configured otherwise) and
-        mark them stored; returns how many leading chunks a tier took. The caller's
-        references on ``objs`` are released, whatever happens.
+        mark them stored; returns how many leading chunks a tier took (a layerwise chunk:
+        every layer). The caller's references on ``objs`` are released, whatever happens.
 
         Raises:
             InvalidInputError: ``txn.locations`` names a tier that is not enabled.
         """
+        manager = self._manager
         try:
             spans = [txn.spans[index] for index in indices]
-            kept = await self._manager.put(spans, objs, txn.tokens, txn.locations)
+            layers = txn.layers
+            if not layers:
+                kept = await manager.put(spans, objs, txn.tokens, txn.locations)
+                keys = [span.key for span in spans[:kept]]
+            else:
+                kept = len(spans)
+                for layer in range(layers):
+                    layer_spans = [
+                        ChunkSpan(span.start, span.end, span.key.with_layer(layer), span.parent)
+                        for span in spans
+                    ]
+                    put = await manager.put(
+                        layer_spans, objs[layer::layers], txn.tokens, txn.locations
+                    )
+                    kept = min(kept, put)
+                keys = layer_keys([span.key for span in spans[:kept]], layers)
             # Hold what the CPU tier now has under these keys (another store may have put
             # the same chunk first) until the store ends; chunks written to slow tiers only
             # are held by their writers.
-            cached = self._manager.hold([span.key for span in spans[:kept]])
-            for index, obj in zip(indices[:kept], cached, strict=True):
+            txn.held.extend(obj for obj in manager.hold(keys) if obj is not None)
+            for index in indices[:kept]:
                 txn.stored[index] = True
-                if obj is not None:
-                    txn.held.append(obj)
             return kept
         finally:
             release(objs)

@@ -320,10 +320,10 @@ class CacheEngine(Queries, TierControls):
             hashes=hashes,
             offsets=offsets,
         )
-        self._parts.counters.store_requests += 1
+        accepted = self._parts.core.store.open()
         skipped = request.plan.first_skipped(start)
         limit = request.num_tokens if skipped is None else skipped
-        return self._parts.layerwise.store(request, limit=limit)
+        return self._parts.layerwise.store(request, limit=limit, accepted=accepted)
 
     def retrieve_layer(
         self,
@@ -362,7 +362,6 @@ class CacheEngine(Queries, TierControls):
                 self._parts.manager.unpin(lookup_id)
             raise
         request.lookup_id = lookup_id
-        self._parts.counters.retrieve_requests += 1
         return self._parts.layerwise.retrieve(request, lookup_id=lookup_id)
 
     # -- chunks, for callers that copy KV themselves --------------------------------------

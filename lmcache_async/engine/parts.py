@@ -138,18 +138,6 @@ def build_parts(
     cpu.set_eviction_listener(manager.on_evicted)
     counters = Counters()
     transfers = Transfers(inline_bytes=config.inline_copy_bytes)
-    layerwise = LayerwisePipeline(
-        manager,
-        pool,
-        layout,
-        transfers,
-        counters,
-        healthy=liveness,
-        allocation_timeout=config.allocation_timeout,
-        store_timeout=config.store_timeout,
-        retrieve_timeout=config.retrieve_timeout,
-        remove_after_retrieve=config.remove_after_retrieve,
-    )
     load = LoadCore(
         manager,
         counters,
@@ -159,7 +147,6 @@ def build_parts(
         # Late bound: the lookups are built next, with this core.
         pins_changed=lambda: lookups.pins_changed(),  # noqa: PLW0108
     )
-    lookups = Lookups(config, manager, load, layerwise, counters, healthy=liveness)
     store = StoreCore(
         manager,
         pool,
@@ -168,6 +155,19 @@ def build_parts(
         allocation_timeout=config.allocation_timeout,
         healthy=liveness,
     )
+    layerwise = LayerwisePipeline(
+        manager,
+        store,
+        load,
+        layout,
+        transfers,
+        counters=counters,
+        healthy=liveness,
+        store_timeout=config.store_timeout,
+        retrieve_timeout=config.retrieve_timeout,
+        remove_after_retrieve=config.remove_after_retrieve,
+    )
+    lookups = Lookups(config, manager, load, layerwise, counters, healthy=liveness)
     core = RequestCore(store, load, pool)
     runner = Runner(
         manager,

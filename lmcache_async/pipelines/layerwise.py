@@ -40,13 +40,14 @@ import structlog
 import torch
 
 from ..backends.manager import StorageManager
+from ..core import LoadCore, StoreCore, StoreTxn
 from ..core.copy import mark_loaded
-from ..core.store import release
+from ..core.store import layer_keys, release
 from ..cuda import Direction, Transfers, wait_out
-from ..errors import AllocationTimeoutError, EngineClosedError
-from ..keys import ChunkKey, ChunkSpan
+from ..errors import EngineClosedError
+from ..keys import ChunkSpan
 from ..layouts import KVLayout
-from ..memory import MemoryObj, MemoryPool
+from ..memory import MemoryObj
 from ..stats import Counters
 from .common import Request, compute_spans
 
@@ -66,23 +67,6 @@ RetrieveLayers = AsyncGenerator[torch.Tensor | None, None]
 
 # (start, end, payload) of one chunk in one layer.
 _Job = tuple[int, int, torch.Tensor]
-
-
-def layer_keys(keys: Sequence[bytes], num_layers: int) -> list[ChunkKey]:
-    """Every layer's key of each chunk key, chunk-major.
-
-    ``keys`` are chunk keys or bare digests; the result is ``[k0@L0, ..., k0@L(n-1), k1@L0,
-    ...]``, so the leading run of present keys, divided by ``num_layers``, is the number of
-    leading chunks whose every layer is present.
-
-    Raises:
-        InvalidInputError: a key is not a digest.
-    """
-    out: list[ChunkKey] = []
-    for key in keys:
-        digest = key.digest if isinstance(key, ChunkKey) else bytes(key)
-        out.extend(ChunkKey(digest, layer) for layer in range(num_layers))
-    return out
 
 
 class _Copies:
@@ -182,32 +166,32 @@ class _Payloads:
 class LayerwisePipeline:
     """Builds the layerwise store and retrieve iterators of one engine.
 
-    It shares the engine's storage manager, memory pool, transfers and counters; it has no
-    tasks of its own, so there is nothing to start or stop. ``healthy`` tells whether the
-    engine can serve now (checked at the first step of each request).
+    Its stores and loads run the request core's phases (``store``, ``load``) with one
+    payload per layer of each chunk; the storage manager answers its layer lookups. It has
+    no tasks of its own, so there is nothing to start or stop.
     """
 
     def __init__(
         self,
         manager: StorageManager,
-        pool: MemoryPool,
+        store: StoreCore,
+        load: LoadCore,
         layout: KVLayout,
         transfers: Transfers,
-        counters: Counters,
         *,
+        counters: Counters,
         healthy: Callable[[], bool],
-        allocation_timeout: float,
         store_timeout: float,
         retrieve_timeout: float,
         remove_after_retrieve: bool = False,
     ) -> None:
+        self._healthy = healthy
         self._manager = manager
-        self._pool = pool
+        self._store = store
+        self._load = load
         self._layout = layout
         self._transfers = transfers
         self._counters = counters
-        self._healthy = healthy
-        self._allocation_timeout = allocation_timeout
         self._store_timeout = store_timeout
         self._retrieve_timeout = retrieve_timeout
         self._remove_after_retrieve = remove_after_retrieve
@@ -236,20 +220,24 @@ class LayerwisePipeline:
 
     # -- store ----------------------------------------------------------------------------
 
-    async def store(self, request: Request, *, limit: int) -> StoreLayers:
+    async def store(self, request: Request, *, limit: int, accepted: bool) -> StoreLayers:
         """The layerwise store of ``request`` (see the module docstring for the steps).
 
-        No chunk ending after token ``limit`` is stored. The last step yields the number of
-        tokens, from the first stored chunk on, whose chunks (every layer) are cached then:
-        fewer than asked after a partial store (no host memory in time), 0 when the cache
-        takes no writes, the engine is unhealthy or a copy failed.
+        No chunk ending after token ``limit`` is stored; ``accepted``: whether the cache
+        took the store (:meth:`StoreCore.open`). The last step yields the number of tokens,
+        from the first stored chunk on, whose chunks (every layer) are cached then: fewer
+        than asked after a partial store (no host memory in time), 0 when the cache takes
+        no writes, the engine is unhealthy or a copy failed.
         """
+        core = self._store
         num_layers = self.num_layers
         payloads = _Payloads()
         copies = _Copies(self._transfers, request.device, Direction.STORE, self._store_timeout)
-        present: list[bool] = []
+        txn: StoreTxn | None = None
         try:
-            ok = await self._begin_store(request, limit, payloads, present)
+            if accepted:
+                txn = await self._begin_store(request, limit, payloads)
+            ok = txn is not None
             gather = request.plan.gather_layer_chunks
             for layer in range(num_layers):
                 if ok and payloads.spans:
@@ -262,98 +250,58 @@ class LayerwisePipeline:
                 yield None
             if ok and payloads.spans:
                 ok = await self._guard(request, copies.finish(num_layers - 1))
-            stored = await self._put(request, payloads, present) if ok else 0
-            self._counters.stored_tokens += stored
+            stored = 0
+            if txn is not None:
+                if ok and payloads.spans:
+                    ok = await self._commit(request, txn, payloads)
+                stored = core.finish(txn) if ok else core.abort(txn)
             yield stored
         finally:
             try:
                 await copies.drain()
             finally:
                 payloads.release()
+                if txn is not None:
+                    core.abort(txn)  # a store closed early: nothing counted, all returned
 
     async def _begin_store(
-        self, request: Request, limit: int, payloads: _Payloads, present: list[bool]
-    ) -> bool:
-        """Hash, hold the chunks already cached, allocate the others; False if nothing may
-        be stored (no writes taken, unhealthy, allocation failed). Invalid tokens (found
-        off the loop) raise InvalidInputError."""
-        if not self._manager.accepts_writes or not self._healthy():
-            return False
+        self, request: Request, limit: int, payloads: _Payloads
+    ) -> StoreTxn | None:
+        """Hash, then begin the store with the core (chunks already cached, every layer,
+        are held) and reserve the others' payloads; None if nothing may be stored.
+        Invalid tokens (found off the loop) raise InvalidInputError."""
         await compute_spans(request)  # invalid tokens found off the loop raise here
-        num_layers = self.num_layers
-        spans = [span for span in request.spans if span.end <= limit]
-        request.spans = spans
-        found = self._manager.hold(layer_keys([span.key for span in spans], num_layers))
-        payloads.held = [obj for obj in found if obj is not None]
-        present.extend(
-            all(obj is not None for obj in found[i * num_layers : (i + 1) * num_layers])
-            for i in range(len(spans))
+        core, num_layers = self._store, self.num_layers
+        txn = core.begin(
+            request.req_id,
+            request.spans,
+            request.tokens,
+            limit=limit,
+            locations=request.locations,
+            layers=num_layers,
         )
-        payloads.objs = [[] for _ in range(num_layers)]
-        todo = [span for span, cached in zip(spans, present, strict=True) if not cached]
         try:
-            for index, span in enumerate(todo):
-                chunk = await self._allocate_chunk(span.num_tokens)
-                if chunk is None:
-                    self._counters.partial_stores += 1
-                    log.warning(
-                        "store_partial",
-                        req_id=request.req_id,
-                        stored_chunks=index,
-                        chunks=len(todo),
-                        reason="host_memory_timeout",
-                    )
-                    break
-                payloads.spans.append(span)
-                for layer, obj in enumerate(chunk):
-                    payloads.objs[layer].append(obj)
+            objs = await core.reserve(txn, txn.todo)
         except Exception:
+            core.abort(txn)
             self._fail(request, "layerwise_allocate_failed")
-            return False
-        return True
-
-    async def _allocate_chunk(self, num_tokens: int) -> list[MemoryObj] | None:
-        """One payload per layer for a chunk; None when memory ran out in time."""
-        shape = self._layout.layer_payload_shape(num_tokens)
-        dtype = self._layout.dtype
-        objs: list[MemoryObj] = []
-        try:
-            for _ in range(self.num_layers):
-                obj = self._pool.allocate_nowait(shape, dtype)
-                if obj is None:
-                    obj = await self._pool.allocate(shape, dtype, timeout=self._allocation_timeout)
-                objs.append(obj)
-        except AllocationTimeoutError:
-            release(objs)
             return None
-        except BaseException:
-            release(objs)
-            raise
-        return objs
+        payloads.spans = [txn.spans[index] for index in txn.todo[: len(objs) // num_layers]]
+        payloads.objs = [objs[layer::num_layers] for layer in range(num_layers)]
+        return txn
 
-    async def _put(self, request: Request, payloads: _Payloads, present: list[bool]) -> int:
-        """Put every layer of the copied chunks; tokens in the leading run now cached."""
-        put = len(payloads.spans)
-        if put and self._healthy():
-            for layer in range(self.num_layers):
-                spans = [
-                    ChunkSpan(span.start, span.end, span.key.with_layer(layer), span.parent)
-                    for span in payloads.spans
-                ]
-                kept = await self._manager.put(
-                    spans, payloads.objs[layer], request.tokens, request.locations
-                )
-                put = min(put, kept)
-        elif put:
-            put = 0
-        new = {span.start for span in payloads.spans[:put]}
-        spans = request.spans
-        end = spans[0].start if spans else 0
-        for span, cached in zip(spans, present, strict=True):
-            if not cached and span.start not in new:
-                break
-            end = span.end
-        return end - (spans[0].start if spans else 0)
+    async def _commit(self, request: Request, txn: StoreTxn, payloads: _Payloads) -> bool:
+        """Commit every layer of the copied chunks with the core (their payloads go back);
+        False when the commit failed. An unhealthy engine commits nothing (the chunks
+        already cached still count)."""
+        num_layers = self.num_layers
+        count = len(payloads.spans)
+        objs = [payloads.objs[layer][i] for i in range(count) for layer in range(num_layers)]
+        payloads.objs = [[] for _ in range(num_layers)]
+        if not self._healthy():
+            release(objs)
+            return True
+        return await self._guard(request, self._store.commit(txn, txn.todo[:count], objs))
 
     # -- retrieve -------------------------------------------------------------------------
 
@@ -370,8 +318,9 @@ class LayerwisePipeline:
         payloads = _Payloads()
         copies = _Copies(self._transfers, request.device, Direction.LOAD, self._retrieve_timeout)
         scatter = request.plan.scatter_layer_chunks
+        loaded = 0
         try:
-            ok = await self._begin_retrieve(request, payloads)
+            ok = await self._load.begin(lookup_id) and await self._begin_retrieve(request, payloads)
 
             async def start(layer: int) -> None:
                 jobs, nbytes = payloads.jobs(layer)
@@ -395,27 +344,24 @@ class LayerwisePipeline:
                 self._mark(request, payloads.spans, mask)
                 if self._remove_after_retrieve:
                     await self._remove_loaded(request, payloads.spans, mask)
-            self._counters.retrieved_tokens += int(mask.sum())
+            loaded = int(mask.sum())
             yield mask
         finally:
             try:
                 await copies.drain()
             finally:
                 payloads.release()
-                if lookup_id is not None:
-                    self._manager.unpin(lookup_id)
+                self._load.finish(lookup_id, loaded)
 
     async def _begin_retrieve(self, request: Request, payloads: _Payloads) -> bool:
-        """Hash and take references on every layer of the leading cached chunks; False on a
-        miss (or when the engine is unhealthy)."""
-        if not self._healthy():
-            return False
+        """Hash and reserve every layer of the leading cached chunks with the load core;
+        False on a miss."""
         await compute_spans(request)  # invalid tokens found off the loop raise here
         num_layers = self.num_layers
         spans = request.spans
         keys = layer_keys([span.key for span in spans], num_layers)
         try:
-            found = await self._manager.fetch_prefix(keys, request.locations, request.lookup_id)
+            found = await self._load.reserve(keys, request.locations, request.lookup_id)
         except Exception:
             self._fail(request, "layerwise_lookup_failed")
             return False
@@ -436,7 +382,7 @@ class LayerwisePipeline:
         if not loaded:
             return
         try:
-            await self._manager.remove(layer_keys(loaded, self.num_layers))
+            await self._load.remove(layer_keys(loaded, self.num_layers))
         except Exception:
             log.exception("layerwise_remove_failed", req_id=request.req_id)
 

@@ -152,3 +152,36 @@ async def test_open_counts_the_request_and_refuses_writes_when_frozen() -> None:
     scene.manager.freeze(True)
     assert not scene.core.open()
     assert scene.counters.store_requests == 2
+
+
+async def test_a_layerwise_store_keeps_each_chunk_whole_in_every_layer() -> None:
+    scene = Scene(16)
+    core, spans = scene.core, scene.spans[:3]
+    layers = scene.layout.num_layers
+    with anyio.fail_after(TIMEOUT):
+        txn = core.begin("a", spans, None, limit=10**9, locations=None, layers=layers)
+        objs = await core.reserve(txn, txn.todo)
+        assert len(objs) == 3 * layers
+        assert await core.commit(txn, txn.todo, objs) == 3
+        assert core.finish(txn) == 3 * CHUNK
+        keys = [span.key.with_layer(layer) for span in spans for layer in range(layers)]
+        assert scene.manager.contains_prefix(keys) == 3 * layers
+        # A chunk missing one layer is not held: it is written again, every layer.
+        await scene.manager.remove([spans[1].key.with_layer(1)])
+        again = core.begin("b", spans, None, limit=10**9, locations=None, layers=layers)
+        assert again.stored == [True, False, True]
+        assert again.todo == [1]
+        core.abort(again)
+    assert scene.live_objects() == 3 * layers - 1  # the tier's entries only
+
+
+async def test_a_layerwise_chunk_that_gets_part_of_its_memory_is_not_reserved() -> None:
+    scene = Scene(3)  # room for three payloads: one chunk of two layers, half of the next
+    core = scene.core
+    layers = scene.layout.num_layers
+    with anyio.fail_after(TIMEOUT):
+        txn = core.begin("a", scene.spans, None, limit=10**9, locations=None, layers=layers)
+        objs = await core.reserve(txn, txn.todo)
+        assert len(objs) == layers and txn.partial
+        core.abort(txn, objs)
+    assert scene.live_objects() == 0
