@@ -1,6 +1,6 @@
 """The package's one C extension (everything else is declared in pyproject.toml).
 
-``optional``: without a C compiler the install goes on without it, and keys.py computes
+``optional``: without a C compiler the install goes on without it, and hashing.py computes
 the same keys with the blake3 package.
 """
 
