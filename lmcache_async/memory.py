@@ -1,7 +1,8 @@
 """Host memory: one arena carved into pages, handed out as typed tensor views.
 
-A :class:`MemoryPool` owns a single ``torch.uint8`` tensor (the *arena*), allocated once and
-pinned when CUDA is present so host<->device copies can run asynchronously. The arena is cut
+A :class:`MemoryPool` owns a single ``torch.uint8`` tensor (the *arena*), allocated once and,
+when CUDA is present, page-locked (exactly its bytes, registered with CUDA) so host<->device
+copies can run asynchronously; :attr:`MemoryPool.pinned` says whether it is. The arena is cut
 into fixed-size pages; every allocation is a run of whole, contiguous pages, so each chunk
 payload is one tensor view (``arena[off:off + nbytes].view(dtype).view(shape)``) that can be
 copied in a single transfer.
@@ -17,7 +18,8 @@ thread may read and write an object's :attr:`MemoryObj.tensor` while the owner h
 reference). The evictor is called synchronously on that thread and must not allocate.
 
 :class:`MemoryObj` lives in :mod:`lmcache_async.memory_obj` (re-exported here), and the
-arena is allocated, or carved from a buffer, by :mod:`lmcache_async.memory_arena`.
+arena is allocated, or carved from a buffer, by :mod:`lmcache_async.memory_arena` (and
+page-locked by :mod:`lmcache_async.memory_pinning`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 import operator
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -98,13 +101,16 @@ class MemoryPool:
         evictor: Evictor | None = None,
         buffer: Buffer | None = None,
     ) -> None:
-        """Allocate the arena (``torch.empty``: pages are not touched until used).
+        """Allocate the arena (``torch.empty``: pages are not touched until used, unless
+        the arena is pinned).
 
         Args:
             capacity_bytes: arena size; rounded down to whole pages, at least one page.
             page_size: bytes per page, a positive multiple of 256.
-            pin_memory: pin the arena; ``None`` pins it when CUDA is available (and never
-                when ``buffer`` is given).
+            pin_memory: pin the arena, registering exactly :attr:`capacity_bytes` with CUDA
+                (:attr:`pinned`, ``stats().pinned_bytes``); ``None`` pins it when CUDA is
+                available (and never when ``buffer`` is given). When CUDA cannot pin it the
+                pool works unpinned, with a warning logged.
             evictor: the hook asked to free room when an allocation does not fit.
             buffer: a writable buffer to carve the arena from instead of allocating one
                 (e.g. a ``multiprocessing.shared_memory.SharedMemory``'s ``buf``); the arena
@@ -113,9 +119,9 @@ class MemoryPool:
 
         Raises:
             InvalidInputError: a size is not positive, ``page_size`` is not a multiple of
-                256, pinned memory was asked for on a system that cannot provide it (or
-                together with ``buffer``), or ``buffer`` is read-only or smaller than
-                ``capacity_bytes`` plus its alignment.
+                256, pinned memory was asked for without CUDA (or together with
+                ``buffer``), the host memory cannot be allocated, or ``buffer`` is read-only
+                or smaller than ``capacity_bytes`` plus its alignment.
         """
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise InvalidInputError(f"capacity_bytes must be an int, got {capacity_bytes!r}")
@@ -128,13 +134,19 @@ class MemoryPool:
                 f"page_size must be a positive multiple of {_PAGE_ALIGNMENT}, got {page_size}"
             )
         num_pages = max(1, capacity_bytes // page_size)
-        arena, skip, pin = host_arena(num_pages * page_size, pin_memory, buffer)
+        arena = host_arena(num_pages * page_size, pin_memory, buffer)
+        self._registration = registration = arena.registration
+        # Unregistered exactly once: by close(), or when the pool is collected unclosed (its
+        # arena is still alive then); not at interpreter exit, when the process frees it all.
+        self._unpin: weakref.finalize[[], MemoryPool] | None = None
+        if registration is not None:
+            self._unpin = weakref.finalize(self, registration.release)
+            self._unpin.atexit = False
 
-        self._arena = arena
-        self._arena_offset = skip
+        self._arena = arena.tensor
+        self._arena_offset = arena.offset
         self._page_size = page_size
         self._num_pages = num_pages
-        self._pinned_arena = pin
         self._evictor = evictor
         self._evicting = False
         self._closed = False
@@ -153,7 +165,7 @@ class MemoryPool:
             "memory_pool_created",
             capacity_bytes=num_pages * page_size,
             page_size=page_size,
-            pinned=pin,
+            pinned_bytes=self.pinned_bytes,
         )
 
     @classmethod
@@ -201,8 +213,20 @@ class MemoryPool:
 
     @property
     def pinned(self) -> bool:
-        """Whether the arena is in pinned (page-locked) host memory."""
-        return self._pinned_arena
+        """Whether the arena is page-locked host memory now (registered with CUDA, not yet
+        unregistered by :meth:`close`): only then may copies to or from its objects be
+        ``non_blocking`` without turning synchronous."""
+        registration = self._registration
+        return registration is not None and not registration.released
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the arena page-locked for CUDA: :attr:`capacity_bytes` exactly while
+        :attr:`pinned`, else 0."""
+        registration = self._registration
+        if registration is None or registration.released:
+            return 0
+        return registration.nbytes
 
     @property
     def closed(self) -> bool:
@@ -307,18 +331,24 @@ class MemoryPool:
             pinned_objects=self._pinned,
             waiters=len(self._waiters),
             largest_free_bytes=self._largest_free_pages() * self._page_size,
+            pinned_bytes=self.pinned_bytes,
         )
 
     def close(self) -> None:
-        """Refuse new allocations and wake every waiter (they raise EngineClosedError).
+        """Refuse new allocations, wake every waiter (they raise EngineClosedError) and
+        unpin the arena.
 
-        Objects still alive stay valid until their last :meth:`MemoryObj.unref`. Idempotent.
+        Objects still alive stay valid until their last :meth:`MemoryObj.unref`, in pageable
+        memory: every copy to or from the arena must have finished before ``close`` (the
+        engine joins its copy threads first). Idempotent.
         """
         if self._closed:
             return
         self._closed = True
         for waiter in self._waiters:
             waiter.event.set()
+        if self._unpin is not None:
+            self._unpin()
         log.debug("memory_pool_closed", live_objects=self._num_objects)
 
     # -- internals ----------------------------------------------------------------------

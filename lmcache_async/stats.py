@@ -25,6 +25,10 @@ class PoolStats:
     """:meth:`MemoryPool.allocate` calls currently waiting for space."""
     largest_free_bytes: int
     """Largest contiguous free run; far below ``free_bytes`` means fragmentation."""
+    pinned_bytes: int = 0
+    """Bytes of the arena page-locked for CUDA: exactly ``capacity_bytes`` when the arena is
+    pinned (registered with CUDA, never rounded up), 0 when it is not (no CUDA, pinning
+    failed, or the pool is closed)."""
 
 
 @dataclass(frozen=True, slots=True)
