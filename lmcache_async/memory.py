@@ -27,7 +27,6 @@ from __future__ import annotations
 import bisect
 import math
 import operator
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -135,14 +134,10 @@ class MemoryPool:
             )
         num_pages = max(1, capacity_bytes // page_size)
         arena = host_arena(num_pages * page_size, pin_memory, buffer)
-        self._registration = registration = arena.registration
-        # Unregistered exactly once: by close(), or when the pool is collected unclosed (its
-        # arena is still alive then); not at interpreter exit, when the process frees it all.
-        self._unpin: weakref.finalize[[], MemoryPool] | None = None
-        if registration is not None:
-            self._unpin = weakref.finalize(self, registration.release)
-            self._unpin.atexit = False
-
+        # Unregistered exactly once: by close(), or when the pool is collected unclosed.
+        self._registration = arena.registration
+        if arena.registration is not None:
+            arena.registration.release_when_collected(self)
         self._arena = arena.tensor
         self._arena_offset = arena.offset
         self._page_size = page_size
@@ -216,17 +211,13 @@ class MemoryPool:
         """Whether the arena is page-locked host memory now (registered with CUDA, not yet
         unregistered by :meth:`close`): only then may copies to or from its objects be
         ``non_blocking`` without turning synchronous."""
-        registration = self._registration
-        return registration is not None and not registration.released
+        return self.pinned_bytes > 0
 
     @property
     def pinned_bytes(self) -> int:
         """Bytes of the arena page-locked for CUDA: :attr:`capacity_bytes` exactly while
         :attr:`pinned`, else 0."""
-        registration = self._registration
-        if registration is None or registration.released:
-            return 0
-        return registration.nbytes
+        return 0 if self._registration is None else self._registration.locked_bytes
 
     @property
     def closed(self) -> bool:
@@ -347,8 +338,8 @@ class MemoryPool:
         self._closed = True
         for waiter in self._waiters:
             waiter.event.set()
-        if self._unpin is not None:
-            self._unpin()
+        if self._registration is not None:
+            self._registration.release()
         log.debug("memory_pool_closed", live_objects=self._num_objects)
 
     # -- internals ----------------------------------------------------------------------

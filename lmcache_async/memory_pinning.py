@@ -18,6 +18,7 @@ CUDA.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,16 @@ class HostRegistration:
     def released(self) -> bool:
         """Whether :meth:`release` has run (the range is pageable again)."""
         return self._released
+
+    @property
+    def locked_bytes(self) -> int:
+        """Bytes locked now: :attr:`nbytes` until :meth:`release`, then 0."""
+        return 0 if self._released else self.nbytes
+
+    def release_when_collected(self, owner: object) -> None:
+        """Also :meth:`release` when ``owner`` (which holds the memory) is collected, before
+        the memory it holds is freed; not at interpreter exit, when the process frees all."""
+        weakref.finalize(owner, self.release).atexit = False
 
     def release(self) -> None:
         """Unregister the range; later calls do nothing.
