@@ -299,6 +299,7 @@ def _engine_metrics(s: EngineStats) -> Iterator[Metric]:
     yield _gauge("pool_largest_free_bytes", "Largest contiguous free run", pool.largest_free_bytes)
     yield _gauge("pool_objects", "Live payload objects", pool.num_objects)
     yield _gauge("pool_pinned_objects", "Live objects pinned", pool.pinned_objects)
+    yield _gauge("pool_pinned_bytes", "Host arena bytes page-locked for CUDA", pool.pinned_bytes)
     yield _gauge("pool_waiters", "Allocations waiting for memory", pool.waiters)
     usage = pool.used_bytes / pool.capacity_bytes if pool.capacity_bytes else 0.0
     yield _gauge("pool_usage_ratio", "Used over capacity of the host arena", usage)

@@ -190,6 +190,7 @@ async def test_a_scrape_reports_the_engine_after_known_traffic() -> None:
     assert value(found, "lmcache_async_cached_chunks") == 4
     assert value(found, "lmcache_async_pool_used_bytes") == stats.pool.used_bytes > 0
     assert value(found, "lmcache_async_pool_capacity_bytes") == stats.pool.capacity_bytes
+    assert value(found, "lmcache_async_pool_pinned_bytes") == stats.pool.pinned_bytes == 0
     assert value(found, "lmcache_async_pool_usage_ratio") == pytest.approx(
         stats.pool.used_bytes / stats.pool.capacity_bytes
     )
