@@ -1,11 +1,12 @@
 """Where copies run: inline, in a worker thread, or on a dedicated CUDA stream.
 
-On CUDA a copy is queued on its own stream (one for loads, one for stores), an event is
-recorded behind it, and the caller awaits that event through :class:`EventBridge`: one waiter
-thread per stream blocks in ``Event.synchronize()`` and resolves an asyncio future with
-``call_soon_threadsafe``, so the event loop never blocks on the GPU and no thread is held per
-copy. On the CPU the bridge is not used: small copies run inline on the loop (a thread hop
-costs more than they do) and large ones on a small pool of copy threads.
+On CUDA a copy is queued on its own stream (one for loads, one for stores) after the point
+of the caller's stream it must follow (:mod:`.cuda_streams`), an event is recorded behind
+it, and the caller awaits that event through :class:`~.cuda_bridge.EventBridge`, so the
+event loop never blocks on the GPU. Copies to or from host memory that is not pinned are
+synchronous whatever ``non_blocking`` says: they are queued from a copy thread instead of
+the loop. On the CPU the bridge is not used: small copies run inline on the loop (a thread
+hop costs more than they do) and large ones on a small pool of copy threads.
 """
 
 from __future__ import annotations
@@ -15,20 +16,18 @@ import concurrent.futures
 import contextlib
 import enum
 import functools
-import queue
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
-import structlog
 import torch
 
+from .cuda_bridge import EventBridge, wait_out
+from .cuda_streams import CallerStream, caller_stream
 from .errors import EngineClosedError
 
-__all__ = ["Direction", "EventBridge", "Transfers", "wait_out"]
-
-log = structlog.get_logger(__name__)
+__all__ = ["CallerStream", "Direction", "EventBridge", "Transfers", "caller_stream", "wait_out"]
 
 J = TypeVar("J")
 
@@ -36,102 +35,6 @@ J = TypeVar("J")
 class Direction(enum.StrEnum):
     STORE = "store"  # engine memory -> host payload (D2H)
     LOAD = "load"  # host payload -> engine memory (H2D)
-
-
-_Job = tuple[Any, asyncio.AbstractEventLoop, "asyncio.Future[None]"]
-
-
-class EventBridge:
-    """Turns completion of CUDA events into awaitables on the running event loop.
-
-    Events of one stream complete in the order they were recorded, so a single waiter
-    thread serves a stream: it synchronizes on the oldest event and wakes its awaiter.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=f"cuda-bridge-{name}", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            event, loop, future = job
-            try:
-                event.synchronize()
-            except Exception as exc:  # a device error must reach the awaiting request
-                loop.call_soon_threadsafe(_fail, future, exc)
-            else:
-                loop.call_soon_threadsafe(_finish, future)
-
-    async def wait(self, event: Any, *, timeout: float) -> None:
-        """Wait until ``event`` (a ``torch.cuda.Event``) has completed.
-
-        Not interrupted by a cancellation, which is raised once the event has completed.
-        Raises TimeoutError when it took longer than ``timeout`` seconds, but only once it
-        has completed (the memory of the copy is then free to reuse); EngineClosedError
-        after close().
-        """
-        if self._closed:
-            raise EngineClosedError("the CUDA event bridge is closed")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        self._jobs.put((event, loop, future))
-        if await wait_out((future,), timeout=timeout):
-            # The copy was still queued on the device past the timeout; its host memory
-            # could not be handed back before it completed. Fail the request now.
-            raise TimeoutError(f"a CUDA copy took longer than {timeout} s")
-        future.result()  # a device error
-
-    def close(self) -> None:
-        """Stop the waiter thread once the events already queued have completed."""
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(None)
-        self._thread.join()
-
-
-async def wait_out(
-    futures: Collection[asyncio.Future[Any]], *, timeout: float | None = None
-) -> bool:
-    """Wait until every one of ``futures`` is done, whatever happens to this task
-    meanwhile; returns whether that took longer than ``timeout`` seconds (logged then).
-
-    The futures stand for copies writing memory that the caller hands back once this
-    returns. AnyIO cancellation is held off by a shield; asyncio's own (``task.cancel()``,
-    ``asyncio.timeout``, ``wait_for``), which goes past anyio's shields, is caught and
-    raised again once they are done. ``asyncio.wait`` leaves the futures alone when the
-    wait is cancelled (awaiting one directly would cancel it).
-    """
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout
-    overdue = False
-    cancelled: asyncio.CancelledError | None = None
-    with anyio.CancelScope(shield=True):
-        while not all(future.done() for future in futures):
-            left = None if deadline is None or overdue else deadline - loop.time()
-            try:
-                await asyncio.wait(futures, timeout=left)
-            except asyncio.CancelledError as exc:
-                cancelled = exc
-                continue
-            if not all(future.done() for future in futures):
-                overdue = True
-                log.error("copy_overdue", timeout=timeout)
-    if cancelled is not None:
-        raise cancelled
-    return overdue
-
-
-def _finish(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _fail(future: asyncio.Future[None], exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
 
 
 class _Countdown:
@@ -172,7 +75,8 @@ class _Countdown:
                 self._loop.call_soon_threadsafe(self._wake)
 
     def _wake(self) -> None:
-        _finish(self._done)  # the future awaited now (a cancellation may have replaced it)
+        if not self._done.done():  # the future awaited now (a cancellation may replace it)
+            self._done.set_result(None)
 
     async def wait(self) -> None:
         """Return once every part has ended, whatever happens to this task meanwhile: the
@@ -204,16 +108,26 @@ class Transfers:
     of fewer than ``inline_bytes`` run on the event loop (a thread hop costs more than
     they do); larger ones are split across ``workers`` copy threads, each running torch
     with one intra-op thread, so two cores copy two chunks at once instead of contending
-    inside each small copy. On CUDA every copy goes to the direction's stream.
+    inside each small copy. On CUDA every copy goes to the direction's stream, queued on
+    the loop when the host memory is pinned (``host_pinned``) and from a copy thread when
+    it is not (a copy to or from unpinned memory blocks the thread that queues it).
     """
 
-    def __init__(self, *, inline_bytes: int, workers: int | None = None) -> None:
+    def __init__(
+        self, *, inline_bytes: int, workers: int | None = None, host_pinned: bool = False
+    ) -> None:
         self._inline_bytes = inline_bytes
         self._workers = max(1, workers if workers is not None else torch.get_num_threads())
+        self._host_pinned = host_pinned
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._streams: dict[tuple[torch.device, Direction], Any] = {}
         self._bridges: dict[tuple[torch.device, Direction], EventBridge] = {}
         self._closed = False
+
+    @property
+    def host_pinned(self) -> bool:
+        """Whether the host side of the copies is pinned (CUDA copies queued on the loop)."""
+        return self._host_pinned
 
     async def run(
         self,
@@ -224,11 +138,14 @@ class Transfers:
         direction: Direction,
         nbytes: int,
         timeout: float,
+        caller: CallerStream | None = None,
     ) -> None:
         """Run ``work(jobs)`` and return when the copies have completed.
 
         CPU copies are not interrupted once started, even if the caller is cancelled: the
-        memory they write to must not be handed back before they finish.
+        memory they write to must not be handed back before they finish. On CUDA the
+        copies come after ``caller``'s point on its stream (None: the current stream, now),
+        and a load's copies come before what the caller queues on its stream next.
 
         Raises:
             TimeoutError: a GPU copy did not complete within ``timeout`` seconds.
@@ -237,13 +154,13 @@ class Transfers:
         if self._closed:
             raise EngineClosedError("transfers are closed")
         if device.type == "cuda":
-            await self._run_cuda(functools.partial(work, jobs), device, direction, timeout)
+            await self._run_cuda(functools.partial(work, jobs), device, direction, timeout, caller)
         elif nbytes < self._inline_bytes:
             work(jobs)
         else:
             await self._run_threads(work, jobs)
 
-    async def _run_threads(self, work: Callable[[list[J]], None], jobs: list[J]) -> None:
+    def _executor_now(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=self._workers,
@@ -251,11 +168,15 @@ class Transfers:
                 initializer=torch.set_num_threads,  # per thread: the caller's setting stays
                 initargs=(1,),
             )
+        return self._executor
+
+    async def _run_threads(self, work: Callable[[list[J]], None], jobs: list[J]) -> None:
+        executor = self._executor_now()
         split = min(self._workers, len(jobs))
         countdown = _Countdown(asyncio.get_running_loop(), split)
         for i in range(split):
             try:
-                self._executor.submit(countdown.run, work, jobs[i::split])
+                executor.submit(countdown.run, work, jobs[i::split])
             except RuntimeError as exc:  # the executor was shut down meanwhile
                 countdown.fail(exc)
         await countdown.wait()
@@ -263,23 +184,47 @@ class Transfers:
             raise countdown.errors[0]
 
     async def _run_cuda(
-        self, fn: Callable[[], None], device: torch.device, direction: Direction, timeout: float
+        self,
+        fn: Callable[[], None],
+        device: torch.device,
+        direction: Direction,
+        timeout: float,
+        caller: CallerStream | None,
     ) -> None:
+        stream, bridge = self._stream(device, direction)
+        if caller is None:
+            caller = caller_stream(device)
+        assert caller is not None  # a CUDA device
+        queue = functools.partial(_queue, fn, stream, caller, direction is Direction.LOAD)
+        if self._host_pinned:
+            event = queue()
+        else:
+            queued: list[Any] = []
+            await self._run_threads(lambda _: queued.append(queue()), [None])
+            event = queued[0]
+        try:
+            await bridge.wait(event, timeout=timeout)
+        except EngineClosedError:
+            # Closed under this copy: its memory still goes back only once it completed.
+            await _wait_alone(event, timeout)
+            raise
+
+    def _stream(self, device: torch.device, direction: Direction) -> tuple[Any, EventBridge]:
+        """The direction's copy stream on ``device`` and its bridge, made on first use.
+
+        Raises:
+            EngineClosedError: closed meanwhile (nothing was queued).
+        """
         key = (device, direction)
         stream = self._streams.get(key)
         if stream is None:
             stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             self._streams[key] = stream
             self._bridges[key] = EventBridge(f"{direction.value}-{device}")
-        # Order the copy after work already queued on the caller's stream: for a store, the
-        # serving engine's writes of the KV; for both, the request's row indices, which
-        # were computed there when the request was prepared.
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            fn()
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-        await self._bridges[key].wait(event, timeout=timeout)
+        bridge = self._bridges.get(key)
+        if bridge is None:
+            raise EngineClosedError("transfers are closed")
+        return stream, bridge
 
     def close(self) -> None:
         """Stop the copy and bridge threads; further copies raise EngineClosedError."""
@@ -287,7 +232,38 @@ class Transfers:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        for bridge in self._bridges.values():
+        for bridge in list(self._bridges.values()):
             bridge.close()
         self._bridges.clear()
         self._streams.clear()
+
+
+def _queue(fn: Callable[[], None], stream: Any, caller: CallerStream, load: bool) -> Any:
+    """Queue ``fn``'s copies on ``stream`` after the caller's point; returns the event
+    recorded behind them, which a load's caller stream then waits for.
+
+    ``fn`` (a :class:`~lmcache_async.transfer.TransferPlan` transfer) waits for what it
+    queued before it raises; a failure after it does the same here, so a caller that
+    hands the memory back on an error never does so under a running copy.
+    """
+    caller.order(stream)
+    with torch.cuda.stream(stream):
+        fn()
+    try:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        if load:
+            caller.consume(event)
+    except BaseException:
+        stream.synchronize()
+        raise
+    return event
+
+
+async def _wait_alone(event: Any, timeout: float) -> None:
+    """Wait for ``event`` on a bridge of its own (the copy's was closed under it)."""
+    bridge = EventBridge("closing")
+    try:
+        await bridge.wait(event, timeout=timeout)
+    finally:
+        bridge.close()
