@@ -139,7 +139,9 @@ class TransferPlan:
         """Gather several chunks ``(start, end, out)`` layer by layer.
 
         Going layer-major keeps one layer's memory in cache while every chunk takes its
-        rows from it, instead of sweeping all layers once per chunk.
+        rows from it, instead of sweeping all layers once per chunk. On a failure the
+        copies already queued into the payloads are waited for before it is raised: the
+        caller may then hand the payloads back.
 
         Raises:
             InvalidInputError: a token in one of the ranges has a negative slot.
@@ -157,16 +159,20 @@ class TransferPlan:
                 copies.append((out, dst))
             staged.append((self._blocks(dst), self._slice_rows(start, end)))
         common = self._common_shape
-        for layer in range(num_layers):
-            for p, part in enumerate(parts):
-                src = part.views[layer]
-                for dst_parts, rows in staged:
-                    dst_rows = dst_parts[p * num_layers + layer]
-                    if common is None:
-                        dst_rows = dst_rows.view(-1, *part.row_shape)
-                    torch.index_select(src, 0, rows[p], out=dst_rows)
-        for out, dst in copies:
-            out.copy_(dst, non_blocking=True)
+        try:
+            for layer in range(num_layers):
+                for p, part in enumerate(parts):
+                    src = part.views[layer]
+                    for dst_parts, rows in staged:
+                        dst_rows = dst_parts[p * num_layers + layer]
+                        if common is None:
+                            dst_rows = dst_rows.view(-1, *part.row_shape)
+                        torch.index_select(src, 0, rows[p], out=dst_rows)
+            for out, dst in copies:
+                out.copy_(dst, non_blocking=True)
+        except BaseException as exc:
+            self._settle(exc)
+            raise
 
     def scatter(self, payload: torch.Tensor, start: int, end: int) -> None:
         """Write ``payload`` (``payload_shape(end - start)``) at tokens ``[start, end)``.
@@ -178,34 +184,53 @@ class TransferPlan:
 
     def scatter_chunks(self, jobs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
         """Scatter several chunks ``(start, end, payload)`` layer by layer (see
-        :meth:`gather_chunks`); tokens with a negative slot are skipped."""
+        :meth:`gather_chunks`); tokens with a negative slot are skipped.
+
+        On a failure the copies already queued (payloads read with ``non_blocking``) are
+        waited for before it is raised: the caller may then hand the payloads back.
+        """
         num_layers = self._layout.num_layers
         parts = self._parts
         staged: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
-        for start, end, payload in jobs:
-            rows = self._slice_rows(start, end)
-            source = payload
-            if payload.device != self._device:
-                source = payload.to(device=self._device, non_blocking=True)
-            keep = self._kept(start, end)
-            if keep is not None:
-                if not keep.numel():
-                    continue
-                source = source.index_select(2, keep)
-                keep_rows = self._keep_rows(keep, self._rpt)
-                rows = [index.index_select(0, keep_rows) for index in rows]
-            if not source.is_contiguous():
-                source = source.contiguous()
-            staged.append((self._blocks(source), rows))
-        common = self._common_shape
-        for layer in range(num_layers):
-            for p, part in enumerate(parts):
-                dst = part.views[layer]
-                for src_parts, rows in staged:
-                    src_rows = src_parts[p * num_layers + layer]
-                    if common is None:
-                        src_rows = src_rows.view(-1, *part.row_shape)
-                    dst.index_copy_(0, rows[p], src_rows)
+        try:
+            for start, end, payload in jobs:
+                rows = self._slice_rows(start, end)
+                source = payload
+                if payload.device != self._device:
+                    source = payload.to(device=self._device, non_blocking=True)
+                keep = self._kept(start, end)
+                if keep is not None:
+                    if not keep.numel():
+                        continue
+                    source = source.index_select(2, keep)
+                    keep_rows = self._keep_rows(keep, self._rpt)
+                    rows = [index.index_select(0, keep_rows) for index in rows]
+                if not source.is_contiguous():
+                    source = source.contiguous()
+                staged.append((self._blocks(source), rows))
+            common = self._common_shape
+            for layer in range(num_layers):
+                for p, part in enumerate(parts):
+                    dst = part.views[layer]
+                    for src_parts, rows in staged:
+                        src_rows = src_parts[p * num_layers + layer]
+                        if common is None:
+                            src_rows = src_rows.view(-1, *part.row_shape)
+                        dst.index_copy_(0, rows[p], src_rows)
+        except BaseException as exc:
+            self._settle(exc)
+            raise
+
+    def _settle(self, exc: BaseException) -> None:
+        """After ``exc`` ended a transfer: wait for the copies it queued on the current
+        stream, so that no copy reads or writes a payload once the caller, told of the
+        failure, hands it back. Nothing to wait for on the CPU."""
+        if self._device.type != "cuda":
+            return
+        try:
+            torch.cuda.current_stream(self._device).synchronize()
+        except Exception as error:  # the device failed: the first error is the news
+            exc.add_note(f"waiting for the copies already queued failed too: {error!r}")
 
     def _blocks(self, payload: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A contiguous chunk payload cut into its part-major, then layer-major blocks: as
@@ -265,7 +290,8 @@ class TransferPlan:
         """Gather one layer of several chunks ``(start, end, out)`` (see :meth:`gather_layer`).
 
         Payloads on another device than the caches are filled from one staging tensor on
-        the caches' device with ``non_blocking=True`` copies, queued on the current stream.
+        the caches' device with ``non_blocking=True`` copies, queued on the current stream;
+        on a failure those already queued are waited for before it is raised.
 
         Raises:
             InvalidInputError: a token in one of the ranges has a negative slot.
@@ -273,9 +299,20 @@ class TransferPlan:
         for start, end, _ in jobs:
             if self._negatives_in(start, end):
                 raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
-        if not self._fused:
-            self._gather_layer_parts(layer, jobs)
-            return
+        try:
+            if self._fused:
+                self._gather_layer_fused(layer, jobs)
+            else:
+                self._gather_layer_parts(layer, jobs)
+        except BaseException as exc:
+            self._settle(exc)
+            raise
+
+    def _gather_layer_fused(
+        self, layer: int, jobs: Sequence[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        """Per-layer gather for parts on one row view: one ``index_select`` per chunk on
+        the device, or one into a staging tensor for all payloads elsewhere."""
         src = self._parts[0].views[layer]
         row_shape = self._parts[0].row_shape
         remote = [job for job in jobs if job[2].device != self._device]
@@ -324,10 +361,21 @@ class TransferPlan:
         self, layer: int, jobs: Sequence[tuple[int, int, torch.Tensor]]
     ) -> None:
         """Scatter one layer of several chunks ``(start, end, payload)`` (see
-        :meth:`scatter_layer`)."""
-        if not self._fused:
-            self._scatter_layer_parts(layer, jobs)
-            return
+        :meth:`scatter_layer`). On a failure the copies already queued are waited for
+        before it is raised (see :meth:`scatter_chunks`)."""
+        try:
+            if self._fused:
+                self._scatter_layer_fused(layer, jobs)
+            else:
+                self._scatter_layer_parts(layer, jobs)
+        except BaseException as exc:
+            self._settle(exc)
+            raise
+
+    def _scatter_layer_fused(
+        self, layer: int, jobs: Sequence[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        """Per-layer scatter for parts on one row view: one ``index_copy_`` per chunk."""
         dst = self._parts[0].views[layer]
         row_shape = self._parts[0].row_shape
         step = len(self._parts) * self._rpt
