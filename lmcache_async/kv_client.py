@@ -39,9 +39,11 @@ class KVCacheClient(Protocol):
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         store_location: Sequence[str] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> int:
-        """Copy the KV of ``tokens`` out of ``kv_caches``; returns the tokens cached from
-        the first stored chunk on."""
+        """Copy the KV of ``tokens`` out of ``kv_caches``, as it stands on ``stream``
+        (default: the current stream of their device) when called; returns the tokens
+        cached from the first stored chunk on."""
         ...
 
     async def retrieve(
@@ -56,9 +58,11 @@ class KVCacheClient(Protocol):
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         retrieve_locations: Sequence[str] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> torch.Tensor:
-        """Load the cached run of chunks into ``kv_caches``; returns the bool CPU mask of
-        the tokens written."""
+        """Load the cached run of chunks into ``kv_caches``, ahead of what is queued on
+        ``stream`` (default: the current stream of their device) next; returns the bool
+        CPU mask of the tokens written."""
         ...
 
     async def lookup(

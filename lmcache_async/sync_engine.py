@@ -8,6 +8,10 @@ each call can be bounded by ``call_timeout`` so a stuck engine or sidecar costs 
 bounded wait, never a hang. Layerwise transfers (:meth:`SyncCacheEngine.store_layer`,
 :meth:`SyncCacheEngine.retrieve_layer`) are stepped from the caller's thread through
 :class:`LayerSteps`.
+
+The engine's thread has a current CUDA stream of its own: a store or retrieve of CUDA
+caches is ordered against the caller's, taken on the caller's thread when it calls (unless
+it names one with ``stream=``) and handed to the engine.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import structlog
 import torch
 
 from .config import EngineConfig
+from .cuda_streams import current_stream
 from .engine import CacheEngine
 from .errors import EngineClosedError, InvalidInputError, TierUnavailableError
 from .events import KVEvent
@@ -239,13 +244,15 @@ class SyncCacheEngine:
             ) from None
 
     def store(self, tokens: Tokens | None = None, **kwargs: Any) -> int:
-        """As ``engine.store``; returns the tokens stored."""
-        result: int = self._call(self._engine.store, tokens, **kwargs)
+        """As ``engine.store``; returns the tokens stored. ``stream`` defaults to this
+        thread's current stream of the caches' device."""
+        result: int = self._call(self._engine.store, tokens, **_with_stream(kwargs))
         return result
 
     def retrieve(self, tokens: Tokens | None = None, **kwargs: Any) -> torch.Tensor:
-        """As ``engine.retrieve``; returns the bool CPU mask of the tokens loaded."""
-        result: torch.Tensor = self._call(self._engine.retrieve, tokens, **kwargs)
+        """As ``engine.retrieve``; returns the bool CPU mask of the tokens loaded.
+        ``stream`` defaults to this thread's current stream of the caches' device."""
+        result: torch.Tensor = self._call(self._engine.retrieve, tokens, **_with_stream(kwargs))
         return result
 
     def lookup(self, tokens: Tokens | None = None, **kwargs: Any) -> int:
@@ -298,13 +305,14 @@ class SyncCacheEngine:
     def store_layer(self, tokens: Tokens | None = None, **kwargs: Any) -> LayerSteps[int | None]:
         """As :meth:`CacheEngine.store_layer <lmcache_async.CacheEngine.store_layer>`, stepped
         from this thread: ``num_layers + 1`` steps, the last returning the tokens stored.
+        ``stream`` defaults to this thread's current stream of the caches' device.
 
         Raises:
             InvalidInputError: bad input, or a sidecar (layerwise is embedded only).
             EngineClosedError: after :meth:`close`.
         """
         engine = self._embedded("store_layer (layerwise transfer)")
-        iterator = self._call(engine.store_layer, tokens, **kwargs)
+        iterator = self._call(engine.store_layer, tokens, **_with_stream(kwargs))
         return self._track(LayerSteps(self, iterator, engine.layout.num_layers + 1))
 
     def retrieve_layer(
@@ -313,13 +321,14 @@ class SyncCacheEngine:
         """As :meth:`CacheEngine.retrieve_layer <lmcache_async.CacheEngine.retrieve_layer>`,
         stepped from this thread: ``num_layers + 1`` steps, step *i + 1* returning once
         layer *i* is loaded, the last returning the bool CPU mask of the tokens loaded.
+        ``stream`` defaults to this thread's current stream of the caches' device.
 
         Raises:
             InvalidInputError: bad input, or a sidecar (layerwise is embedded only).
             EngineClosedError: after :meth:`close`.
         """
         engine = self._embedded("retrieve_layer (layerwise transfer)")
-        iterator = self._call(engine.retrieve_layer, tokens, **kwargs)
+        iterator = self._call(engine.retrieve_layer, tokens, **_with_stream(kwargs))
         return self._track(LayerSteps(self, iterator, engine.layout.num_layers + 1))
 
     def _track(self, steps: LayerSteps[T]) -> LayerSteps[T]:
@@ -513,6 +522,15 @@ class _SidecarLookups:
             "shared_memory": remote.uses_shared_memory,
             "chunk_size": remote.chunk_size,
         }
+
+
+def _with_stream(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` of a store or retrieve with ``stream`` set, unless given, to the calling
+    thread's current stream of the caches' device (None for CPU caches): taken here,
+    because the engine runs the call on its own thread, whose current stream is another."""
+    if kwargs.get("stream") is None:
+        kwargs["stream"] = current_stream(kwargs.get("kv_caches"))
+    return kwargs
 
 
 async def _awaited(call: Callable[[], Any]) -> Any:

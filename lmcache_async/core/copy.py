@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cuda import Direction, Transfers
+from ..cuda import CallerStream, Direction, Transfers
 from ..transfer import TransferPlan
 
 __all__ = ["Job", "gather", "mark_loaded", "scatter"]
@@ -27,10 +27,17 @@ def _nbytes(jobs: Sequence[Job]) -> int:
 
 
 async def gather(
-    transfers: Transfers, plan: TransferPlan, jobs: list[Job], *, timeout: float
+    transfers: Transfers,
+    plan: TransferPlan,
+    jobs: list[Job],
+    *,
+    timeout: float,
+    caller: CallerStream | None = None,
 ) -> None:
     """Copy each job's tokens out of the engine's KV memory into its payload; returns
-    when the copies are complete (a CPU copy, once started, is not interrupted)."""
+    when the copies are complete (a CPU copy, once started, is not interrupted). On CUDA
+    the copies read the KV as it is at ``caller``'s point on its stream (None: the
+    current stream, now)."""
     await transfers.run(
         plan.gather_chunks,
         jobs,
@@ -38,14 +45,22 @@ async def gather(
         direction=Direction.STORE,
         nbytes=_nbytes(jobs),
         timeout=timeout,
+        caller=caller,
     )
 
 
 async def scatter(
-    transfers: Transfers, plan: TransferPlan, jobs: list[Job], *, timeout: float
+    transfers: Transfers,
+    plan: TransferPlan,
+    jobs: list[Job],
+    *,
+    timeout: float,
+    caller: CallerStream | None = None,
 ) -> None:
     """Copy each job's payload into the engine's KV memory (tokens with a negative slot
-    are not written); returns when the copies are complete."""
+    are not written); returns when the copies are complete. On CUDA they come after
+    ``caller``'s point on its stream (None: the current stream, now), and what the caller
+    queues on that stream next comes after them."""
     await transfers.run(
         plan.scatter_chunks,
         jobs,
@@ -53,6 +68,7 @@ async def scatter(
         direction=Direction.LOAD,
         nbytes=_nbytes(jobs),
         timeout=timeout,
+        caller=caller,
     )
 
 

@@ -26,6 +26,7 @@ from ..backends.codec import Codec
 from ..backends.record import RecordSpec
 from ..config import EngineConfig
 from ..core import RequestCore
+from ..cuda import caller_stream
 from ..errors import InvalidInputError
 from ..health import HealthMonitor
 from ..keys import ChunkHasher, ChunkKey, ChunkSpan, Namespace
@@ -185,6 +186,7 @@ class CacheEngine(Queries, TierControls):
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         store_location: Sequence[str] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> int:
         """Copy the KV of ``tokens`` out of ``kv_caches`` into the cache.
 
@@ -200,8 +202,10 @@ class CacheEngine(Queries, TierControls):
         time (a partial store, logged) and 0 when the engine is frozen, its hot cache is off,
         or it is unhealthy. ``store_location`` names the tiers to write (default: the
         configured ``store_location``); disk and Redis are written behind the call unless
-        ``wait_for_slow_tiers`` is set. Raises InvalidInputError (nothing stored) for bad
-        input.
+        ``wait_for_slow_tiers`` is set. ``stream``: the CUDA stream the KV was written on
+        (default: the current stream of the caches' device, now); the copies read it as
+        it stands there when this is called. Ignored for caches on the CPU. Raises
+        InvalidInputError (nothing stored) for bad input.
         """
         self._check_open()
         locations = self.check_locations(store_location, "store_location")
@@ -218,6 +222,7 @@ class CacheEngine(Queries, TierControls):
         request.locations = locations
         if not self._parts.core.store.open():
             return 0
+        _capture_stream(request, stream)
         skipped = request.plan.first_skipped(start)
         request.limit = request.num_tokens if skipped is None else skipped
         stored = await self._parts.runner.execute(
@@ -241,6 +246,7 @@ class CacheEngine(Queries, TierControls):
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         retrieve_locations: Sequence[str] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> torch.Tensor:
         """Load the cached KV of the longest cached run of chunks from the mask start on.
 
@@ -250,7 +256,10 @@ class CacheEngine(Queries, TierControls):
         host memory (and kept in the CPU tier); ``retrieve_locations`` limits the tiers read.
         Chunks prefetched (:meth:`prefetch`) and pins held for ``lookup_id`` are used, then
         released when it finishes. With ``remove_after_retrieve`` the loaded chunks are
-        removed from the cache. Raises InvalidInputError for bad input.
+        removed from the cache. ``stream``: the CUDA stream the KV is read on (default: the
+        current stream of the caches' device, now); the copies come after what is queued
+        there when this is called, and what is queued there next comes after them.
+        Ignored for caches on the CPU. Raises InvalidInputError for bad input.
         """
         self._check_open()
         load = self._parts.core.load
@@ -269,6 +278,7 @@ class CacheEngine(Queries, TierControls):
             )
             request.locations = locations
             request.lookup_id = lookup_id
+            _capture_stream(request, stream)
             request.mask = torch.zeros(request.num_tokens, dtype=torch.bool)
             if not await load.begin(lookup_id):
                 return request.mask
@@ -300,14 +310,17 @@ class CacheEngine(Queries, TierControls):
         req_id: str | None = None,
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> StoreLayers:
         """Store like :meth:`store`, one layer at a time: an async iterator of
         ``num_layers + 1`` steps (await one after each layer's compute, which starts that
         layer's copy, and one more at the end, which yields the tokens stored; the others
         yield None). Each chunk is stored as one ``KV_T2D`` payload per layer and counts as
         cached once every layer is. ``aclose()`` before the end stores nothing and returns
-        the memory taken. Raises InvalidInputError here for bad input (tokens checked off
-        the loop: at the first step).
+        the memory taken. ``stream``: where the layers are computed (as :meth:`store`);
+        each step's copy reads what was queued there before the step. Raises
+        InvalidInputError here for bad input (tokens checked off the loop: at the first
+        step).
         """
         self._check_open()
         request, start = self._parts.keys.prepare(
@@ -320,6 +333,7 @@ class CacheEngine(Queries, TierControls):
             hashes=hashes,
             offsets=offsets,
         )
+        _capture_stream(request, stream)
         accepted = self._parts.core.store.open()
         skipped = request.plan.first_skipped(start)
         limit = request.num_tokens if skipped is None else skipped
@@ -336,14 +350,16 @@ class CacheEngine(Queries, TierControls):
         lookup_id: Hashable | None = None,
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> RetrieveLayers:
         """Retrieve like :meth:`retrieve`, one layer at a time: an async iterator of
         ``num_layers + 1`` steps. The first looks up the chunks whose every layer is
         cached; step *i + 1* returns once layer *i* is in ``kv_caches``; the last yields
         the bool mask (CPU) of the tokens loaded. Only chunks stored layerwise are found.
         Pins held for ``lookup_id`` are released when the iterator ends; ``aclose()``
-        before the end returns every reference taken. Raises InvalidInputError here for
-        bad input.
+        before the end returns every reference taken. ``stream``: where the layers are
+        read (as :meth:`retrieve`): each layer's compute queued there after its step waits
+        for that layer. Raises InvalidInputError here for bad input.
         """
         self._check_open()
         try:
@@ -357,6 +373,7 @@ class CacheEngine(Queries, TierControls):
                 hashes=hashes,
                 offsets=offsets,
             )
+            _capture_stream(request, stream)
         except BaseException:
             if lookup_id is not None:
                 self._parts.manager.unpin(lookup_id)
@@ -394,6 +411,18 @@ class CacheEngine(Queries, TierControls):
         return await self._parts.keys.chunk_spans(
             tokens, hashes=hashes, offsets=offsets, start=start
         )
+
+
+def _capture_stream(request: Request, stream: torch.cuda.Stream | None) -> None:
+    """Take the point on the caller's stream a request over CUDA caches is ordered
+    against; nothing for caches on the CPU (``stream`` is ignored there).
+
+    Raises:
+        InvalidInputError: ``stream`` is not a CUDA stream of the caches' device.
+    """
+    device = request.plan.device
+    if device.type == "cuda":
+        request.caller_stream = caller_stream(device, stream)
 
 
 def _loaded_keys(spans: Sequence[ChunkSpan], mask: torch.Tensor) -> list[ChunkKey]:

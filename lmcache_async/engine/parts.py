@@ -137,7 +137,9 @@ def build_parts(
     )
     cpu.set_eviction_listener(manager.on_evicted)
     counters = Counters()
-    transfers = Transfers(inline_bytes=config.inline_copy_bytes)
+    # CUDA copies to or from an unpinned arena (a shared-memory buffer, or pinning refused)
+    # block the thread that queues them: they are queued off the event loop.
+    transfers = Transfers(inline_bytes=config.inline_copy_bytes, host_pinned=pool.pinned)
     load = LoadCore(
         manager,
         counters,

@@ -10,6 +10,7 @@ import anyio.to_thread
 import numpy as np
 import torch
 
+from ..cuda import CallerStream
 from ..keys import ChunkSpan
 from ..layouts import TransferPlan
 
@@ -24,8 +25,10 @@ class Request:
     """What the stages of either pipeline need to know about one request.
 
     ``plan`` moves tokens between the serving engine's memory and payloads; ``slots_cpu`` is
-    the request's slot mapping as int64 on the host. Counters track the batches still in
-    the pipeline so the stage that finishes the last one can resolve the request.
+    the request's slot mapping as int64 on the host; ``caller_stream`` (CUDA caches only)
+    is the point on the caller's stream the copies are ordered against. Counters track
+    the batches still in the pipeline so the stage that finishes the last one can resolve
+    the request.
     """
 
     req_id: str
@@ -46,6 +49,8 @@ class Request:
     locations: tuple[str, ...] | None = None
     # A retrieve is served first from what was prefetched under this lookup id.
     lookup_id: Hashable | None = None
+    # Where the caller produces or consumes the KV (None: caches on the CPU).
+    caller_stream: CallerStream | None = None
 
     def cancel(self) -> None:
         """Abandon the request: stages drop what remains of it and return its memory."""

@@ -21,7 +21,10 @@ has to special-case them:
 
 On the CPU a step runs its copy then and there (inline when small, in copy threads when
 large, as :class:`~lmcache_async.cuda.Transfers` decides), so no copy runs ahead of the
-step that asks for it. On CUDA one copy runs ahead on the direction's stream.
+step that asks for it. On CUDA one copy runs ahead on the direction's stream, ordered
+against the caller's stream (:mod:`lmcache_async.cuda_streams`): a store step's copy comes
+after what the caller queued there before the step (that layer's compute); a load's
+layer comes after the request's point on it, and before what the caller queues next.
 
 Closing an iterator early (``aclose()``, leaving an ``async for``, cancelling the task that
 drives it) waits for copies already queued and returns every byte of host memory and every
@@ -43,7 +46,7 @@ from ..backends.manager import StorageManager
 from ..core import LoadCore, StoreCore, StoreTxn
 from ..core.copy import mark_loaded
 from ..core.store import layer_keys, release
-from ..cuda import Direction, Transfers, wait_out
+from ..cuda import CallerStream, Direction, Transfers, wait_out
 from ..errors import EngineClosedError
 from ..keys import ChunkSpan
 from ..layouts import KVLayout
@@ -74,16 +77,23 @@ class _Copies:
 
     On CUDA :meth:`start` queues the copy on the direction's stream (a task that awaits its
     completion event) and returns; :meth:`finish` awaits it. On the CPU :meth:`start` runs
-    the copy and :meth:`finish` has nothing left to do.
+    the copy and :meth:`finish` has nothing left to do. ``caller`` is the request's point
+    on the caller's stream (None on the CPU); a store's step marks a new one.
     """
 
     def __init__(
-        self, transfers: Transfers, device: torch.device, direction: Direction, timeout: float
+        self,
+        transfers: Transfers,
+        device: torch.device,
+        direction: Direction,
+        timeout: float,
+        caller: CallerStream | None,
     ) -> None:
         self._transfers = transfers
         self._device = device
         self._direction = direction
         self._timeout = timeout
+        self._caller = caller
         self._tasks: dict[int, asyncio.Task[None]] = {}
 
     @property
@@ -94,6 +104,9 @@ class _Copies:
     async def start(
         self, layer: int, work: Callable[[list[_Job]], None], jobs: list[_Job], nbytes: int
     ) -> None:
+        caller = self._caller
+        if caller is not None and self._direction is Direction.STORE:
+            caller = caller.mark()  # now: after the caller's compute of this layer
         copy = self._transfers.run(
             work,
             jobs,
@@ -101,6 +114,7 @@ class _Copies:
             direction=self._direction,
             nbytes=nbytes,
             timeout=self._timeout,
+            caller=caller,
         )
         if not self.ahead:
             await copy
@@ -232,7 +246,13 @@ class LayerwisePipeline:
         core = self._store
         num_layers = self.num_layers
         payloads = _Payloads()
-        copies = _Copies(self._transfers, request.device, Direction.STORE, self._store_timeout)
+        copies = _Copies(
+            self._transfers,
+            request.device,
+            Direction.STORE,
+            self._store_timeout,
+            request.caller_stream,
+        )
         txn: StoreTxn | None = None
         try:
             if accepted:
@@ -316,7 +336,13 @@ class LayerwisePipeline:
         num_layers = self.num_layers
         mask = torch.zeros(request.num_tokens, dtype=torch.bool)
         payloads = _Payloads()
-        copies = _Copies(self._transfers, request.device, Direction.LOAD, self._retrieve_timeout)
+        copies = _Copies(
+            self._transfers,
+            request.device,
+            Direction.LOAD,
+            self._retrieve_timeout,
+            request.caller_stream,
+        )
         scatter = request.plan.scatter_layer_chunks
         loaded = 0
         try:

@@ -157,7 +157,13 @@ class CopyStage:
                 (span.start, span.end, obj.tensor)
                 for span, obj in zip(batch.spans, batch.objs, strict=True)
             ]
-            await scatter(self._transfers, request.plan, jobs, timeout=self._timeout)
+            await scatter(
+                self._transfers,
+                request.plan,
+                jobs,
+                timeout=self._timeout,
+                caller=request.caller_stream,
+            )
             # A batch's spans are consecutive: marked in one step.
             request.loaded_tokens += mark_loaded(
                 request.mask,

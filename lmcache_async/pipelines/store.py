@@ -200,7 +200,13 @@ class CopyStage:
             for index, obj in zip(batch.indices, batch.objs, strict=True)
         ]
         try:
-            await gather(self._transfers, request.plan, jobs, timeout=self._timeout)
+            await gather(
+                self._transfers,
+                request.plan,
+                jobs,
+                timeout=self._timeout,
+                caller=request.caller_stream,
+            )
         except Exception as exc:
             log.exception("store_copy_failed", req_id=request.req_id)
             release(batch.objs)

@@ -88,7 +88,9 @@ class RemoteCacheEngine:
             self._conn,
             layout,
             KVCacheViews(layout),  # the serving engine's caches, checked once
-            Transfers(inline_bytes=DEFAULT_INLINE_COPY_BYTES),
+            # The payloads are the server's shared memory or local buffers, never pinned:
+            # CUDA copies are queued off the event loop.
+            Transfers(inline_bytes=DEFAULT_INLINE_COPY_BYTES, host_pinned=False),
         )
         self._lookups = Lookups(self._conn)
         self._admin = AdminCalls(self._conn)
@@ -172,10 +174,12 @@ class RemoteCacheEngine:
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         store_location: Sequence[str] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> int:
         """As :meth:`CacheEngine.store <lmcache_async.CacheEngine.store>`: copy the KV of
         ``tokens`` into the sidecar's cache; returns the tokens cached from the first
-        stored chunk on, 0 when the sidecar is unreachable or too slow.
+        stored chunk on, 0 when the sidecar is unreachable or too slow. ``stream``: the
+        CUDA stream the KV was written on (as for CacheEngine; ignored on the CPU).
 
         Raises:
             InvalidInputError: bad input (nothing stored).
@@ -190,6 +194,7 @@ class RemoteCacheEngine:
             hashes=hashes,
             offsets=offsets,
             store_location=store_location,
+            stream=stream,
         )
 
     async def retrieve(
@@ -204,10 +209,12 @@ class RemoteCacheEngine:
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         retrieve_locations: Sequence[str] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> torch.Tensor:
         """As :meth:`CacheEngine.retrieve <lmcache_async.CacheEngine.retrieve>`: load the
         cached run of chunks from the mask start on into ``kv_caches``; returns the bool CPU
-        mask of the tokens written (all False when the sidecar is unreachable).
+        mask of the tokens written (all False when the sidecar is unreachable). ``stream``:
+        the CUDA stream the KV is read on (as for CacheEngine; ignored on the CPU).
 
         Raises:
             InvalidInputError: bad input.
@@ -223,6 +230,7 @@ class RemoteCacheEngine:
             hashes=hashes,
             offsets=offsets,
             retrieve_locations=retrieve_locations,
+            stream=stream,
         )
 
     async def lookup(

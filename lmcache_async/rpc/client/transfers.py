@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from lmcache_async.core.copy import gather, mark_loaded, scatter
-from lmcache_async.cuda import Transfers
+from lmcache_async.cuda import CallerStream, Transfers, caller_stream
 from lmcache_async.errors import ProtocolError
 from lmcache_async.layouts import KVCacheViews, KVLayout
 from lmcache_async.rpc.client.connection import Connection
@@ -42,7 +42,8 @@ _Chunk: TypeAlias = tuple[int, int, int, int]  # start, end, offset, nbytes
 
 @dataclass(slots=True)
 class _Prepared:
-    """A store or retrieve checked here: its key fields and its transfer plan."""
+    """A store or retrieve checked here: its key fields, its transfer plan and, for CUDA
+    caches, the point on the caller's stream its copies are ordered against."""
 
     header: dict[str, Any]
     payloads: list[memoryview]
@@ -50,6 +51,7 @@ class _Prepared:
     start: int
     plan: TransferPlan
     slots_cpu: torch.Tensor
+    caller: CallerStream | None
 
 
 class DataPath:
@@ -84,14 +86,16 @@ class DataPath:
         kv_caches: Sequence[torch.Tensor],
         slot_mapping: torch.Tensor,
         mask: torch.Tensor | None,
+        stream: torch.cuda.Stream | None,
     ) -> _Prepared:
         header, payloads, num_tokens = key_fields(tokens, hashes, offsets)
         welcome = self._conn.welcome
         chunk_size = welcome.chunk_size if welcome is not None else 1
         start = check_mask(mask, num_tokens, chunk_size)
         plan, slots_cpu = self._kv_views.plan(kv_caches, slot_mapping, num_tokens)
+        caller = caller_stream(plan.device, stream) if plan.device.type == "cuda" else None
         header["start"] = start
-        return _Prepared(header, payloads, num_tokens, start, plan, slots_cpu)
+        return _Prepared(header, payloads, num_tokens, start, plan, slots_cpu, caller)
 
     def _chunks(self, reply: Message, prepared: _Prepared) -> list[_Chunk]:
         """The ``(start, end, offset, nbytes)`` of each chunk a reply lends, checked.
@@ -131,6 +135,7 @@ class DataPath:
         hashes: Sequence[int | bytes] | None,
         offsets: Sequence[int] | None,
         store_location: Sequence[str] | None,
+        stream: torch.cuda.Stream | None = None,
     ) -> int:
         """As :meth:`RemoteCacheEngine.store`.
 
@@ -147,6 +152,7 @@ class DataPath:
             kv_caches=kv_caches,
             slot_mapping=slot_mapping,
             mask=mask,
+            stream=stream,
         )
         header = prepared.header
         locations = check_tiers(conn.welcome, store_location, "store_location")
@@ -167,7 +173,7 @@ class DataPath:
             txn = reply.header.get("txn")
             try:
                 chunks = self._chunks(reply, prepared)
-                payloads = await self._gather(link, prepared.plan, chunks)
+                payloads = await self._gather(link, prepared, chunks)
             except BaseException:
                 abort = {"txn": txn, "abort": True}
                 await link.notify(MessageType.COMMIT, abort, conn.timeout)
@@ -179,7 +185,7 @@ class DataPath:
             return 0
 
     async def _gather(
-        self, link: Link, plan: TransferPlan, chunks: list[_Chunk]
+        self, link: Link, prepared: _Prepared, chunks: list[_Chunk]
     ) -> list[memoryview]:
         """Copy the chunks out of the KV caches into the lent payloads: the server's
         memory, or local buffers returned as inline frames."""
@@ -201,7 +207,13 @@ class DataPath:
             jobs = [(start, end, out) for (start, end, _, _), out in zip(chunks, outs, strict=True)]
             # Shielded: the payloads must not be handed back while a copy writes into them.
             with anyio.CancelScope(shield=True):
-                await gather(self._transfers, plan, jobs, timeout=self._conn.timeout)
+                await gather(
+                    self._transfers,
+                    prepared.plan,
+                    jobs,
+                    timeout=self._conn.timeout,
+                    caller=prepared.caller,
+                )
             if segment is not None:
                 return []
             return [out.view(-1).view(torch.uint8).numpy().data for out in outs]
@@ -220,6 +232,7 @@ class DataPath:
         hashes: Sequence[int | bytes] | None,
         offsets: Sequence[int] | None,
         retrieve_locations: Sequence[str] | None,
+        stream: torch.cuda.Stream | None = None,
     ) -> torch.Tensor:
         """As :meth:`RemoteCacheEngine.retrieve`.
 
@@ -236,6 +249,7 @@ class DataPath:
             kv_caches=kv_caches,
             slot_mapping=slot_mapping,
             mask=mask,
+            stream=stream,
         )
         loaded = torch.zeros(prepared.num_tokens, dtype=torch.bool)
         header = prepared.header
@@ -260,7 +274,7 @@ class DataPath:
             try:
                 chunks = self._chunks(reply, prepared)
                 if chunks:
-                    await self._scatter(link, prepared.plan, chunks, reply.payloads)
+                    await self._scatter(link, prepared, chunks, reply.payloads)
                     tokens_loaded = mark_loaded(
                         loaded, prepared.plan, prepared.slots_cpu, chunks[0][0], chunks[-1][1]
                     )
@@ -274,7 +288,7 @@ class DataPath:
     async def _scatter(
         self,
         link: Link,
-        plan: TransferPlan,
+        prepared: _Prepared,
         chunks: list[_Chunk],
         frames: list[memoryview],
     ) -> None:
@@ -312,4 +326,10 @@ class DataPath:
                 for (start, end, _, _), payload in zip(chunks, payloads, strict=True)
             ]
             with anyio.CancelScope(shield=True):
-                await scatter(self._transfers, plan, jobs, timeout=self._conn.timeout)
+                await scatter(
+                    self._transfers,
+                    prepared.plan,
+                    jobs,
+                    timeout=self._conn.timeout,
+                    caller=prepared.caller,
+                )
