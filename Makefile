@@ -61,7 +61,7 @@ clean:
 # Wheels for scripts/gpu_check.sh on a GPU machine without network (CPython 3.12, x86_64,
 # CUDA torch already there): the dependencies it lacks, pinned to this venv's versions.
 GPU_WHEELS ?= pyzmq==27.3.0 structlog==26.1.0 blake3==1.0.11 zstandard==0.25.0 lz4==4.4.5 \
-	pytest-timeout==2.4.0
+	pytest-timeout==2.4.0 anyio==4.16.0 msgpack==1.2.4 xxhash==4.1.0 prometheus_client==0.26.0
 gpu-wheels:
 	rm -rf .whl
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \

@@ -228,7 +228,9 @@ def run_bench(args: argparse.Namespace) -> int:
             device=args.device,
         )
         gpu.validate()
-        results = run_gpu_bench(gpu, config)
+        # The figures so far are saved after each part: a later hang loses none of them.
+        checkpoint = functools.partial(write_json, args.json) if args.json else None
+        results = run_gpu_bench(gpu, config, checkpoint=checkpoint)
         summary = format_gpu(results)
         failed = bool(results["problems"])
     elif args.micro:
