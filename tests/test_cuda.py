@@ -1,4 +1,5 @@
-"""Where copies run: the CUDA event bridge (driven by stand-in events) and the CPU paths."""
+"""Where copies run: the CUDA event bridge (driven by stand-in events), the CPU paths, and
+the CUDA path's order of calls (driven by stand-in streams and events)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from lmcache_async.cuda import Direction, EventBridge, Transfers
+from lmcache_async.cuda import Direction, EventBridge, Transfers, caller_stream
 from lmcache_async.errors import EngineClosedError
+from tests.fake_cuda import CUDA, FakeCuda, install
 
 pytestmark = pytest.mark.anyio
 
@@ -237,3 +239,148 @@ async def test_asyncio_cancellation_waits_for_a_cuda_event_then_is_raised() -> N
     finally:
         held.released.set()
         bridge.close()
+
+
+# ------------------------------------------------- the CUDA path, with stand-in streams
+
+
+def copy_stream_of(cuda: FakeCuda) -> str:
+    """The name of the stream the (one) copy ran on."""
+    return next(entry[1] for entry in cuda.log if entry[0] == "work")
+
+
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+async def test_a_cuda_copy_follows_the_callers_point(
+    monkeypatch: pytest.MonkeyPatch, direction: Direction
+) -> None:
+    """The copy stream waits for the point recorded on the caller's stream (and for the
+    plan, built on this thread's stream) before the copy; a load's event then comes
+    before the caller's next work. All on the loop: the host memory is pinned."""
+    cuda = install(monkeypatch)
+    caller_side = cuda.Stream(name="caller")
+    caller = caller_stream(CUDA, caller_side)
+    assert caller is not None and caller.stream is caller_side
+    transfers = Transfers(inline_bytes=0, host_pinned=True)
+    try:
+        with anyio.fail_after(5):
+            await transfers.run(
+                cuda.work,
+                [1],
+                device=CUDA,
+                direction=direction,
+                nbytes=1,
+                timeout=5,
+                caller=caller,
+            )
+    finally:
+        transfers.close()
+    copy = copy_stream_of(cuda)
+    loop_thread = threading.current_thread().name
+    recorded = {stream: event for kind, event, stream in cuda.log if kind == "record"}
+    ready, built, done = recorded["caller"], recorded["default"], recorded[copy]
+    expected = [
+        ("record", built, "default"),
+        ("record", ready, "caller"),
+        ("wait", copy, ready),
+        ("wait", copy, built),
+        ("work", copy, loop_thread),
+        ("record", done, copy),
+    ]
+    if direction is Direction.LOAD:
+        expected.append(("wait", "caller", done))
+    assert cuda.log == expected
+    assert cuda.synced == [done]  # awaited through the bridge
+
+
+async def test_a_cuda_copy_without_a_caller_follows_the_current_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cuda = install(monkeypatch)
+    transfers = Transfers(inline_bytes=0, host_pinned=True)
+    try:
+        with anyio.fail_after(5):
+            await transfers.run(
+                cuda.work, [1], device=CUDA, direction=Direction.LOAD, nbytes=1, timeout=5
+            )
+    finally:
+        transfers.close()
+    copy = copy_stream_of(cuda)
+    ready = cuda.log[0][1]
+    assert cuda.log[:3] == [
+        ("record", ready, "default"),
+        ("wait", copy, ready),
+        ("work", copy, threading.current_thread().name),
+    ]
+    assert cuda.log[-1][:2] == ("wait", "default")  # the current stream reads the load
+
+
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+async def test_cuda_copies_of_unpinned_memory_are_queued_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch, direction: Direction
+) -> None:
+    """A "non_blocking" copy to or from unpinned memory is synchronous: it must not run
+    on the event loop's thread."""
+    cuda = install(monkeypatch)
+    transfers = Transfers(inline_bytes=1 << 30, host_pinned=False)
+    try:
+        with anyio.fail_after(5):
+            await transfers.run(
+                cuda.work,
+                [1],
+                device=CUDA,
+                direction=direction,
+                nbytes=1,
+                timeout=5,
+                caller=caller_stream(CUDA),
+            )
+    finally:
+        transfers.close()
+    (work,) = [entry for entry in cuda.log if entry[0] == "work"]
+    assert work[2].startswith("lmcache-copy")
+    assert transfers.host_pinned is False
+
+
+async def test_a_cuda_copy_that_fails_after_queueing_waits_for_its_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When recording the copy's event fails, the copies queued are waited for before
+    the error reaches the caller (who hands the memory back then)."""
+    cuda = install(monkeypatch)
+    caller = caller_stream(CUDA)
+    transfers = Transfers(inline_bytes=0, host_pinned=True)
+    cuda.fail_record = 1
+    try:
+        with anyio.fail_after(5), pytest.raises(RuntimeError, match="record failed"):
+            await transfers.run(
+                cuda.work,
+                [1],
+                device=CUDA,
+                direction=Direction.LOAD,
+                nbytes=1,
+                timeout=5,
+                caller=caller,
+            )
+    finally:
+        transfers.close()
+    copy = copy_stream_of(cuda)
+    assert cuda.log[-2:] == [("work", copy, threading.current_thread().name), ("sync", copy)]
+
+
+async def test_a_cuda_copy_closed_under_waits_for_its_event_then_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cuda = install(monkeypatch)
+    transfers = Transfers(inline_bytes=0, host_pinned=True)
+
+    def work_then_close(jobs: list[int]) -> None:
+        cuda.work(jobs)
+        transfers.close()  # the bridges close between the copy and its wait
+
+    with anyio.fail_after(5), pytest.raises(EngineClosedError):
+        await transfers.run(
+            work_then_close, [1], device=CUDA, direction=Direction.STORE, nbytes=1, timeout=5
+        )
+    done = cuda.log[-1][1]
+    assert cuda.log[-1] == ("record", done, copy_stream_of(cuda))
+    assert cuda.synced == [done]  # waited for, on a bridge of its own
+    assert not [t for t in threading.enumerate() if t.name.startswith("cuda-bridge")]

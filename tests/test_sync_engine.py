@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.from_thread
@@ -202,6 +203,56 @@ def test_layerwise_steps_move_one_layer_per_step() -> None:
                 dst, at = int(dst_slots[i]), int(src_slots[i])
                 assert same_bits(token_kv(got, dst), token_kv(src, at))
         assert engine.stats().pinned_chunks == 0
+
+
+def test_the_callers_stream_is_taken_on_the_callers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine runs each call on its own thread, whose current CUDA stream is not the
+    caller's: store, retrieve and both layerwise transfers are handed the stream taken on
+    the calling thread. CPU caches ignore it (here a stand-in, to see it pass through)."""
+    import lmcache_async.sync_engine as sync_module
+
+    taken_on: list[int] = []
+    caller_side = object()  # stands in for the caller's torch.cuda.Stream
+
+    def current_stream(kv_caches: object) -> object:
+        taken_on.append(threading.get_ident())
+        return caller_side
+
+    monkeypatch.setattr(sync_module, "current_stream", current_stream)
+    n = 2 * CHUNK
+    tokens = list(range(7000, 7000 + n))
+    source, target = caches(40), caches(41)
+    slots = torch.arange(n)
+    handed: list[tuple[str, object, int]] = []
+    with SyncCacheEngine.open(layerwise_config(), LAYOUT, model_name="sync") as engine:
+        for name in ("store", "retrieve", "store_layer", "retrieve_layer"):
+            original = getattr(engine.engine, name)
+
+            def recorder(*args: Any, _name: str = name, _fn: Any = original, **kw: Any) -> Any:
+                handed.append((_name, kw.get("stream"), threading.get_ident()))
+                return _fn(*args, **kw)
+
+            monkeypatch.setattr(engine.engine, name, recorder)
+        assert engine.store(tokens, kv_caches=source, slot_mapping=slots) == n
+        assert bool(engine.retrieve(tokens, kv_caches=target, slot_mapping=slots).all())
+        assert engine.store_layer(tokens, kv_caches=source, slot_mapping=slots).finish() == n
+        mask = engine.retrieve_layer(tokens, kv_caches=target, slot_mapping=slots).finish()
+        assert isinstance(mask, torch.Tensor) and bool(mask.all())
+        # A stream the caller names is handed on as it is.
+        named = object()
+        engine.store(tokens, kv_caches=source, slot_mapping=slots, stream=named)
+    here = threading.get_ident()
+    assert taken_on == [here] * 4
+    assert [(name, stream) for name, stream, _ in handed] == [
+        ("store", caller_side),
+        ("retrieve", caller_side),
+        ("store_layer", caller_side),
+        ("retrieve_layer", caller_side),
+        ("store", named),
+    ]
+    assert all(thread != here for _, _, thread in handed)  # run on the engine's thread
 
 
 def test_closing_layerwise_steps_midway_returns_the_memory() -> None:

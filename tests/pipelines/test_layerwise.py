@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from lmcache_async import CacheEngine, EngineConfig, InvalidInputError, KVLayout
+from lmcache_async.cuda import Direction
 from lmcache_async.errors import EngineClosedError
+from lmcache_async.pipelines.layerwise import _Copies
 from lmcache_async.transfer import TransferPlan
 
 NUM_LAYERS = 3
@@ -721,6 +723,50 @@ async def test_a_failed_gather_stores_nothing(monkeypatch: pytest.MonkeyPatch) -
         assert engine.stats().failed_requests == 1
         assert pool_use(engine) == (0, 0)
         assert await layer_hits(engine, scene.tokens) == 0
+
+
+# ------------------------------------------------------------ the caller's stream
+
+
+class Point:
+    """Stands in for a CallerStream: each mark() is a new point, listed in ``marks``."""
+
+    def __init__(self, marks: list[Point]) -> None:
+        self.marks = marks
+
+    def mark(self) -> Point:
+        point = Point(self.marks)
+        self.marks.append(point)
+        return point
+
+
+class RecordingTransfers:
+    """Stands in for Transfers: records the caller point each copy is ordered against."""
+
+    def __init__(self) -> None:
+        self.callers: list[Any] = []
+
+    async def run(self, work: Any, jobs: Any, *, caller: Any = None, **kwargs: Any) -> None:
+        self.callers.append(caller)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+async def test_layer_copies_on_cuda_follow_the_callers_stream(direction: Direction) -> None:
+    """A store step's copy follows a point marked at the step (after the caller queued
+    that layer's compute); every layer of a load follows the request's own point."""
+    marks: list[Point] = []
+    point = Point(marks)
+    transfers = RecordingTransfers()
+    copies = _Copies(transfers, torch.device("cuda", 0), direction, 5, point)  # type: ignore[arg-type]
+    with anyio.fail_after(TIMEOUT):
+        for layer in range(NUM_LAYERS):
+            await copies.start(layer, lambda jobs: None, [], 0)
+            await copies.finish(layer)
+    if direction is Direction.STORE:
+        assert len(marks) == NUM_LAYERS and transfers.callers == marks
+    else:
+        assert marks == [] and transfers.callers == [point] * NUM_LAYERS
 
 
 # ---------------------------------------------------------------------------- CUDA
