@@ -33,12 +33,15 @@ class CallerStream:
     there after the plan (its row indices live on the device).
     """
 
-    __slots__ = ("_built", "_ready", "stream")
+    __slots__ = ("_built", "_consumes", "_ready", "stream")
 
-    def __init__(self, stream: Any, ready: Any, built: Any | None) -> None:
+    def __init__(
+        self, stream: Any, ready: Any, built: Any | None, *, consumes: bool = True
+    ) -> None:
         self.stream = stream
         self._ready = ready
         self._built = built
+        self._consumes = consumes
 
     def order(self, copy_stream: Any) -> None:
         """Make ``copy_stream`` wait for the caller's point (and the request's plan)."""
@@ -48,13 +51,22 @@ class CallerStream:
 
     def consume(self, done: Any) -> None:
         """Make the caller's stream wait for the event ``done`` (behind a load's copies),
-        so what the caller queues next reads the loaded KV."""
-        self.stream.wait_event(done)
+        so what the caller queues next reads the loaded KV; nothing for a point made by
+        :meth:`handed_over`."""
+        if self._consumes:
+            self.stream.wait_event(done)
 
     def mark(self) -> CallerStream:
         """The same stream at a point recorded now: a layerwise store's step, queued
         after the caller's compute of that layer."""
         return CallerStream(self.stream, _record(self.stream), self._built)
+
+    def handed_over(self) -> CallerStream:
+        """The same point, for copies whose completion the caller is handed by a step
+        that waited for it (a layerwise load's layers): its stream is made to wait for
+        none of them. A wait queued with layer *i + 1*'s copy would hold the caller's
+        compute of layer *i*, queued after it, behind that copy."""
+        return CallerStream(self.stream, self._ready, self._built, consumes=False)
 
 
 def caller_stream(device: torch.device, stream: Any | None = None) -> CallerStream | None:

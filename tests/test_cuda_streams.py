@@ -96,6 +96,13 @@ def test_the_point_on_the_callers_stream(monkeypatch: pytest.MonkeyPatch) -> Non
     cuda.log.clear()
     later.order(copy)
     assert cuda.log == [("wait", "copy", marked), ("wait", "copy", built)]
+    # A load's copies come before the caller's next work, unless a step hands them over.
+    done = cuda.Event()
+    cuda.log.clear()
+    point.handed_over().consume(done)
+    assert cuda.log == []
+    point.consume(done)
+    assert cuda.log == [("wait", "side", done.name)]
     with pytest.raises(InvalidInputError, match=r"torch\.cuda\.Stream"):
         caller_stream(CUDA, object())
     elsewhere = cuda.Stream(name="elsewhere")

@@ -358,8 +358,8 @@ class CacheEngine(Queries, TierControls):
         the bool mask (CPU) of the tokens loaded. Only chunks stored layerwise are found.
         Pins held for ``lookup_id`` are released when the iterator ends; ``aclose()``
         before the end returns every reference taken. ``stream``: where the layers are
-        read (as :meth:`retrieve`): each layer's compute queued there after its step waits
-        for that layer. Raises InvalidInputError here for bad input.
+        read (as :meth:`retrieve`); each layer's copy has completed when its step returns.
+        Raises InvalidInputError here for bad input.
         """
         self._check_open()
         try:

@@ -24,7 +24,8 @@ large, as :class:`~lmcache_async.cuda.Transfers` decides), so no copy runs ahead
 step that asks for it. On CUDA one copy runs ahead on the direction's stream, ordered
 against the caller's stream (:mod:`lmcache_async.cuda_streams`): a store step's copy comes
 after what the caller queued there before the step (that layer's compute); a load's
-layer comes after the request's point on it, and before what the caller queues next.
+layer comes after the request's point on it, and is the caller's once the step that waited
+for it returns (what the caller queues then runs after the copy has completed).
 
 Closing an iterator early (``aclose()``, leaving an ``async for``, cancelling the task that
 drives it) waits for copies already queued and returns every byte of host memory and every
@@ -105,8 +106,11 @@ class _Copies:
         self, layer: int, work: Callable[[list[_Job]], None], jobs: list[_Job], nbytes: int
     ) -> None:
         caller = self._caller
-        if caller is not None and self._direction is Direction.STORE:
-            caller = caller.mark()  # now: after the caller's compute of this layer
+        if caller is not None:
+            # A store's layer: now, after the caller's compute of it. A load's: the
+            # request's point; the step that waits for the layer hands it over.
+            store = self._direction is Direction.STORE
+            caller = caller.mark() if store else caller.handed_over()
         copy = self._transfers.run(
             work,
             jobs,

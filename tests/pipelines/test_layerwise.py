@@ -729,15 +729,20 @@ async def test_a_failed_gather_stores_nothing(monkeypatch: pytest.MonkeyPatch) -
 
 
 class Point:
-    """Stands in for a CallerStream: each mark() is a new point, listed in ``marks``."""
+    """Stands in for a CallerStream: each mark() is a new point, listed in ``marks``;
+    handed_over() is the same point, ``of`` it, whose stream waits for no copy."""
 
-    def __init__(self, marks: list[Point]) -> None:
+    def __init__(self, marks: list[Point], of: Point | None = None) -> None:
         self.marks = marks
+        self.of = of
 
     def mark(self) -> Point:
         point = Point(self.marks)
         self.marks.append(point)
         return point
+
+    def handed_over(self) -> Point:
+        return Point(self.marks, of=self)
 
 
 class RecordingTransfers:
@@ -754,7 +759,9 @@ class RecordingTransfers:
 @pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
 async def test_layer_copies_on_cuda_follow_the_callers_stream(direction: Direction) -> None:
     """A store step's copy follows a point marked at the step (after the caller queued
-    that layer's compute); every layer of a load follows the request's own point."""
+    that layer's compute); every layer of a load follows the request's own point, and
+    the caller's stream is not made to wait for it (the step that waited hands it over:
+    a wait queued with layer i + 1's copy would hold back the caller's layer i)."""
     marks: list[Point] = []
     point = Point(marks)
     transfers = RecordingTransfers()
@@ -766,7 +773,7 @@ async def test_layer_copies_on_cuda_follow_the_callers_stream(direction: Directi
     if direction is Direction.STORE:
         assert len(marks) == NUM_LAYERS and transfers.callers == marks
     else:
-        assert marks == [] and transfers.callers == [point] * NUM_LAYERS
+        assert marks == [] and [caller.of for caller in transfers.callers] == [point] * NUM_LAYERS
 
 
 # ---------------------------------------------------------------------------- CUDA
