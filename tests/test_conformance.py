@@ -602,6 +602,28 @@ async def test_stats_of_a_closed_client(client: Client) -> None:
 # -- edges ------------------------------------------------------------------------------------
 
 
+async def test_a_mask_that_skips_every_chunk_stores_and_loads_nothing(client: Client) -> None:
+    num_tokens = 2 * CHUNK
+    tokens = prompt(num_tokens, 23)
+    kv, slots = kv_for(num_tokens, seed=231)
+    none = torch.zeros(num_tokens, dtype=torch.bool)
+    with anyio.fail_after(TIMEOUT):
+        before = await client_errors(client)
+        assert await client.api.store(tokens, kv_caches=kv, slot_mapping=slots, mask=none) == 0
+        assert await client.api.lookup(tokens) == 0
+        mask = await client.api.retrieve(tokens, kv_caches=kv, slot_mapping=slots, mask=none)
+        assert await client_errors(client) == before  # answered, not failed
+    assert not mask.any()
+
+
+async def client_errors(client: Client) -> int:
+    """Requests a sidecar client saw fail or time out (0 for the embedded engine)."""
+    if isinstance(client.engine, RemoteCacheEngine):
+        counters = (await client.engine.stats())["client"]
+        return int(counters["timeouts"]) + int(counters["unavailable"])
+    return 0
+
+
 async def test_an_empty_prompt_moves_nothing(client: Client) -> None:
     kv = fresh(1)
     empty = torch.zeros(0, dtype=torch.long)

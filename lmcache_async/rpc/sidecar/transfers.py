@@ -94,12 +94,13 @@ class TransferHandlers:
         spans, tokens = await self._spans(engine, message)
         if not core.store.open():
             return {"stored": 0}, ()
-        limit = header.get("limit")
+        # No chunk ending after the client's limit (its first negative slot) is stored.
+        limit = int_field(header, "limit", 0) if "limit" in header else message_end(spans)
         txn = core.store.begin(
             str(header.get("req_id", session.label)),
             spans,
             tokens,
-            limit=spans[-1].end if limit is None or not spans else int_field(header, "limit", 0),
+            limit=limit,
             locations=locations,
         )
         objs = await core.store.reserve(txn, txn.todo)
@@ -249,7 +250,7 @@ class TransferHandlers:
             str(header.get("req_id", session.label)),
             spans,
             tokens,
-            limit=spans[-1].end,
+            limit=message_end(spans),
             locations=locations,
         )
         objs = await store.reserve(txn, txn.todo)
@@ -347,3 +348,8 @@ class TransferHandlers:
             timeout=seconds_field(header, "timeout"),
         )
         return {"moved": moved}, ()
+
+
+def message_end(spans: list[ChunkSpan]) -> int:
+    """The end token of a request's chunks (0 for none): a limit that keeps them all."""
+    return spans[-1].end if spans else 0
