@@ -118,6 +118,13 @@ class StorageManager:
     def slow_tiers(self) -> list[StorageBackend]:
         return list(self._tiers.slow)
 
+    def reads_slow_tiers(self, locations: Sequence[str] | None) -> bool:
+        """Whether a read from ``locations`` (None: the configured ones) may reach a slow
+        tier: some slow tier is attached and the locations are not the CPU tier alone."""
+        return bool(self._tiers.slow) and (
+            locations is None or any(name != "cpu" for name in locations)
+        )
+
     async def start(self, task_group: TaskGroup) -> None:
         """Start a writer task per slow tier in ``task_group``."""
         self._writers.start(task_group)

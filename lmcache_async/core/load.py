@@ -73,9 +73,7 @@ class LoadCore:
         only tier read, else all of them (a slow tier's part is found by reading it, with
         no existence check first)."""
         manager = self._manager
-        if not manager.slow_tiers or (
-            locations is not None and all(name == "cpu" for name in locations)
-        ):
+        if not manager.reads_slow_tiers(locations):
             return manager.contains_prefix(keys)
         return len(keys)
 

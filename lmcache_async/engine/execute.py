@@ -57,10 +57,7 @@ class Runner:
             request.hash_inline
             and request.plan.device.type == "cpu"
             and request.num_tokens * self._token_bytes < self._inline_copy_bytes
-            and (
-                not self._manager.slow_tiers
-                or (locations is not None and all(name == "cpu" for name in locations))
-            )
+            and not self._manager.reads_slow_tiers(locations)
         )
 
     async def execute(

@@ -104,7 +104,7 @@ class Lookups:
         lookup_id: Hashable | None,
         pin: bool,
     ) -> int | None:
-        if self._manager.slow_tiers and cpu_hits < len(keys):
+        if self._manager.reads_slow_tiers(None) and cpu_hits < len(keys):
             return None
         hits = self._pin_cpu(keys, lookup_id) if pin and lookup_id is not None else cpu_hits
         self._count_request(num_tokens)
@@ -134,7 +134,7 @@ class Lookups:
         self._count_request(num_tokens)
         if not self._healthy():
             return 0
-        slow = bool(manager.slow_tiers) or locations is not None
+        slow = manager.reads_slow_tiers(None) or locations is not None
         if self._layerwise_keys:
             hits = await self._layerwise_hits(
                 keys, lookup_id=lookup_id, pin=pin, slow=slow, locations=locations

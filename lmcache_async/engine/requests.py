@@ -48,26 +48,6 @@ class RequestKeys:
         self._kv_views = kv_views
         self._request_ids = itertools.count()
 
-    def keyer(
-        self,
-        tokens: Tokens | None,
-        hashes: Sequence[int | bytes] | None,
-        offsets: Sequence[int] | None,
-    ) -> tuple[Keyer, int, bool]:
-        """Check the key input; return (keyer, number of tokens, hash on the loop?).
-
-        Raises:
-            InvalidInputError: as :func:`~lmcache_async.key_input.check_key_input`, or
-                tokens that are not 1-D.
-        """
-        ends = check_key_input(tokens, hashes, offsets)
-        num_tokens = _length(tokens, ends)
-        return (
-            self._keyer(tokens, hashes, ends, num_tokens, 0),
-            num_tokens,
-            self._inline(ends, num_tokens),
-        )
-
     def _inline(self, ends: list[int] | None, num_tokens: int) -> bool:
         return ends is not None or num_tokens < self._inline_hash_tokens
 
@@ -173,16 +153,16 @@ class RequestKeys:
         Raises:
             InvalidInputError: bad key input.
         """
-        if hashes is not None:
-            keyer, num_tokens, _ = self.keyer(tokens, hashes, offsets)
-            spans, _ = keyer()
+        ends = check_key_input(tokens, hashes, offsets)
+        num_tokens = _length(tokens, ends)
+        if ends is not None:
+            spans, _ = self._keyer(tokens, hashes, ends, num_tokens, 0)()
             return [span.key for span in spans], [span.end for span in spans], num_tokens
         # Only the digests are needed: a whole-chunk key is its digest.
-        _, num_tokens, inline = self.keyer(tokens, None, offsets)
         assert tokens is not None
         hasher = self._hasher
         keys: Sequence[bytes]
-        if inline:
+        if num_tokens < self._inline_hash_tokens:
             keys = hasher.digests(tokens)
         else:
             # A long prompt asked about again is recognised here, without a thread hop.

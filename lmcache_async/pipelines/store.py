@@ -48,11 +48,6 @@ class StoreRequest(Request):
         """True when no further batch of this request may be copied or put."""
         return self.cancelled or self.error is not None
 
-    @property
-    def partial(self) -> bool:
-        """Whether host memory ran out before every chunk was reserved."""
-        return self.txn is not None and self.txn.partial
-
     def stored_tokens(self) -> int:
         """Tokens covered by the leading run of chunks cached so far."""
         return self.txn.stored_tokens() if self.txn is not None else 0
