@@ -131,15 +131,16 @@ class StoreCore:
         spans: list[ChunkSpan],
         tokens: np.ndarray | None,
         *,
-        limit: int,
+        limit: int | None,
         locations: tuple[str, ...] | None,
         layers: int = 0,
     ) -> StoreTxn:
         """Decide what a store writes: the chunks of ``spans`` ending at or before
-        ``limit`` (a chunk with a token the caller cannot give, and every chunk after it,
-        is not stored); those already held are held for the request and skipped. With
-        ``layers`` each chunk is that many per-layer payloads (see :class:`StoreTxn`)."""
-        if spans and spans[-1].end > limit:
+        ``limit`` (None: every chunk; a chunk with a token the caller cannot give, and
+        every chunk after it, is not stored); those already held are held for the request
+        and skipped. With ``layers`` each chunk is that many per-layer payloads (see
+        :class:`StoreTxn`)."""
+        if limit is not None and spans and spans[-1].end > limit:
             spans = [span for span in spans if span.end <= limit]
         keys = [span.key for span in spans]
         if not layers:

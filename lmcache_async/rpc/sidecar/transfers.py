@@ -95,7 +95,7 @@ class TransferHandlers:
         if not core.store.open():
             return {"stored": 0}, ()
         # No chunk ending after the client's limit (its first negative slot) is stored.
-        limit = int_field(header, "limit", 0) if "limit" in header else message_end(spans)
+        limit = int_field(header, "limit", 0) if "limit" in header else None
         txn = core.store.begin(
             str(header.get("req_id", session.label)),
             spans,
@@ -250,7 +250,7 @@ class TransferHandlers:
             str(header.get("req_id", session.label)),
             spans,
             tokens,
-            limit=message_end(spans),
+            limit=None,
             locations=locations,
         )
         objs = await store.reserve(txn, txn.todo)
@@ -348,8 +348,3 @@ class TransferHandlers:
             timeout=seconds_field(header, "timeout"),
         )
         return {"moved": moved}, ()
-
-
-def message_end(spans: list[ChunkSpan]) -> int:
-    """The end token of a request's chunks (0 for none): a limit that keeps them all."""
-    return spans[-1].end if spans else 0
