@@ -325,22 +325,22 @@ class MemoryPool:
             pinned_bytes=self.pinned_bytes,
         )
 
-    def close(self) -> None:
-        """Refuse new allocations, wake every waiter (they raise EngineClosedError) and
-        unpin the arena.
+    def close(self, *, unpin: bool = True) -> None:
+        """Refuse new allocations, wake every waiter (they raise EngineClosedError) and,
+        unless ``unpin`` is False, :meth:`unpin`. Idempotent. Live objects stay valid (in
+        pageable memory once unpinned): every copy to or from the arena must be done."""
+        if not self._closed:
+            self._closed = True
+            for waiter in self._waiters:
+                waiter.event.set()
+            log.debug("memory_pool_closed", live_objects=self._num_objects)
+        if unpin:
+            self.unpin()
 
-        Objects still alive stay valid until their last :meth:`MemoryObj.unref`, in pageable
-        memory: every copy to or from the arena must have finished before ``close`` (the
-        engine joins its copy threads first). Idempotent.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        for waiter in self._waiters:
-            waiter.event.set()
+    def unpin(self) -> None:
+        """Unregister the arena from CUDA, once (it blocks: async callers use a thread)."""
         if self._registration is not None:
             self._registration.release()
-        log.debug("memory_pool_closed", live_objects=self._num_objects)
 
     # -- internals ----------------------------------------------------------------------
 

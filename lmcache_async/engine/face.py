@@ -165,7 +165,11 @@ class CacheEngine(Queries, TierControls):
             await anyio.to_thread.run_sync(self._parts.transfers.close)
         with anyio.CancelScope(shield=True):
             await self._parts.manager.aclose(drain_timeout=self.config.store_timeout)
-        self._parts.pool.close()
+        pool = self._parts.pool
+        pool.close(unpin=False)
+        if pool.pinned:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(pool.unpin)  # cudaHostUnregister blocks
         self._parts.kv_views.forget()
         log.info("engine_closed", model=self.namespace.model_name)
 
