@@ -23,6 +23,7 @@ from typing import Any, Final
 import yaml
 
 from lmcache_async.errors import ConfigError
+from lmcache_async.quotas import TenantQuotas
 
 __all__ = [
     "CONFIG_FILE_ENV",
@@ -97,6 +98,8 @@ DEFAULT_SLOW_TIER_QUEUE_SIZE: Final = 64
 DEFAULT_HEALTH_CHECK_INTERVAL: Final = 1.0
 DEFAULT_REMOVE_AFTER_RETRIEVE: Final = False
 DEFAULT_USE_LAYERWISE: Final = False
+DEFAULT_TENANT_QUOTAS: Final = None
+DEFAULT_ENCRYPTION_KEY_FILE: Final = None
 DEFAULT_LOG_LEVEL: Final = "INFO"
 DEFAULT_LOG_FORMAT: Final = "console"
 
@@ -145,6 +148,7 @@ _TYPES: Final[Mapping[str, type]] = MappingProxyType(
         "str | None": str,
         "float | None": float,
         "tuple[str, ...] | None": tuple,
+        "TenantQuotas | None": TenantQuotas,
     }
 )
 
@@ -221,6 +225,13 @@ class EngineConfig:
     """Receiver role of disaggregated prefill: chunks are removed once retrieved."""
     use_layerwise: bool = DEFAULT_USE_LAYERWISE
     """Whether the serving engine stores and retrieves layer by layer."""
+    tenant_quotas: TenantQuotas | None = DEFAULT_TENANT_QUOTAS
+    """GB each tenant may hold in each tier (:mod:`lmcache_async.quotas`): a mapping
+    ``{tier: {tenant: GB, "*": GB}}`` or the text ``cpu.alice=1.5,cpu.*=0.5``; None: no
+    quotas."""
+    encryption_key_file: str | None = DEFAULT_ENCRYPTION_KEY_FILE
+    """A file holding a 32-byte master key (raw, or 64 hex characters): disk and Redis
+    records are then encrypted (AES-GCM, a key per tenant); None: stored in the clear."""
     log_level: str = DEFAULT_LOG_LEVEL
     """``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR`` (any case; stored upper-case)."""
     log_format: str = DEFAULT_LOG_FORMAT
@@ -231,6 +242,8 @@ class EngineConfig:
             value = _check_value(field.name, _TYPES[str(field.type)], getattr(self, field.name))
             # Frozen: normalised values (int -> float, level case) go through object.
             object.__setattr__(self, field.name, value)
+        if self.tenant_quotas is not None:
+            _check_quota_capacity(self)
 
     @property
     def cpu_capacity_bytes(self) -> int:
@@ -346,7 +359,11 @@ class EngineConfig:
         out: dict[str, Any] = {}
         for name in self.field_names():
             value = getattr(self, name)
-            out[name] = list(value) if isinstance(value, tuple) else value
+            if isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, TenantQuotas):
+                value = value.to_dict()
+            out[name] = value
         return out
 
     def replace(self, **changes: Any) -> EngineConfig:
@@ -381,11 +398,17 @@ def _check_value(name: str, field_type: type, value: object) -> object:
         return None
     if field_type is tuple:
         return _check_locations(name, value)
+    if field_type is TenantQuotas:
+        return TenantQuotas.parse(value)
     if name == "remote_url":
         return _check_remote_url(value)
     if name == "local_disk":
         if not isinstance(value, str) or not value.removeprefix("file://"):
             raise ConfigError(name, f"expected a directory path, got {_describe(value)}")
+        return value
+    if name == "encryption_key_file":
+        if not isinstance(value, str) or not value:
+            raise ConfigError(name, f"expected a file path, got {_describe(value)}")
         return value
     # bool is an int subclass: refuse it explicitly wherever a number is expected.
     if field_type is bool:
@@ -425,8 +448,40 @@ def _check_value(name: str, field_type: type, value: object) -> object:
 
 # Fields that may be None (their annotation says ``| None``).
 _OPTIONAL: Final = frozenset(
-    {"local_disk", "remote_url", "remote_ttl", "store_location", "retrieve_locations"}
+    {
+        "local_disk",
+        "remote_url",
+        "remote_ttl",
+        "store_location",
+        "retrieve_locations",
+        "tenant_quotas",
+        "encryption_key_file",
+    }
 )
+
+
+def _check_quota_capacity(config: EngineConfig) -> None:
+    """ConfigError when a quota names a tier that is off or is larger than its tier (the
+    Redis tier's size is the server's, checked when it is reached)."""
+    quotas = config.tenant_quotas
+    assert quotas is not None
+    sizes = {"cpu": (config.cpu_capacity_bytes, "max_local_cpu_size")}
+    if config.local_disk is not None:
+        sizes["disk"] = (config.disk_capacity_bytes, "max_local_disk_size")
+    for tier, quota in quotas.tiers.items():
+        if tier == "redis":
+            if config.remote_url is None:
+                raise ConfigError("tenant_quotas.redis", "there is no Redis tier (remote_url)")
+            continue
+        if tier not in sizes:
+            raise ConfigError(f"tenant_quotas.{tier}", "there is no disk tier (local_disk)")
+        capacity, setting = sizes[tier]
+        if quota.largest > capacity:
+            raise ConfigError(
+                f"tenant_quotas.{tier}",
+                f"a quota of {quota.largest / GB:g} GB is larger than the tier "
+                f"({setting} = {capacity / GB:g} GB)",
+            )
 
 
 def _check_locations(name: str, value: object) -> tuple[str, ...]:
@@ -466,7 +521,7 @@ def _parse_env(name: str, field_type: type, raw: str) -> object:
     text = raw.strip()
     if name in _OPTIONAL and text.lower() in ("", "none", "null"):
         return None
-    if field_type is tuple:
+    if field_type is tuple or field_type is TenantQuotas:
         return text
     if field_type is bool:
         word = text.lower()

@@ -5,7 +5,10 @@ Tokens are cut into chunks of ``chunk_size``; chunk ``i`` gets the key
 int32 and ``h_0`` is a seed that binds the :class:`Namespace` (model, weights revision, KV
 layout, tenant). ``H`` is blake3 (default) or xxh3-128, both producing :data:`DIGEST_SIZE`
 bytes: a real hash, never Python's ``hash()``, so every process and host computes the same
-key for the same tokens.
+key for the same tokens. A chunk's key is ``h_i`` with its first
+:data:`~lmcache_async.tenants.TAG_BYTES` bytes replaced by the tenant's tag
+(:mod:`lmcache_async.tenants`), so every tier can tell whose a chunk is from its key; the
+chain links the untagged ``h_i``.
 
 Segment keys for blending (:class:`~lmcache_async.segments.SegmentHasher`) live in
 :mod:`lmcache_async.segments`. Re-exported here from the modules they live in:
@@ -40,6 +43,7 @@ from lmcache_async.hashing import (
     chain_function,
     hash_function,
 )
+from lmcache_async.tenants import TAG_BYTES, check_tenant, tenant_tag
 from lmcache_async.tokens import (
     TOKEN_BYTES,
     Tokens,
@@ -63,6 +67,7 @@ __all__ = [
     "Tokens",
     "check_mask",
     "split_digests",
+    "tag_digests",
     "token_array",
 ]
 
@@ -222,6 +227,11 @@ def _new_span(start: int, end: int, key: ChunkKey, parent: ChunkKey | None) -> C
     return span
 
 
+def tag_digests(tag: bytes, chain: list[bytes]) -> list[bytes]:
+    """Key digests from chain digests: each with its first bytes replaced by ``tag``."""
+    return [tag + digest[TAG_BYTES:] for digest in chain]
+
+
 def _encode_field(name: str, value: str | None) -> bytes:
     if value is None:
         return _NONE_TAG
@@ -256,11 +266,27 @@ class Namespace:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise InvalidInputError(f"Namespace {name} must be a non-empty str, got {value!r}")
-        for name in ("revision", "tenant_salt"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise InvalidInputError(f"Namespace {name} must be None or a str, got {value!r}")
+        if self.revision is not None and not isinstance(self.revision, str):
+            raise InvalidInputError(
+                f"Namespace revision must be None or a str, got {self.revision!r}"
+            )
+        check_tenant(self.tenant_salt, field="Namespace tenant_salt")
         self._encode()
+
+    @property
+    def tag(self) -> bytes:
+        """The tenant tag every key of this namespace starts with."""
+        return tenant_tag(self.tenant_salt)
+
+    def with_tenant(self, tenant: str | None) -> Namespace:
+        """This namespace for another tenant (``tenant_salt``).
+
+        Raises:
+            InvalidInputError: ``tenant`` is not a valid tenant name.
+        """
+        if tenant == self.tenant_salt:
+            return self
+        return Namespace(self.model_name, self.layout_fingerprint, self.revision, tenant)
 
     def _encode(self) -> bytes:
         """Unambiguous encoding: a domain tag, then each field tagged and length-prefixed."""
@@ -336,6 +362,7 @@ class ChunkHasher:
         "_memo",
         "_namespace",
         "_seed",
+        "_tag",
     )
 
     def __init__(
@@ -355,6 +382,7 @@ class ChunkHasher:
         self._namespace = namespace
         self._chunk_size = chunk_size
         self._seed = namespace.seed(self._algorithm)
+        self._tag = namespace.tag
         self._hash = hash_function(self._algorithm)
         self._chain = chain_function(self._algorithm)
         if not is_strict_int(memo_size) or memo_size < 0:
@@ -401,16 +429,26 @@ class ChunkHasher:
         """Digests of every chunk of ``data`` (token bytes), from the memo when it has them."""
         memo = self._memo
         if memo is None:
-            return self._chain(self._seed, data, self._chunk_size * TOKEN_BYTES)
+            return self._keys_of(data)
         digests, entries = memo.recall_int32(data)
         return digests if digests is not None else self._remember(data, entries)
 
     def _remember(self, data: memoryview, entries: Sequence[tuple[MemoKey, bytes]]) -> list[bytes]:
         """Hash ``data`` (int32 token bytes) and remember the digests under ``entries``."""
-        digests = self._chain(self._seed, data, self._chunk_size * TOKEN_BYTES)
+        digests = self._keys_of(data)
         if self._memo is not None:
             self._memo.remember(entries, digests)
         return digests
+
+    def _keys_of(self, data: memoryview) -> list[bytes]:
+        """The tagged key digests of every chunk of ``data`` (int32 token bytes)."""
+        chain = self._chain(self._seed, data, self._chunk_size * TOKEN_BYTES)
+        return tag_digests(self._tag, chain)
+
+    @property
+    def tag(self) -> bytes:
+        """The tenant tag every key of this hasher starts with."""
+        return self._tag
 
     @property
     def chunk_size(self) -> int:
@@ -543,4 +581,4 @@ class ChunkHasher:
         for item in encoded[:num_chunks]:
             prev = hash_once(item + prev)
             digests.append(prev)
-        return _build_spans(digests, first, num_tokens, chunk_size)
+        return _build_spans(tag_digests(self._tag, digests), first, num_tokens, chunk_size)

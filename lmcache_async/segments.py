@@ -15,6 +15,7 @@ import numpy.typing as npt
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.hashing import HashAlgorithm, as_algorithm, hash_function
 from lmcache_async.keys import ChunkSpan, Namespace, _new_key, _new_span
+from lmcache_async.tenants import TAG_BYTES
 from lmcache_async.tokens import Tokens, token_array
 
 __all__ = ["SegmentHasher"]
@@ -99,8 +100,13 @@ class SegmentHasher:
         if position < len(array):
             bounds.append((position, len(array)))
         hash_function = self._hash
-        seed = self._seed
+        seed, tag = self._seed, self._namespace.tag
         return [
-            _new_span(start, end, _new_key(hash_function(array[start:end].tobytes() + seed)), None)
+            _new_span(
+                start,
+                end,
+                _new_key(tag + hash_function(array[start:end].tobytes() + seed)[TAG_BYTES:]),
+                None,
+            )
             for start, end in bounds
         ]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
-__all__ = ["Counters", "EngineStats", "PoolStats", "TierStats"]
+__all__ = ["Counters", "EngineStats", "PoolStats", "TenantUsage", "TierStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,21 @@ class PoolStats:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantUsage:
+    """One tenant's share of one tier."""
+
+    chunks: int = 0
+    bytes: int = 0
+    """Bytes of the tenant's chunks the tier holds (what its quota counts)."""
+    evictions: int = 0
+    """Chunks of the tenant evicted (to keep it under its quota, or to make room)."""
+    erased: int = 0
+    """Chunks of the tenant removed by erasure."""
+    quota_bytes: int | None = None
+    """The tenant's quota in this tier, None when it has none."""
+
+
+@dataclass(frozen=True, slots=True)
 class TierStats:
     """A snapshot of one tier: contents, traffic and health."""
 
@@ -48,6 +64,9 @@ class TierStats:
     was deleted."""
     errors: int = 0
     """Operations that failed against the tier (I/O or connection errors)."""
+    tenants: Mapping[str, TenantUsage] = field(default_factory=lambda: MappingProxyType({}))
+    """Usage by tenant tag (8 hex characters, :func:`lmcache_async.tenants.tag_hex`), for
+    the tenants the tier has seen."""
 
 
 @dataclass(slots=True)

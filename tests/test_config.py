@@ -42,6 +42,8 @@ EXPECTED_DEFAULTS: dict[str, Any] = {
     "health_check_interval": 1.0,
     "remove_after_retrieve": False,
     "use_layerwise": False,
+    "tenant_quotas": None,
+    "encryption_key_file": None,
     "log_level": "INFO",
     "log_format": "console",
 }
@@ -133,6 +135,14 @@ INVALID_VALUES: list[tuple[str, Any]] = [
     ("log_level", 20),
     ("log_format", "xml"),
     ("log_format", None),
+    ("tenant_quotas", "cpu.a=-1"),
+    ("tenant_quotas", {"gpu": {"a": 1}}),
+    ("tenant_quotas", {"cpu": {"a": True}}),
+    ("tenant_quotas", "cpu.a=6"),  # larger than the 5 GB CPU tier
+    ("tenant_quotas", {"disk": {"a": 1}}),  # no disk tier
+    ("tenant_quotas", 3),
+    ("encryption_key_file", ""),
+    ("encryption_key_file", 7),
 ]
 
 
@@ -140,8 +150,42 @@ INVALID_VALUES: list[tuple[str, Any]] = [
 def test_invalid_value_names_its_field(field: str, value: Any) -> None:
     with pytest.raises(ConfigError) as info:
         EngineConfig(**{field: value})
+    # A field may name its part: tenant_quotas.cpu.alice.
+    assert info.value.field == field or info.value.field.startswith(field + ".")
+    assert str(info.value).startswith(info.value.field + ": ")
+
+
+@pytest.mark.parametrize(
+    ("value", "field"),
+    [
+        ("cpu.a=-1", "tenant_quotas.cpu.a"),
+        ({"cpu": {"a": True}}, "tenant_quotas.cpu.a"),
+        ({"gpu": {"a": 1}}, "tenant_quotas.gpu"),
+        ("cpu.a=6", "tenant_quotas.cpu"),
+        ({"disk": {"a": 1}}, "tenant_quotas.disk"),
+        ({"redis": {"a": 1}}, "tenant_quotas.redis"),
+        ("cpu.a=1,cpu.a=2", "tenant_quotas.cpu.a"),
+        ("cpu.a", "tenant_quotas"),
+        ({"cpu": {}}, "tenant_quotas.cpu"),
+    ],
+)
+def test_a_bad_quota_names_its_part(value: Any, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(tenant_quotas=value)
     assert info.value.field == field
-    assert str(info.value).startswith(field + ": ")
+
+
+def test_quotas_parse_from_text_and_mapping_alike_and_round_trip() -> None:
+    text = EngineConfig(tenant_quotas="cpu.alice=1.5, cpu.*=0.5")
+    mapping = EngineConfig(tenant_quotas={"cpu": {"alice": 1.5, "*": 0.5}})
+    assert text.tenant_quotas == mapping.tenant_quotas
+    cpu = text.tenant_quotas.tier("cpu") if text.tenant_quotas else None
+    assert cpu is not None
+    assert cpu.limit("alice") == int(1.5 * 1024**3)
+    assert cpu.limit("bob") == cpu.limit(None) == 512 * 1024**2
+    assert EngineConfig.from_dict(text.to_dict()) == text
+    env = EngineConfig.load(environ={"LMCACHE_ASYNC_TENANT_QUOTAS": "cpu.alice=1.5,cpu.*=0.5"})
+    assert env.tenant_quotas == text.tenant_quotas
 
 
 def test_every_field_has_an_invalid_case() -> None:

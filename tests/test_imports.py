@@ -69,6 +69,7 @@ LAYER_OF: Final[Mapping[str, str]] = {
     "events": "ground floor",
     "stats": "ground floor",
     "health": "ground floor",
+    "quotas": "ground floor",  # config's tenant_quotas
     "_native": "ground floor",  # compiled C helpers: import nothing at all
     # data model
     "keys": "data model",
@@ -84,6 +85,7 @@ LAYER_OF: Final[Mapping[str, str]] = {
     "hashing": "data model",
     "digests": "data model",
     "digest_memo": "data model",
+    "tenants": "data model",
     # the rest, bottom up
     "backends": "backends",
     # The request core's two-phase store/load: it drives the backends' storage manager, and

@@ -63,6 +63,17 @@ def reference_seed(ns: Namespace, algorithm: HashAlgorithm) -> bytes:
     return reference_hash(algorithm)(encoded)
 
 
+def reference_tag(tenant: str | None) -> bytes:
+    """The tenant tag, from the design: blake3 of a domain and the tagged name, 4 bytes."""
+    data = b"\x00" if tenant is None else b"\x01" + tenant.encode()
+    return blake3.blake3(b"lmcache_async/tenant/v1\x00" + data).digest(length=4)
+
+
+def reference_key(digest: bytes, ns: Namespace = NS) -> bytes:
+    """A chain digest as a key: its first 4 bytes are the namespace tenant's tag."""
+    return reference_tag(ns.tenant_salt) + digest[4:]
+
+
 def reference_digests(
     tokens: list[int], chunk_size: int, algorithm: HashAlgorithm, ns: Namespace = NS
 ) -> list[bytes]:
@@ -72,7 +83,7 @@ def reference_digests(
     for start in range(0, len(tokens), chunk_size):
         chunk = np.array(tokens[start : start + chunk_size], dtype="<i4").tobytes()
         prev = h(chunk + prev)
-        out.append(prev)
+        out.append(reference_key(prev, ns))
     return out
 
 
@@ -91,12 +102,12 @@ def suffix_mask(n: int, start: int) -> torch.Tensor:
         (
             HashAlgorithm.BLAKE3,
             "89be4f38e4c05e157a1646221dc65c09",
-            ["89417729de91a74f97b368de359f3be6", "b24016c74221b1250177c8698f1e286b"],
+            ["095826d8de91a74f97b368de359f3be6", "095826d84221b1250177c8698f1e286b"],
         ),
         (
             HashAlgorithm.XXH3_128,
             "ed89e6c3d1ceeea03280b67179ac4204",
-            ["aaae913cfb3033db2953954c1b647aec", "17c596a497582852532bc1c78d7d9144"],
+            ["095826d8fb3033db2953954c1b647aec", "095826d897582852532bc1c78d7d9144"],
         ),
     ],
 )
@@ -427,7 +438,7 @@ def reference_hash_spans(
         else:
             encoded = b"\x01" + item.to_bytes(32, "little", signed=True)
         prev = h(encoded + prev)
-        out.append(prev)
+        out.append(reference_key(prev))
     return out
 
 
@@ -523,7 +534,7 @@ def test_segment_keys_do_not_depend_on_position(algorithm: HashAlgorithm) -> Non
     h = reference_hash(algorithm)
     seed = NS.seed(algorithm)
     for span, doc in zip(first, (doc_a, doc_b, question), strict=True):
-        assert span.key.digest == h(np.array(doc, dtype="<i4").tobytes() + seed)
+        assert span.key.digest == reference_key(h(np.array(doc, dtype="<i4").tobytes() + seed))
 
 
 def test_segments_skip_empty_pieces_and_handle_edges() -> None:

@@ -13,7 +13,14 @@ import xxhash
 
 from lmcache_async.bench.baselines import timed
 from lmcache_async.bench.micro.options import TARGETS, VOCAB, MicroOptions
-from lmcache_async.keys import DIGEST_SIZE, NATIVE_CHAIN, ChunkHasher, HashAlgorithm, Namespace
+from lmcache_async.keys import (
+    DIGEST_SIZE,
+    NATIVE_CHAIN,
+    ChunkHasher,
+    HashAlgorithm,
+    Namespace,
+    tag_digests,
+)
 
 __all__ = ["HASH_ALGORITHMS", "hash_bench"]
 
@@ -40,7 +47,8 @@ def hash_bench(options: MicroOptions, chunk_size: int, gen: torch.Generator) -> 
         entry: dict[str, Any] = {}
         plain = _PLAIN_CHAINS[algorithm]
         seed = hasher.seed
-        if plain(seed, as_tensor, chunk_size) != hasher.digests(as_tensor):
+        # The hasher's keys are the chain's digests with the tenant tag in front.
+        if tag_digests(hasher.tag, plain(seed, as_tensor, chunk_size)) != hasher.digests(as_tensor):
             problems.append(f"{algorithm}: the plain chain gives other digests than the hasher")
         runs = options.hash_iterations
         from_list, _ = _paired_times(functools.partial(hasher.digests, as_list), None, runs)
