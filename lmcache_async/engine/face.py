@@ -191,6 +191,7 @@ class CacheEngine(Queries, TierControls):
         offsets: Sequence[int] | None = None,
         store_location: Sequence[str] | None = None,
         stream: torch.cuda.Stream | None = None,
+        tenant: str | None = None,
     ) -> int:
         """Copy the KV of ``tokens`` out of ``kv_caches`` into the cache.
 
@@ -208,8 +209,10 @@ class CacheEngine(Queries, TierControls):
         configured ``store_location``); disk and Redis are written behind the call unless
         ``wait_for_slow_tiers`` is set. ``stream``: the CUDA stream the KV was written on
         (default: the current stream of the caches' device, now); the copies read it as
-        it stands there when this is called. Ignored for caches on the CPU. Raises
-        InvalidInputError (nothing stored) for bad input.
+        it stands there when this is called. Ignored for caches on the CPU. ``tenant``:
+        whose KV this is (default: the engine's ``tenant``); it is bound into the keys, so
+        only requests of the same tenant find it. Raises InvalidInputError (nothing
+        stored) for bad input.
         """
         self._check_open()
         locations = self.check_locations(store_location, "store_location")
@@ -222,6 +225,7 @@ class CacheEngine(Queries, TierControls):
             req_id=req_id,
             hashes=hashes,
             offsets=offsets,
+            tenant=tenant,
         )
         request.locations = locations
         if not self._parts.core.store.open():
@@ -251,6 +255,7 @@ class CacheEngine(Queries, TierControls):
         offsets: Sequence[int] | None = None,
         retrieve_locations: Sequence[str] | None = None,
         stream: torch.cuda.Stream | None = None,
+        tenant: str | None = None,
     ) -> torch.Tensor:
         """Load the cached KV of the longest cached run of chunks from the mask start on.
 
@@ -263,7 +268,8 @@ class CacheEngine(Queries, TierControls):
         removed from the cache. ``stream``: the CUDA stream the KV is read on (default: the
         current stream of the caches' device, now); the copies come after what is queued
         there when this is called, and what is queued there next comes after them.
-        Ignored for caches on the CPU. Raises InvalidInputError for bad input.
+        Ignored for caches on the CPU. ``tenant``: whose KV is asked for (as
+        :meth:`store`). Raises InvalidInputError for bad input.
         """
         self._check_open()
         load = self._parts.core.load
@@ -279,6 +285,7 @@ class CacheEngine(Queries, TierControls):
                 req_id=req_id,
                 hashes=hashes,
                 offsets=offsets,
+                tenant=tenant,
             )
             request.locations = locations
             request.lookup_id = lookup_id
@@ -315,6 +322,7 @@ class CacheEngine(Queries, TierControls):
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         stream: torch.cuda.Stream | None = None,
+        tenant: str | None = None,
     ) -> StoreLayers:
         """Store like :meth:`store`, one layer at a time: an async iterator of
         ``num_layers + 1`` steps (await one after each layer's compute, which starts that
@@ -322,9 +330,9 @@ class CacheEngine(Queries, TierControls):
         yield None). Each chunk is stored as one ``KV_T2D`` payload per layer and counts as
         cached once every layer is. ``aclose()`` before the end stores nothing and returns
         the memory taken. ``stream``: where the layers are computed (as :meth:`store`);
-        each step's copy reads what was queued there before the step. Raises
-        InvalidInputError here for bad input (tokens checked off the loop: at the first
-        step).
+        each step's copy reads what was queued there before the step. ``tenant`` as
+        :meth:`store`. Raises InvalidInputError here for bad input (tokens checked off the
+        loop: at the first step).
         """
         self._check_open()
         request, start = self._parts.keys.prepare(
@@ -336,6 +344,7 @@ class CacheEngine(Queries, TierControls):
             req_id=req_id,
             hashes=hashes,
             offsets=offsets,
+            tenant=tenant,
         )
         _capture_stream(request, stream)
         accepted = self._parts.core.store.open()
@@ -355,6 +364,7 @@ class CacheEngine(Queries, TierControls):
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         stream: torch.cuda.Stream | None = None,
+        tenant: str | None = None,
     ) -> RetrieveLayers:
         """Retrieve like :meth:`retrieve`, one layer at a time: an async iterator of
         ``num_layers + 1`` steps. The first looks up the chunks whose every layer is
@@ -363,7 +373,7 @@ class CacheEngine(Queries, TierControls):
         Pins held for ``lookup_id`` are released when the iterator ends; ``aclose()``
         before the end returns every reference taken. ``stream``: where the layers are
         read (as :meth:`retrieve`); each layer's copy has completed when its step returns.
-        Raises InvalidInputError here for bad input.
+        ``tenant`` as :meth:`retrieve`. Raises InvalidInputError here for bad input.
         """
         self._check_open()
         try:
@@ -376,6 +386,7 @@ class CacheEngine(Queries, TierControls):
                 req_id=req_id,
                 hashes=hashes,
                 offsets=offsets,
+                tenant=tenant,
             )
             _capture_stream(request, stream)
         except BaseException:
@@ -400,6 +411,14 @@ class CacheEngine(Queries, TierControls):
         and chunk size computes the same keys (:meth:`lookup_digests`)."""
         return self._parts.hasher
 
+    def hasher_for(self, tenant: str | None) -> ChunkHasher:
+        """The hasher of ``tenant``'s chunk keys (None: :attr:`key_hasher`).
+
+        Raises:
+            InvalidInputError: ``tenant`` is not a valid tenant name.
+        """
+        return self._parts.hashers.for_tenant(tenant)
+
     async def chunk_spans(
         self,
         tokens: Tokens | None = None,
@@ -407,13 +426,15 @@ class CacheEngine(Queries, TierControls):
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         start: int = 0,
+        tenant: str | None = None,
     ) -> tuple[list[ChunkSpan], np.ndarray | None]:
         """The chunks of a request from token ``start`` (a chunk boundary) on, as store
-        and retrieve cut it, and its tokens as int32 (None when keyed by ``hashes``). A long
-        prompt is hashed in a worker thread. Raises InvalidInputError for bad input."""
+        and retrieve cut it for ``tenant``, and its tokens as int32 (None when keyed by
+        ``hashes``). A long prompt is hashed in a worker thread. Raises InvalidInputError
+        for bad input."""
         self._check_open()
         return await self._parts.keys.chunk_spans(
-            tokens, hashes=hashes, offsets=offsets, start=start
+            tokens, hashes=hashes, offsets=offsets, start=start, tenant=tenant
         )
 
 

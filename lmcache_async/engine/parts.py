@@ -30,7 +30,9 @@ from ..pipelines.retrieve import build_retrieve_stages
 from ..pipelines.stage import Pipeline
 from ..pipelines.store import build_store_stages
 from ..stats import Counters
+from ..tenants import TenantNames
 from .execute import Runner
+from .hashers import TenantHashers
 from .lookups import Lookups
 from .requests import RequestKeys
 from .tiers import check_tier_settings
@@ -50,6 +52,7 @@ class EngineParts:
     layout: KVLayout
     namespace: Namespace
     hasher: ChunkHasher
+    hashers: TenantHashers
     kv_views: KVCacheViews
     keys: RequestKeys
     events: EventBuffer
@@ -108,7 +111,8 @@ def build_parts(
     )
     kv_views = KVCacheViews(layout)  # the serving engine's caches, checked once
     # A sidecar's lookups come as digest frames.
-    keys = RequestKeys(config, hasher, DigestFrames(_DIGEST_MEMO_PROMPTS), kv_views)
+    hashers = TenantHashers(hasher, TenantNames())
+    keys = RequestKeys(config, hashers, DigestFrames(_DIGEST_MEMO_PROMPTS), kv_views)
     events = EventBuffer(config.max_kv_events, enabled=config.enable_kv_events)
     pool = (
         MemoryPool(config.cpu_capacity_bytes)
@@ -202,6 +206,7 @@ def build_parts(
         layout,
         namespace,
         hasher,
+        hashers,
         kv_views,
         keys,
         events,

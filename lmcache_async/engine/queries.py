@@ -25,8 +25,10 @@ class Queries(EngineBase):
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         search_range: Sequence[str] | None = None,
+        tenant: str | None = None,
     ) -> int:
-        """Number of prefix tokens (from token 0) whose KV is cached in any tier.
+        """Number of prefix tokens (from token 0) whose KV is cached in any tier for
+        ``tenant`` (default: the engine's ``tenant``).
 
         The prefix may begin in the CPU tier and continue on disk or in Redis;
         ``search_range`` limits the tiers asked (default: ``retrieve_locations``). With
@@ -38,7 +40,7 @@ class Queries(EngineBase):
         if pin and lookup_id is None:
             raise InvalidInputError("pin=True needs a lookup_id")
         locations = self.check_locations(search_range, "search_range")
-        keys, ends, num_tokens = await self._parts.keys.lookup_keys(tokens, hashes, offsets)
+        keys, ends, num_tokens = await self._parts.keys.lookup_keys(tokens, hashes, offsets, tenant)
         return await self._parts.lookups.lookup(
             keys, ends, num_tokens, lookup_id=lookup_id, pin=pin, locations=locations
         )
@@ -51,21 +53,24 @@ class Queries(EngineBase):
         lookup_id: Hashable | None = None,
         pin: bool = False,
         search_range: Sequence[str] | None = None,
+        tenant: str | None = None,
     ) -> int:
         """As :meth:`lookup`, for a prompt of ``num_tokens`` tokens whose chunk digests
-        (:attr:`key_hasher`'s ``digests``, one per chunk, the last maybe short) were
+        (``hasher_for(tenant)``'s ``digests``, one per chunk, the last maybe short) were
         computed by the caller, e.g. a sidecar client: no tokens cross the wire.
         ``digests`` may also come as their concatenation (bytes or a view, as a wire frame
         holds them).
 
         Raises:
             InvalidInputError: ``num_tokens`` is not an int >= 0, the number of digests is
-                not that of its chunks, a digest is not ``DIGEST_SIZE`` bytes, or as
-                :meth:`lookup`.
+                not that of its chunks, a digest is not ``DIGEST_SIZE`` bytes or not
+                ``tenant``'s, or as :meth:`lookup`.
         """
         self._check_open()
         locations = self.check_locations(search_range, "search_range")
-        keys = self._parts.keys.digest_keys(digests, num_tokens, lookup_id=lookup_id, pin=pin)
+        keys = self._parts.keys.digest_keys(
+            digests, num_tokens, lookup_id=lookup_id, pin=pin, tenant=tenant
+        )
         return await self._parts.lookups.lookup(
             keys, [], num_tokens, lookup_id=lookup_id, pin=pin, locations=locations
         )
@@ -77,6 +82,7 @@ class Queries(EngineBase):
         *,
         lookup_id: Hashable | None = None,
         pin: bool = False,
+        tenant: str | None = None,
     ) -> int | None:
         """:meth:`lookup_digests` over the configured tiers, answered without waiting when
         the CPU tier can answer it alone; None (nothing done) when disk or Redis must be
@@ -87,7 +93,9 @@ class Queries(EngineBase):
             InvalidInputError: as :meth:`lookup_digests`.
         """
         self._check_open()
-        keys = self._parts.keys.digest_keys(digests, num_tokens, lookup_id=lookup_id, pin=pin)
+        keys = self._parts.keys.digest_keys(
+            digests, num_tokens, lookup_id=lookup_id, pin=pin, tenant=tenant
+        )
         return self._parts.lookups.now(keys, [], num_tokens, lookup_id=lookup_id, pin=pin)
 
     async def prefetch(
@@ -98,8 +106,10 @@ class Queries(EngineBase):
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         search_range: Sequence[str] | None = None,
+        tenant: str | None = None,
     ) -> int:
-        """Look up a prompt and start loading its hits from disk or Redis into host memory.
+        """Look up a prompt (of ``tenant``, as :meth:`lookup`) and start loading its hits
+        from disk or Redis into host memory.
 
         Returns the prefix tokens cached (as :meth:`lookup`) at once; the loading runs in
         the background, and a later :meth:`retrieve` with the same ``lookup_id`` waits for
@@ -110,7 +120,7 @@ class Queries(EngineBase):
         if lookup_id is None:
             raise InvalidInputError("prefetch needs a lookup_id")
         locations = self.check_locations(search_range, "search_range")
-        keys, ends, num_tokens = await self._parts.keys.lookup_keys(tokens, hashes, offsets)
+        keys, ends, num_tokens = await self._parts.keys.lookup_keys(tokens, hashes, offsets, tenant)
         return await self._parts.lookups.prefetch(
             keys, ends, num_tokens, lookup_id=lookup_id, locations=locations
         )

@@ -20,10 +20,12 @@ import torch
 from ..config import EngineConfig
 from ..errors import InvalidInputError
 from ..key_input import check_key_input, check_sequence
-from ..keys import DIGEST_SIZE, ChunkHasher, ChunkSpan, DigestFrames, check_mask, token_array
+from ..keys import DIGEST_SIZE, ChunkSpan, DigestFrames, check_mask, token_array
 from ..layouts import KVCacheViews
 from ..pipelines.common import Keyer, Request
+from ..tenants import TAG_BYTES, tag_hex
 from ..tokens import Tokens, is_strict_int
+from .hashers import TenantHashers
 
 __all__ = ["RequestKeys"]
 
@@ -31,19 +33,20 @@ R = TypeVar("R", bound=Request)
 
 
 class RequestKeys:
-    """Turns key input into chunk keys and requests, for one engine's hasher and caches."""
+    """Turns key input into chunk keys and requests, for one engine's hashers (one per
+    tenant) and caches. ``tenant`` None is the engine's own tenant."""
 
     def __init__(
         self,
         config: EngineConfig,
-        hasher: ChunkHasher,
+        hashers: TenantHashers,
         frames: DigestFrames,
         kv_views: KVCacheViews,
     ) -> None:
         self._chunk_size = config.chunk_size
         self._save_unfull = config.save_unfull_chunk
         self._inline_hash_tokens = config.inline_hash_tokens
-        self._hasher = hasher
+        self._hashers = hashers
         self._frames = frames
         self._kv_views = kv_views
         self._request_ids = itertools.count()
@@ -58,11 +61,13 @@ class RequestKeys:
         ends: list[int] | None,
         num_tokens: int,
         start: int,
+        *,
+        tenant: str | None,
     ) -> Keyer:
         """The keyer of checked key input: it gives the chunks from token ``start`` (a
         chunk boundary) on."""
         save_unfull = self._save_unfull
-        hasher = self._hasher
+        hasher = self._hashers.for_tenant(tenant)
         first = start // self._chunk_size
         if ends is not None:
             assert hashes is not None  # check_key_input: offsets come with hashes
@@ -94,6 +99,7 @@ class RequestKeys:
         req_id: str | None,
         hashes: Sequence[int | bytes] | None,
         offsets: Sequence[int] | None,
+        tenant: str | None = None,
     ) -> tuple[R, int]:
         """A request of ``request_type`` with its transfer plan, and the mask's start.
         Short prompts are hashed here, so invalid tokens fail before anything is queued.
@@ -104,7 +110,7 @@ class RequestKeys:
         ends = check_key_input(tokens, hashes, offsets)
         num_tokens = _length(tokens, ends)
         start = check_mask(mask, num_tokens, self._chunk_size)
-        keyer = self._keyer(tokens, hashes, ends, num_tokens, start)
+        keyer = self._keyer(tokens, hashes, ends, num_tokens, start, tenant=tenant)
         inline = self._inline(ends, num_tokens)
         plan, slots_cpu = self._kv_views.plan(kv_caches, slot_mapping, num_tokens)
         request = request_type(
@@ -127,6 +133,7 @@ class RequestKeys:
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         start: int = 0,
+        tenant: str | None = None,
     ) -> tuple[list[ChunkSpan], np.ndarray | None]:
         """The chunks of a request from token ``start`` on, and its tokens as int32 (None
         when keyed by ``hashes``). A long prompt is hashed in a worker thread.
@@ -136,7 +143,7 @@ class RequestKeys:
         """
         ends = check_key_input(tokens, hashes, offsets)
         num_tokens = _length(tokens, ends)
-        keyer = self._keyer(tokens, hashes, ends, num_tokens, start)
+        keyer = self._keyer(tokens, hashes, ends, num_tokens, start, tenant=tenant)
         if self._inline(ends, num_tokens):
             return keyer()
         return await anyio.to_thread.run_sync(keyer)
@@ -146,6 +153,7 @@ class RequestKeys:
         tokens: Tokens | None,
         hashes: Sequence[int | bytes] | None,
         offsets: Sequence[int] | None,
+        tenant: str | None = None,
     ) -> tuple[Sequence[bytes], list[int], int]:
         """The chunk keys of a prompt, the end token of each (empty: every chunk is
         ``chunk_size`` long) and the prompt's length.
@@ -156,11 +164,11 @@ class RequestKeys:
         ends = check_key_input(tokens, hashes, offsets)
         num_tokens = _length(tokens, ends)
         if ends is not None:
-            spans, _ = self._keyer(tokens, hashes, ends, num_tokens, 0)()
+            spans, _ = self._keyer(tokens, hashes, ends, num_tokens, 0, tenant=tenant)()
             return [span.key for span in spans], [span.end for span in spans], num_tokens
         # Only the digests are needed: a whole-chunk key is its digest.
         assert tokens is not None
-        hasher = self._hasher
+        hasher = self._hashers.for_tenant(tenant)
         keys: Sequence[bytes]
         if num_tokens < self._inline_hash_tokens:
             keys = hasher.digests(tokens)
@@ -185,12 +193,15 @@ class RequestKeys:
         *,
         lookup_id: Hashable | None,
         pin: bool,
+        tenant: str | None = None,
     ) -> Sequence[bytes]:
-        """The keys a lookup by chunk digests (a client computed them) looks for, checked.
+        """The keys a lookup by chunk digests (a client computed them with ``tenant``'s
+        hasher) looks for, checked.
 
         Raises:
             InvalidInputError: ``pin`` without a ``lookup_id``, ``num_tokens`` not an int
-                >= 0, a digest not :data:`DIGEST_SIZE` bytes, or not one digest per chunk.
+                >= 0, a digest not :data:`DIGEST_SIZE` bytes, not one digest per chunk, or
+                a digest that is not ``tenant``'s (its tag is another's).
         """
         if pin and lookup_id is None:
             raise InvalidInputError("pin=True needs a lookup_id")
@@ -212,6 +223,7 @@ class RequestKeys:
                 f"{num_tokens} tokens make {-(-num_tokens // chunk)} chunks of {chunk},"
                 f" got {len(keys)} digests"
             )
+        _check_tags(keys, self._hashers.tag(tenant))
         if num_tokens % chunk and not self._save_unfull:
             return keys[:-1]
         return keys
@@ -231,6 +243,15 @@ def _length(tokens: Tokens | None, ends: list[int] | None) -> int:
             raise InvalidInputError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
         return int(tokens.shape[0])
     return len(check_sequence("tokens", tokens))
+
+
+def _check_tags(keys: Sequence[bytes], tag: bytes) -> None:
+    """InvalidInputError unless every key starts with ``tag``: a client keys a tenant's
+    prompt with that tenant's hasher, and one tenant never asks for another's chunks."""
+    if keys and {key[:TAG_BYTES] for key in keys} != {tag}:
+        raise InvalidInputError(
+            f"digests are not of the tenant named (its keys start with {tag_hex(tag)})"
+        )
 
 
 def _already_hashed(request: Request) -> Keyer:

@@ -1,0 +1,87 @@
+"""The key hasher of each tenant a request names.
+
+A tenant is bound into the chunk keys through the key chain's seed and the key's leading
+tag (:mod:`lmcache_async.tenants`), so each tenant needs a hasher of its own. The engine's
+namespace gives the default tenant (its ``tenant_salt``); a request that names another
+gets that tenant's hasher, built once and kept among the most recently used few.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Final
+
+from ..keys import ChunkHasher
+from ..tenants import TenantNames
+
+__all__ = ["TENANT_HASHERS", "TenantHashers"]
+
+TENANT_HASHERS: Final = 256
+"""Hashers of named tenants kept (each with a small digest memo)."""
+
+_TENANT_MEMO_PROMPTS: Final = 4
+
+
+class TenantHashers:
+    """The default hasher, and one per tenant named by a request (LRU, ``capacity``).
+
+    Every tenant keyed for is recorded in ``names`` (figures by tenant show names).
+    """
+
+    __slots__ = ("_base", "_capacity", "_hashers", "_names")
+
+    def __init__(
+        self, base: ChunkHasher, names: TenantNames, *, capacity: int = TENANT_HASHERS
+    ) -> None:
+        self._base = base
+        self._names = names
+        self._capacity = capacity
+        self._hashers: collections.OrderedDict[str | None, ChunkHasher] = collections.OrderedDict()
+        names.add(base.namespace.tenant_salt)
+
+    @property
+    def default(self) -> ChunkHasher:
+        """The hasher of the engine's own tenant."""
+        return self._base
+
+    @property
+    def names(self) -> TenantNames:
+        """The names of the tenants keyed for."""
+        return self._names
+
+    def for_tenant(self, tenant: str | None) -> ChunkHasher:
+        """The hasher of ``tenant``; None is the engine's own tenant.
+
+        Raises:
+            InvalidInputError: ``tenant`` is not a valid tenant name.
+        """
+        base = self._base
+        if tenant is None or tenant == base.namespace.tenant_salt:
+            return base
+        hashers = self._hashers
+        hasher = hashers.get(tenant)
+        if hasher is not None:
+            hashers.move_to_end(tenant)
+            return hasher
+        namespace = base.namespace.with_tenant(tenant)  # checks the name
+        hasher = ChunkHasher(
+            namespace,
+            chunk_size=base.chunk_size,
+            algorithm=base.algorithm,
+            memo_size=_TENANT_MEMO_PROMPTS,
+        )
+        self._names.add(tenant)
+        hashers[tenant] = hasher
+        if len(hashers) > self._capacity:
+            hashers.popitem(last=False)
+        return hasher
+
+    def tag(self, tenant: str | None) -> bytes:
+        """The tag of ``tenant``'s keys (None: the engine's own tenant), recorded by name.
+
+        Raises:
+            InvalidInputError: ``tenant`` is not a valid tenant name.
+        """
+        if tenant is None:
+            return self._base.tag
+        return self._names.add(tenant)
