@@ -52,9 +52,12 @@ async def test_a_prompt_stored_for_one_tenant_is_found_only_by_that_tenant(
             )
             assert loaded.tolist() == prefix_mask(N, 0, N).tolist()
     if tiers == "disk":
-        tag = tenant_tag("a").hex()
-        names = [p.name for p in tmp_path.rglob("*") if p.is_file() and tag in p.name]
-        assert names, "the tenant's chunks are files whose names start with its tag"
+        assert _files_of(tmp_path, "a"), "the tenant's chunk files start with its tag"
+
+
+def _files_of(directory: Path, tenant: str) -> list[str]:
+    tag = tenant_tag(tenant).hex()
+    return [p.name for p in directory.rglob("*") if p.is_file() and p.name.startswith(tag)]
 
 
 @pytest.mark.anyio
