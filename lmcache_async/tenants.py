@@ -145,3 +145,9 @@ class TenantLimits:
     def limit(self, tag: bytes) -> int | None:
         """The quota in bytes of the tenant with ``tag``, or None when it has none."""
         return self._by_tag.get(tag, self._default)
+
+    @property
+    def largest(self) -> int:
+        """The largest quota in bytes (0 when nobody has one), to check against a tier's
+        capacity."""
+        return max([*self._by_tag.values(), self._default or 0])

@@ -11,43 +11,37 @@ Batches travel through pipelines: one round trip of ``EXISTS`` for a prefix look
 that, so the checksums of the next quarter run while this one is sent). On a standalone
 server a write's ``SET`` commands are written to the socket straight from the objects'
 memory; in cluster mode (``redis-cluster://``) the records are copied into a buffer and the
-cluster pipeline splits every batch by node. Checksums, copies and codecs of large batches
-run in worker threads, never on the event loop (:mod:`.redis_records`).
+cluster pipeline splits every batch by node (:mod:`.redis_put`). Checksums, copies and
+codecs of large batches run in worker threads, never on the event loop
+(:mod:`.redis_records`).
 
 Every call runs under a deadline, and connection errors and timeouts mark the tier
 unhealthy until :meth:`RedisBackend.check_health` gets an answer again
-(:mod:`.redis_conn`, which also parses ``remote_url``).
+(:mod:`.redis_conn`, which also parses ``remote_url``). Tenant quotas are kept in the server
+(shared by every host) and tenants are erased by key prefix (:mod:`.redis_tenants`).
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, Final
 
-import anyio
-import anyio.to_thread
 import structlog
 
 from ..errors import ConfigError, InvalidInputError, TierError
 from ..keys import ChunkKey
 from ..memory import MemoryObj, MemoryPool
 from ..stats import TierStats
+from ..tenants import TenantLimits
 from .base import StorageBackend, leading_run
 from .counters import TierCounters
 from .record import RecordSpec
 from .redis_conn import DEFAULT_TIMEOUT, RedisConnection, RedisTarget, parse_remote_url
-from .redis_records import (
-    INLINE_BYTES,
-    Commands,
-    Encoded,
-    RecordLoader,
-    encode_into,
-    overlapped,
-    set_commands,
-)
+from .redis_put import RecordWriter
+from .redis_records import RecordLoader, overlapped
+from .redis_tenants import TenantIndex, glob_escape
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
@@ -72,12 +66,6 @@ PUT_SPLIT: Final = 4
 checking and copying the next batch overlaps sending this one (a put of one full batch
 would otherwise do all its CPU work before its first byte leaves)."""
 
-_SCRATCH_BUFFERS: Final = 2
-"""Encoding buffers kept for reuse by cluster puts (one per concurrent put; more are made
-as needed)."""
-
-_GLOB_SPECIAL: Final = str.maketrans({c: "\\" + c for c in "*?[]\\"})
-
 
 def _positive(value: object, name: str) -> float:
     if (
@@ -101,9 +89,22 @@ class RedisBackend(StorageBackend):
     :meth:`stats` counts what this client saw: ``chunks`` and ``bytes`` are entries it added
     and has not removed, since the server is shared and entries may expire.
 
+    ``limits`` gives tenants quotas of record bytes, kept in the server's index and shared
+    by every host that uses the same server and prefix (:mod:`.redis_tenants`): a put
+    that takes a tenant over its quota evicts the tenant's least recently used chunks (a
+    chunk larger than the quota is not written), and hits refresh their last use. Redis'
+    own ``maxmemory`` eviction is outside the quotas: with them, use a
+    ``maxmemory-policy`` of ``noeviction`` or ``volatile-*``. ``stats().tenants`` has
+    each tenant this client has seen: for one with a quota, the count and bytes the
+    server's index reported to this client's last write, hit or removal of it (every
+    host's chunks); for the others, what this client added and has not removed.
+    ``evictions`` counts chunks this client evicted to keep a quota, and
+    :attr:`quota_refusals` those it did not store, each larger than its tenant's quota.
+
     Raises:
         ConfigError: a bad URL (``remote_url``), timeout (``remote_timeout``), TTL
-            (``remote_ttl``), key prefix (``remote_key_prefix``) or batch size.
+            (``remote_ttl``), key prefix (``remote_key_prefix``), batch size or
+            ``limits`` (``tenant_quotas.redis``).
     """
 
     name = "redis"
@@ -119,6 +120,7 @@ class RedisBackend(StorageBackend):
         ttl: float | None = None,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
+        limits: TenantLimits | None = None,
     ) -> None:
         target = parse_remote_url(url)
         timeout = _positive(timeout, "remote_timeout")
@@ -134,7 +136,8 @@ class RedisBackend(StorageBackend):
         self._batch_keys = max(1, batch_bytes // self._chunk_bytes)
         self._counts = TierCounters()
         self._conn = RedisConnection(target, timeout=timeout, counters=self._counts)
-        self._scratch: list[bytearray] = []
+        self._tenants = TenantIndex(self._conn, self._prefix, limits, self._ttl_ms)
+        self._writer = RecordWriter(self._conn, self._ttl_ms, self._stored)
         self._chunks = self._bytes = 0
 
     @classmethod
@@ -149,14 +152,17 @@ class RedisBackend(StorageBackend):
         ttl: float | None = None,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
+        limits: TenantLimits | None = None,
     ) -> RedisBackend:
-        """Validate the settings, connect and probe the server once.
+        """Validate the settings, connect and probe the server once; with quotas, check
+        that none is larger than the server's ``maxmemory`` (a cluster's: its primaries').
 
         A server that does not answer yet is not an error: the tier starts unhealthy and
-        the health monitor brings it in when :meth:`check_health` succeeds.
+        the health monitor brings it in when :meth:`check_health` succeeds (unchecked).
 
         Raises:
-            ConfigError: a bad setting (see the class).
+            ConfigError: a bad setting (see the class), or a quota over ``maxmemory``
+                (field ``tenant_quotas.redis``).
         """
         backend = cls(
             url,
@@ -167,9 +173,16 @@ class RedisBackend(StorageBackend):
             ttl=ttl,
             key_prefix=key_prefix,
             batch_bytes=batch_bytes,
+            limits=limits,
         )
-        if not await backend.check_health():
-            log.warning("redis_tier_unreachable_at_start", url=backend._conn.target.display)
+        try:
+            if await backend.check_health():
+                await backend._tenants.check_capacity()
+            else:
+                log.warning("redis_tier_unreachable_at_start", url=backend._conn.target.display)
+        except BaseException:
+            await backend.aclose()
+            raise
         return backend
 
     def _key(self, key: ChunkKey) -> bytes:
@@ -207,6 +220,7 @@ class RedisBackend(StorageBackend):
             EngineClosedError: the tier or the pool is closed.
         """
         out = await self._get(keys, prefix=False)
+        await self._touch(out, keys)
         self._counts.got(len(keys), sum(obj is not None for obj in out))
         return out
 
@@ -222,8 +236,23 @@ class RedisBackend(StorageBackend):
             As :meth:`get`.
         """
         run = leading_run(await self._get(keys, prefix=True))
+        await self._touch(run, keys[: len(run)])
         self._counts.got(min(len(keys), len(run) + 1), len(run))
         return run
+
+    async def _touch(self, got: Sequence[MemoryObj | None], keys: Sequence[ChunkKey]) -> None:
+        """Refresh the last use of the hits (tenants with a quota only)."""
+        if not self._tenants.active:
+            return
+        try:
+            await self._tenants.touch(
+                [k for k, obj in zip(keys, got, strict=True) if obj is not None]
+            )
+        except BaseException:
+            for obj in got:
+                if obj is not None:
+                    obj.unref()
+            raise
 
     async def _get(self, keys: Sequence[ChunkKey], *, prefix: bool) -> list[MemoryObj | None]:
         """Fetch and load ``keys`` batch by batch; with ``prefix``, stop at the batch with
@@ -259,7 +288,8 @@ class RedisBackend(StorageBackend):
             log.warning("tier_entry_corrupt", tier=self.name, key=key.to_str(), reason=reason)
         self._counts.corrupt += len(entries)
         try:
-            await self._conn.unlink([self._key(key) for key, _ in entries])
+            gone = await self._conn.unlink_each([self._key(key) for key, _ in entries])
+            await self._tenants.removed([key for key, _ in entries], gone)
         except TierError as exc:
             # The read already missed; a later read finds the entry corrupt again.
             log.warning("redis_corrupt_delete_failed", chunks=len(entries), error=str(exc))
@@ -288,137 +318,24 @@ class RedisBackend(StorageBackend):
         rkeys = [self._key(k) for k in keys]
         # Skipping stored keys saves sending their payloads; SET NX still guards the race.
         todo = [i for i, present in enumerate(await self._conn.exists(rkeys)) if not present]
+        todo = self._tenants.admit(keys, objs, todo)
         step = -(-self._batch_keys // PUT_SPLIT)
         batches = [todo[i : i + step] for i in range(0, len(todo), step)]
-        if self._conn.cluster:
-            return await self._put_copied(keys, objs, rkeys, batches, spec or self._spec)
-        return await self._put_direct(keys, objs, rkeys, batches, spec or self._spec)
+        return await self._writer.write(keys, objs, rkeys, batches, spec or self._spec)
 
-    def _count_stored(self, sizes: Sequence[int], replies: Sequence[Any]) -> int:
-        """Count the records of one batch that the server stored; returns how many."""
-        added = 0
-        for size, stored in zip(sizes, replies, strict=True):
-            if stored:
-                added += 1
-                self._bytes += size
+    async def _stored(
+        self, keys: Sequence[ChunkKey], sizes: Sequence[int], replies: Sequence[Any]
+    ) -> int:
+        """Count the records of one batch that the server stored, and keep their
+        tenants' quotas (deleting what they evict or refuse); returns how many were new."""
+        new = [(k, size) for k, size, ok in zip(keys, sizes, replies, strict=True) if ok]
+        recorded = await self._tenants.stored(new)
+        added = len(new) - recorded.refused
+        self._bytes += sum(size for _, size in new) - recorded.refused_bytes
         self._chunks += added
+        self._forget(recorded.evicted)
         self._counts.puts += added
         return added
-
-    # -- put, standalone: SET commands written from the objects' memory -------------------
-
-    async def _put_direct(
-        self,
-        keys: Sequence[ChunkKey],
-        objs: Sequence[MemoryObj],
-        rkeys: Sequence[bytes],
-        batches: Sequence[Sequence[int]],
-        spec: RecordSpec,
-    ) -> int:
-        """Put on a standalone server: each batch's ``SET`` commands go out with every
-        large payload written from its object's memory, never copied in user space.
-
-        The references are held for the whole put: views on the objects pass from the
-        encoding stage to the sending one, and a batch encoded but never sent (the put
-        failed or was cancelled) is simply dropped.
-        """
-        held = [objs[i].ref() for batch in batches for i in batch]
-        added = 0
-
-        async def encode(n: int) -> Commands:
-            indices = batches[n]
-            args = (
-                [rkeys[i] for i in indices],
-                [keys[i] for i in indices],
-                [objs[i] for i in indices],
-                spec,
-                self._ttl_ms,
-            )
-            if sum(objs[i].nbytes for i in indices) > INLINE_BYTES:
-                # Not cancellable: the objects must outlive the thread that reads them.
-                return await anyio.to_thread.run_sync(set_commands, *args)
-            return set_commands(*args)
-
-        async def send(n: int, commands: Commands) -> bool:
-            nonlocal added
-            write = functools.partial(
-                self._conn.write_packed, commands.buffers, len(commands.sizes)
-            )
-            replies = await self._conn.call("set", write, sum(commands.sizes))
-            added += self._count_stored(commands.sizes, replies)
-            return False
-
-        try:
-            await overlapped(len(batches), encode, send)
-        finally:
-            for obj in held:
-                obj.unref()
-        return added
-
-    # -- put, cluster: records copied into scratch buffers, sent by the cluster pipeline --
-
-    async def _put_copied(
-        self,
-        keys: Sequence[ChunkKey],
-        objs: Sequence[MemoryObj],
-        rkeys: Sequence[bytes],
-        batches: Sequence[Sequence[int]],
-        spec: RecordSpec,
-    ) -> int:
-        """Put on a cluster: each batch's records are copied into a reused buffer and sent
-        by the cluster pipeline, which splits them by node (the direct path above talks to
-        one connection of one server)."""
-        added = 0
-
-        async def encode(n: int) -> Encoded:
-            return await self._encode_batch(keys, objs, batches[n], spec)
-
-        async def send(n: int, encoded: Encoded) -> bool:
-            nonlocal added
-            added += await self._send_batch([rkeys[i] for i in batches[n]], encoded)
-            # Reused only once the server has answered: a send cut short may leave views
-            # on the buffer in the transport's queue, still to be flushed.
-            if len(self._scratch) < _SCRATCH_BUFFERS:
-                self._scratch.append(encoded.buffer)
-            return False
-
-        await overlapped(len(batches), encode, send)
-        return added
-
-    async def _encode_batch(
-        self,
-        keys: Sequence[ChunkKey],
-        objs: Sequence[MemoryObj],
-        indices: Sequence[int],
-        spec: RecordSpec,
-    ) -> Encoded:
-        """The records of one batch, one after the other in a scratch buffer."""
-        held = [objs[i].ref() for i in indices]
-        buffer = self._scratch.pop() if self._scratch else bytearray()
-        try:
-            if sum(obj.nbytes for obj in held) > INLINE_BYTES:
-                # Not cancellable: the objects must outlive the thread that reads them.
-                buffer, ends = await anyio.to_thread.run_sync(
-                    encode_into, buffer, [keys[i] for i in indices], held, spec
-                )
-            else:
-                buffer, ends = encode_into(buffer, [keys[i] for i in indices], held, spec)
-        finally:
-            for obj in held:
-                obj.unref()
-        return Encoded(buffer, ends)
-
-    async def _send_batch(self, rkeys: Sequence[bytes], encoded: Encoded) -> int:
-        """SET NX the records of one batch in one round trip; returns how many were new."""
-        view = memoryview(encoded.buffer)
-        values = [view[a:b] for a, b in itertools.pairwise([0, *encoded.ends])]
-
-        def build(pipe: Any) -> None:
-            for rkey, value in zip(rkeys, values, strict=True):
-                pipe.set(rkey, value, nx=True, px=self._ttl_ms)
-
-        results = await self._conn.pipelined("set", build, encoded.ends[-1])
-        return self._count_stored([len(value) for value in values], results)
 
     async def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Delete the given keys; returns how many were stored.
@@ -429,22 +346,38 @@ class RedisBackend(StorageBackend):
         """
         if not keys:
             return 0
-        removed = await self._conn.unlink([self._key(k) for k in keys])
-        self._forget(removed)
-        return removed
+        gone = await self._conn.unlink_each([self._key(k) for k in keys])
+        self._forget(sum(gone))
+        await self._tenants.removed(keys, gone)
+        return sum(gone)
 
     async def clear(self) -> int:
-        """Delete every key under this tier's prefix (on every cluster node); returns how
-        many there were.
+        """Delete every key under this tier's prefix (on every cluster node), tenant
+        indexes included; returns how many there were, indexes not counted.
 
         Raises:
             TierUnavailableError: Redis is unreachable or did not answer in time.
             TierError: Redis reported another error.
         """
-        pattern = self._prefix.decode().translate(_GLOB_SPECIAL) + "*"
-        removed = await self._conn.unlink_matching(pattern)
+        pattern = glob_escape(self._prefix.decode()) + "*"
+        removed = await self._conn.unlink_matching(pattern, self._tenants.is_chunk_key)
         self._chunks = self._bytes = 0
+        self._tenants.cleared()
         return removed
+
+    async def erase_tenant(self, tag: bytes) -> int:
+        """Delete every record of the tenant with ``tag``, of every model and host, found
+        by key prefix (a ``SCAN`` of every primary, page by page, each page under the
+        deadline), and its quota index; returns how many records there were.
+
+        Raises:
+            InvalidInputError: ``tag`` is not a tenant tag (4 bytes).
+            TierUnavailableError: Redis is unreachable or did not answer in time.
+            TierError: Redis reported another error.
+        """
+        erased = await self._tenants.erase(tag)
+        self._forget(erased)
+        return erased
 
     def _forget(self, removed: int) -> None:
         if self._chunks:
@@ -462,15 +395,21 @@ class RedisBackend(StorageBackend):
         return await self._conn.ping()
 
     def stats(self) -> TierStats:
-        return self._counts.stats(
+        stats = self._counts.stats(
             self.name,
             chunks=self._chunks,
             nbytes=self._bytes,
-            evictions=0,
+            evictions=self._tenants.evictions,
             healthy=self.healthy(),
         )
+        return dataclasses.replace(stats, tenants=self._tenants.usage())
+
+    @property
+    def quota_refusals(self) -> int:
+        """Chunks this client did not store, each larger than its tenant's quota."""
+        return self._tenants.refused
 
     async def aclose(self) -> None:
         """Close the connections (idempotent); later calls raise EngineClosedError."""
-        self._scratch.clear()
+        self._writer.clear()
         await self._conn.aclose()

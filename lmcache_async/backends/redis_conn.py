@@ -276,11 +276,16 @@ class RedisConnection:
         return [bool(n) for n in await self.pipelined("exists", build)]
 
     async def unlink(self, rkeys: Sequence[bytes]) -> int:
+        return sum(await self.unlink_each(rkeys))
+
+    async def unlink_each(self, rkeys: Sequence[bytes]) -> list[bool]:
+        """Delete ``rkeys`` in one pipelined round trip; whether each was there."""
+
         def build(pipe: Any) -> None:
             for rkey in rkeys:
                 pipe.execute_command("UNLINK", rkey)
 
-        return sum(int(n) for n in await self.pipelined("unlink", build))
+        return [bool(n) for n in await self.pipelined("unlink", build)]
 
     async def get_values(self, rkeys: Sequence[bytes], nbytes: int) -> list[bytes | None]:
         """The values of ``rkeys`` (None where missing) in one pipelined round trip of
@@ -343,10 +348,13 @@ class RedisConnection:
             await pool.release(conn)
         return answers
 
-    async def unlink_matching(self, pattern: str) -> int:
+    async def unlink_matching(
+        self, pattern: str, counted: Callable[[bytes], bool] | None = None
+    ) -> int:
         """Delete every key matching the glob ``pattern`` (on every node of a cluster),
-        page by page as a ``SCAN`` finds them; returns how many there were. Each step of
-        the scan, not the whole of it, gets the deadline: a large store takes many pages.
+        page by page as a ``SCAN`` finds them; returns how many there were (of those
+        ``counted`` accepts, when given). Each step of the scan, not the whole of it, gets
+        the deadline: a large store takes many pages.
 
         Raises:
             TierUnavailableError: the server is unreachable or did not answer in time.
@@ -362,14 +370,23 @@ class RedisConnection:
                 except StopAsyncIteration:
                     break
                 if len(page) == _SCAN_COUNT:
-                    removed += await self.unlink(page)
+                    removed += await self._unlink_counted(page, counted)
                     page = []
             if page:
-                removed += await self.unlink(page)
+                removed += await self._unlink_counted(page, counted)
         finally:
             with anyio.CancelScope(shield=True):
                 await found.aclose()
         return removed
+
+    async def _unlink_counted(
+        self, rkeys: Sequence[bytes], counted: Callable[[bytes], bool] | None
+    ) -> int:
+        gone = await self.unlink_each(rkeys)
+        return sum(
+            was and (counted is None or counted(rkey))
+            for rkey, was in zip(rkeys, gone, strict=True)
+        )
 
     async def ping(self) -> bool:
         """PING the server (every primary of a cluster) within the timeout; updates
