@@ -2,15 +2,25 @@
 
 Every cached chunk holds one reference on its :class:`MemoryObj`. Eviction (asked for by the
 pool when an allocation does not fit) drops least recently used entries that nobody else
-references and nobody has pinned. The synchronous ``*_nowait`` methods are what the storage
-manager calls on the event loop: each is a dictionary operation per key, far cheaper than a
-task switch; the async methods of :class:`StorageBackend` wrap them.
+references and nobody has pinned.
+
+*Tenants* (:mod:`.tenant_ledger`): usage is accounted per tenant tag. With quotas
+(``limits``), a put of a tenant first evicts that tenant's own least recently used chunks
+so that it stays within its quota (a chunk that cannot fit is not stored, and counted), and
+the pool's eviction never takes a chunk of a tenant within its quota. :meth:`erase_tenant`
+drops a tenant's chunks at once, pinned or not: a pinned chunk's memory is freed when its
+last pin and reference end, and no lookup finds it meanwhile.
+
+The synchronous ``*_nowait`` methods are what the storage manager calls on the event loop:
+each is a dictionary operation per key, far cheaper than a task switch; the async methods
+of :class:`StorageBackend` wrap them.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import cast
 
 import structlog
@@ -19,9 +29,11 @@ from ..errors import InvalidInputError
 from ..keys import ChunkKey
 from ..memory import MemoryObj, MemoryPool
 from ..stats import TierStats
+from ..tenants import TAG_BYTES, TenantLimits, tag_hex
 from .base import StorageBackend
 from .lru import held_prefix_count, held_prefix_values
 from .record import RecordSpec
+from .tenant_ledger import TenantLedger, check_tag
 
 __all__ = ["CPUBackend"]
 
@@ -33,13 +45,21 @@ EvictionListener = Callable[[list[ChunkKey]], None]
 class CPUBackend(StorageBackend):
     """LRU map of chunk keys to payloads in ``pool``; registers itself as the pool's evictor.
 
-    ``on_evict`` is told which keys eviction dropped (for KV events).
+    ``on_evict`` is told which keys eviction dropped (for KV events), quota evictions
+    included. ``limits``: the tenants' quotas in this tier (none by default).
     """
 
     name = "cpu"
 
-    def __init__(self, pool: MemoryPool, *, on_evict: EvictionListener | None = None) -> None:
+    def __init__(
+        self,
+        pool: MemoryPool,
+        *,
+        on_evict: EvictionListener | None = None,
+        limits: TenantLimits | None = None,
+    ) -> None:
         self._pool = pool
+        self._ledger = TenantLedger(limits)
         # Keys are ChunkKeys; typed as bytes so a bare digest can probe the index.
         self._entries: collections.OrderedDict[bytes, MemoryObj] = collections.OrderedDict()
         self._bytes = 0
@@ -61,6 +81,8 @@ class CPUBackend(StorageBackend):
     def contains_prefix_nowait(self, keys: Sequence[bytes]) -> int:
         """Number of leading keys held; hits become most recently used."""
         n = held_prefix_count(self._entries, keys)
+        if n and self._ledger.active:
+            self._ledger.touch(keys, n)
         self._hits += n
         if n < len(keys):
             self._misses += 1
@@ -69,32 +91,60 @@ class CPUBackend(StorageBackend):
     def get_prefix_nowait(self, keys: Sequence[bytes]) -> list[MemoryObj]:
         """Payloads of the leading keys held, each with a reference for the caller; hits
         become most recently used."""
-        return [obj.ref() for obj in held_prefix_values(self._entries, keys)]
+        objs = held_prefix_values(self._entries, keys)
+        if objs and self._ledger.active:
+            self._ledger.touch(keys, len(objs))
+        return [obj.ref() for obj in objs]
 
     def get_nowait(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         out: list[MemoryObj | None] = []
+        per_tenant = self._ledger.active
         for key in keys:
             obj = self._entries.get(key)
             if obj is not None:
                 self._entries.move_to_end(key)
+                if per_tenant:
+                    self._ledger.touch_one(key)
                 out.append(obj.ref())
             else:
                 out.append(None)
         return out
 
     def put_nowait(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
-        """Cache ``objs`` under ``keys``; a key already held keeps its payload."""
+        """Cache ``objs`` under ``keys``; a key already held keeps its payload.
+
+        A tenant with a quota first loses its own least recently used evictable chunks
+        until the new one fits; a chunk that cannot fit (larger than the quota, or the
+        quota held by pinned or referenced chunks) is not stored and is counted in
+        :attr:`quota_refusals`. Returns how many chunks were added.
+        """
         if len(keys) != len(objs):
             raise InvalidInputError("keys and objs differ in length")
+        ledger = self._ledger
         added = 0
+        quota_evicted: list[ChunkKey] = []
         for key, obj in zip(keys, objs, strict=True):
             if key in self._entries:
                 self._entries.move_to_end(key)
+                if ledger.active:
+                    ledger.touch_one(key)
                 continue
+            if ledger.active:
+                own = ledger.victims(key[:TAG_BYTES], obj.nbytes, self._evictable)
+                if own is None:
+                    ledger.refuse(key)
+                    continue
+                for victim in own:
+                    self._evict_entry(victim)
+                    quota_evicted.append(cast(ChunkKey, victim))
             self._entries[key] = obj.ref()
             self._bytes += obj.nbytes
+            ledger.add(key, obj.nbytes)
             added += 1
         self._puts += added
+        if quota_evicted:
+            log.debug("cpu_tier_quota_evicted", chunks=len(quota_evicted))
+            self._evicted(quota_evicted)
         return added
 
     def remove_nowait(self, keys: Sequence[ChunkKey]) -> int:
@@ -102,6 +152,7 @@ class CPUBackend(StorageBackend):
         for key in keys:
             obj = self._entries.pop(key, None)
             if obj is not None:
+                self._ledger.remove(key)
                 self._drop(obj)
                 removed += 1
         return removed
@@ -112,7 +163,28 @@ class CPUBackend(StorageBackend):
         for obj in self._entries.values():
             self._drop(obj)
         self._entries.clear()
+        self._ledger.clear()
         return keys
+
+    def erase_tenant_nowait(self, tag: bytes) -> list[ChunkKey]:
+        """Drop every chunk of the tenant with ``tag``; returns their keys.
+
+        A chunk pinned or referenced now is dropped from the index at once (no lookup
+        finds it any more) and its memory returns to the pool when its last pin and
+        reference end.
+
+        Raises:
+            InvalidInputError: ``tag`` is not a tenant tag.
+        """
+        keys = self._ledger.erase(check_tag(tag))
+        in_use = 0
+        for key in keys:
+            obj = self._entries.pop(key)
+            in_use += obj.pin_count > 0 or obj.ref_count > 1
+            self._drop(obj)
+        if keys:
+            log.info("cpu_tier_tenant_erased", tag=tag_hex(tag), chunks=len(keys), in_use=in_use)
+        return [cast(ChunkKey, key) for key in keys]
 
     def pin_prefix_nowait(self, keys: Sequence[bytes]) -> list[MemoryObj]:
         """Pin the leading keys held; returns their payloads, each referenced and pinned."""
@@ -123,24 +195,30 @@ class CPUBackend(StorageBackend):
 
     def evict(self, nbytes: int) -> int:
         """Drop unpinned, otherwise unreferenced entries, oldest first, until ``nbytes`` are
-        released or none is left; returns the bytes released."""
-        page = self._pool.page_size
-        released = 0
-        victims: list[ChunkKey] = []
-        for key, obj in self._entries.items():  # oldest first
-            if released >= nbytes:
-                break
-            if obj.pin_count == 0 and obj.ref_count == 1:
-                victims.append(cast(ChunkKey, key))
-                released += -(-obj.nbytes // page) * page  # whole pages go back
+        released or none is left; returns the bytes released. A chunk of a tenant within
+        its quota is never dropped."""
+        victims, released = self._ledger.pick_unprotected(
+            self._entries, nbytes, evictable=self._evictable, round_to=self._pool.page_size
+        )  # whole pages go back to the pool
         for key in victims:
-            self._drop(self._entries.pop(key))
+            self._evict_entry(key)
         if victims:
-            self._evictions += len(victims)
             log.debug("cpu_tier_evicted", chunks=len(victims), bytes=released, wanted=nbytes)
-            if self._on_evict is not None:
-                self._on_evict(victims)
+            self._evicted([cast(ChunkKey, key) for key in victims])
         return released
+
+    def _evictable(self, key: bytes) -> bool:
+        obj = self._entries[key]
+        return obj.pin_count == 0 and obj.ref_count == 1
+
+    def _evict_entry(self, key: bytes) -> None:
+        self._ledger.evicted(key)
+        self._drop(self._entries.pop(key))
+
+    def _evicted(self, keys: list[ChunkKey]) -> None:
+        self._evictions += len(keys)
+        if self._on_evict is not None:
+            self._on_evict(keys)
 
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
         """Tell ``listener`` which keys each eviction drops."""
@@ -176,6 +254,20 @@ class CPUBackend(StorageBackend):
     async def clear(self) -> int:
         return len(self.clear_nowait())
 
+    async def erase_tenant(self, tag: bytes) -> int:
+        """:meth:`erase_tenant_nowait`; returns how many chunks were dropped."""
+        return len(self.erase_tenant_nowait(tag))
+
+    @property
+    def quota_refusals(self) -> int:
+        """Chunks not stored because their tenant's quota could not take them."""
+        return self._ledger.refused
+
+    @property
+    def ledger(self) -> TenantLedger:
+        """The tier's accounts by tenant."""
+        return self._ledger
+
     def healthy(self) -> bool:
         return not self._pool.closed
 
@@ -189,6 +281,7 @@ class CPUBackend(StorageBackend):
             puts=self._puts,
             evictions=self._evictions,
             healthy=self.healthy(),
+            tenants=MappingProxyType(self._ledger.usage()),
         )
 
     async def aclose(self) -> None:

@@ -19,6 +19,9 @@ Files of another KV layout are left alone: engines of other models may share the
 directory. One running engine per directory and layout is supported; two at once would
 each keep their own index and capacity.
 
+*Tenants*: usage by tenant tag and the quotas of ``limits`` are kept by the index
+(:mod:`.disk_index`, :mod:`.tenant_ledger`), rebuilt at open from the files' keys.
+
 *Threads*: the index and counters belong to the event loop; worker threads only do file
 I/O, checksums and codecs, one thread call per batch. Writes (put, eviction, remove,
 clear) are serialized by a lock; reads are not, since a file is replaced atomically and an
@@ -27,11 +30,12 @@ open file outlives its unlink, so a reader sees one whole record or none.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Final
 
 import anyio
@@ -40,7 +44,6 @@ import structlog
 
 from ..errors import (
     AllocationTimeoutError,
-    ConfigError,
     EngineClosedError,
     InvalidInputError,
     TierError,
@@ -48,6 +51,7 @@ from ..errors import (
 from ..keys import ChunkKey
 from ..memory import MemoryObj, MemoryPool
 from ..stats import TierStats
+from ..tenants import TenantLimits, tag_hex
 from .base import StorageBackend, leading_run
 from .counters import TierCounters
 from .disk_file import (
@@ -60,7 +64,9 @@ from .disk_file import (
     encode_batch,
 )
 from .disk_index import DiskEntry, DiskIndex
+from .disk_settings import check_disk_settings
 from .record import RecordSpec
+from .tenant_ledger import check_tag
 
 __all__ = ["CHUNK_SUFFIX", "DEFAULT_HEALTH_TIMEOUT", "TEMP_PREFIX", "DiskBackend"]
 
@@ -86,6 +92,7 @@ class DiskBackend(StorageBackend):
     counted in ``corrupt``. Write errors (a full disk, a read-only directory) raise
     :class:`~lmcache_async.errors.TierError`; read errors are misses. Both count in
     ``errors``. ``hits`` and ``misses`` count the keys :meth:`get` was asked for.
+    ``limits``: the tenants' quotas in this tier (none by default).
     """
 
     name = "disk"
@@ -100,6 +107,7 @@ class DiskBackend(StorageBackend):
         max_local_disk_size: int,
         fsync: bool = False,
         health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
+        limits: TenantLimits | None = None,
     ) -> None:
         """Check the settings; does no I/O (:meth:`open` does).
 
@@ -109,7 +117,7 @@ class DiskBackend(StorageBackend):
             InvalidInputError: ``allocation_timeout`` or ``health_timeout`` is not a number
                 >= 0 (> 0 for the health timeout).
         """
-        _check_settings(local_disk, max_local_disk_size, allocation_timeout, health_timeout)
+        check_disk_settings(local_disk, max_local_disk_size, allocation_timeout, health_timeout)
         self._files = RecordFiles(Path(os.fspath(local_disk)), fsync=bool(fsync))
         self._pool = pool
         self._spec = spec
@@ -117,7 +125,7 @@ class DiskBackend(StorageBackend):
         self._health_timeout = float(health_timeout)
         self._state = _State.NEW
         self._healthy = False
-        self._index = DiskIndex(max_local_disk_size)
+        self._index = DiskIndex(max_local_disk_size, limits)
         self._write_lock = anyio.Lock()
         self._counts = TierCounters()
 
@@ -132,6 +140,7 @@ class DiskBackend(StorageBackend):
         max_local_disk_size: int,
         fsync: bool = False,
         health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
+        limits: TenantLimits | None = None,
     ) -> DiskBackend:
         """Create the directory if missing, check it can be written and read, and rebuild
         the index from the files in it (in a worker thread).
@@ -148,6 +157,7 @@ class DiskBackend(StorageBackend):
             max_local_disk_size=max_local_disk_size,
             fsync=fsync,
             health_timeout=health_timeout,
+            limits=limits,
         )
         await backend._start()
         return backend
@@ -241,7 +251,7 @@ class DiskBackend(StorageBackend):
                 nbytes = sum(obj.nbytes for *_, obj in jobs)
                 outcomes = await self._files.read(self._spec, reads, nbytes)
                 settled = True
-                self._settle_reads(jobs, outcomes, out)
+                _settle_reads(self._index, self._counts, jobs, outcomes, out)
         finally:
             if not settled:
                 for _, _, _, obj in jobs:
@@ -262,36 +272,6 @@ class DiskBackend(StorageBackend):
             self._counts.misses += 1
         return leading_run(await self.get(keys[:held]))
 
-    def _settle_reads(
-        self,
-        jobs: list[tuple[int, bytes, DiskEntry, MemoryObj]],
-        outcomes: list[ReadOutcome],
-        out: list[MemoryObj | None],
-    ) -> None:
-        """Hand verified objects to ``out``; release the rest and drop their index entries."""
-        read_errors: list[str] = []
-        for (i, key, entry, obj), outcome in zip(jobs, outcomes, strict=True):
-            self._index.settle(key, entry, outcome.status)
-            if outcome.status is ReadStatus.OK:
-                out[i] = obj
-                continue
-            obj.unref()
-            if outcome.status is ReadStatus.ERROR:
-                read_errors.append(outcome.reason)
-            elif outcome.status is ReadStatus.CORRUPT:
-                self._counts.corrupt += 1
-                log.warning(
-                    "tier_entry_corrupt",
-                    tier=self.name,
-                    key=as_key(key).to_str(),
-                    reason=outcome.reason,
-                )
-            else:
-                log.debug("disk_tier_entry_vanished", key=as_key(key).to_str())
-        if read_errors:
-            self._counts.errors += 1
-            log.warning("disk_tier_read_failed", chunks=len(read_errors), error=read_errors[0])
-
     async def put(
         self,
         keys: Sequence[ChunkKey],
@@ -305,7 +285,9 @@ class DiskBackend(StorageBackend):
         the engine's ``compress``); it must describe the same layout.
 
         Older files are evicted first when the capacity would be exceeded; a chunk that
-        does not fit even in an empty tier is refused. The objects are referenced while
+        does not fit even in an empty tier is refused, and so is one its tenant's quota
+        cannot take, or one of a tenant erased since this put was called (see
+        :meth:`erase_tenant`). The objects are referenced while
         they are written; the caller keeps its own references. Records written before a
         failure stay indexed.
 
@@ -326,6 +308,7 @@ class DiskBackend(StorageBackend):
                     f"payload dtype {obj.dtype}, the tier stores {self._spec.dtype}"
                 )
         self._check_open()
+        mark = self._index.ledger.erasures
         held: list[MemoryObj] = []
         try:
             for obj in objs:
@@ -333,7 +316,7 @@ class DiskBackend(StorageBackend):
             async with self._write_lock:
                 self._check_open()
                 batch: list[tuple[bytes, MemoryObj]] = [
-                    (keys[i], held[i]) for i in self._index.to_write(keys)
+                    (keys[i], held[i]) for i in self._index.to_write(keys, since=mark)
                 ]
                 if not batch:
                     return 0
@@ -345,7 +328,9 @@ class DiskBackend(StorageBackend):
     async def _write(self, batch: list[tuple[bytes, MemoryObj]], spec: RecordSpec) -> int:
         """Encode, make room, write; the caller holds the write lock and the references."""
         encoded = await anyio.to_thread.run_sync(encode_batch, spec, batch)
-        admitted, evicted = self._index.admit([len(head) + len(body) for head, body in encoded])
+        admitted, evicted = self._index.admit(
+            [key for key, _ in batch], [len(head) + len(body) for head, body in encoded]
+        )
         if len(admitted) < len(batch):
             log.warning(
                 "disk_tier_chunks_refused",
@@ -411,12 +396,33 @@ class DiskBackend(StorageBackend):
             await self._delete(gone)
             return len(gone)
 
+    async def erase_tenant(self, tag: bytes) -> int:
+        """Delete the tenant's files (:meth:`DiskIndex.erase_tenant`); returns how many
+        record files were deleted. Waits for writes under way; a put called before this
+        returns writes none of the tenant's chunks after it.
+
+        Raises:
+            InvalidInputError: ``tag`` is not a tenant tag.
+            TierError: a file could not be deleted (the indexed ones are forgotten anyway).
+            EngineClosedError: the tier is not open.
+        """
+        check_tag(tag)
+        self._check_open()
+        async with self._write_lock:
+            self._check_open()
+            erased, temps, failures = await self._index.erase_tenant(self._files, tag)
+        log.info("disk_tier_tenant_erased", tag=tag_hex(tag), chunks=erased, temps=temps)
+        self._check_deleted(failures)
+        return erased
+
     async def _delete(self, keys: Sequence[bytes]) -> None:
         if not keys:
             return
         for key in keys:
             self._index.pop(key)
-        failures = await self._files.delete(keys)
+        self._check_deleted(await self._files.delete(keys))
+
+    def _check_deleted(self, failures: list[str]) -> None:
         if failures:
             self._counts.errors += 1
             log.warning("disk_tier_delete_failed", chunks=len(failures), error=failures[0])
@@ -449,13 +455,19 @@ class DiskBackend(StorageBackend):
         return ok
 
     def stats(self) -> TierStats:
-        return self._counts.stats(
+        stats = self._counts.stats(
             self.name,
             chunks=len(self._index),
             nbytes=self._index.bytes,
             evictions=self._index.evictions,
             healthy=self.healthy(),
         )
+        return dataclasses.replace(stats, tenants=MappingProxyType(self._index.ledger.usage()))
+
+    @property
+    def quota_refusals(self) -> int:
+        """Chunks not written because of their tenant's quota or other tenants'."""
+        return self._index.ledger.refused
 
     async def aclose(self) -> None:
         """Refuse new work, wait for writes under way, forget the index (files stay)."""
@@ -472,27 +484,33 @@ class DiskBackend(StorageBackend):
             raise EngineClosedError(f"disk tier is {self._state.value}, not open")
 
 
-def _check_settings(
-    local_disk: object,
-    max_local_disk_size: object,
-    allocation_timeout: object,
-    health_timeout: object,
+def _settle_reads(
+    index: DiskIndex,
+    counts: TierCounters,
+    jobs: list[tuple[int, bytes, DiskEntry, MemoryObj]],
+    outcomes: list[ReadOutcome],
+    out: list[MemoryObj | None],
 ) -> None:
-    """Check :class:`DiskBackend`'s settings (raises as its ``__init__`` says)."""
-    if not isinstance(local_disk, str | os.PathLike) or not os.fspath(local_disk):
-        raise ConfigError("local_disk", f"expected a directory path, got {local_disk!r}")
-    if isinstance(max_local_disk_size, bool) or not isinstance(max_local_disk_size, int):
-        raise ConfigError(
-            "max_local_disk_size", f"expected a size in bytes, got {max_local_disk_size!r}"
-        )
-    if max_local_disk_size <= 0:
-        raise ConfigError("max_local_disk_size", f"must be > 0 bytes, got {max_local_disk_size}")
-    _check_seconds("allocation_timeout", allocation_timeout, allow_zero=True)
-    _check_seconds("health_timeout", health_timeout, allow_zero=False)
-
-
-def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise InvalidInputError(f"{name} must be a number of seconds, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise InvalidInputError(f"{name} must be {'>=' if allow_zero else '>'} 0, got {value}")
+    """Hand verified objects to ``out``; release the rest and drop their index entries."""
+    read_errors: list[str] = []
+    for (i, key, entry, obj), outcome in zip(jobs, outcomes, strict=True):
+        index.settle(key, entry, outcome.status)
+        if outcome.status is ReadStatus.OK:
+            out[i] = obj
+            continue
+        obj.unref()
+        if outcome.status is ReadStatus.ERROR:
+            read_errors.append(outcome.reason)
+        elif outcome.status is ReadStatus.CORRUPT:
+            counts.corrupt += 1
+            log.warning(
+                "tier_entry_corrupt",
+                tier=DiskBackend.name,
+                key=as_key(key).to_str(),
+                reason=outcome.reason,
+            )
+        else:
+            log.debug("disk_tier_entry_vanished", key=as_key(key).to_str())
+    if read_errors:
+        counts.errors += 1
+        log.warning("disk_tier_read_failed", chunks=len(read_errors), error=read_errors[0])

@@ -2,9 +2,11 @@
 
 The index lives in memory, on the event loop, and is the tier's truth for lookups (a
 lookup reads no file). :meth:`DiskIndex.admit` plans the room a batch of writes needs
-within the capacity, evicting the oldest entries. At open the index is rebuilt by
-:func:`scan_directory` (in a worker thread) from each file's header, size and mtime
-(never its payload: checksums are verified on every read instead); the scan deletes
+within the capacity, evicting the oldest entries, and within the tenants' quotas (a
+:class:`~.tenant_ledger.TenantLedger`, whose accounts the index keeps in step). At open
+the index is rebuilt by :func:`scan_directory` (in a worker thread) from each file's
+header, size and mtime (never its payload: checksums are verified on every read instead),
+each file's tenant from its key, so usage by tenant survives a restart; the scan deletes
 temporary files whose writer process is gone, files whose header is bad or whose length
 does not match the file, and the oldest files beyond the capacity. Files written for
 another KV layout (another fingerprint) are left alone and not indexed: engines of other
@@ -27,18 +29,21 @@ import anyio.to_thread
 
 from ..errors import ConfigError, IntegrityError, InvalidInputError
 from ..keys import ChunkKey
+from ..tenants import TAG_BYTES, TenantLimits, tag_hex
 from .disk_file import (
     CHUNK_SUFFIX,
     TEMP_PREFIX,
     ReadStatus,
     RecordFiles,
     read_header,
+    unlink_all,
     unlink_if_same,
 )
 from .lru import held_prefix_count
 from .record import RecordSpec
+from .tenant_ledger import TenantLedger
 
-__all__ = ["DiskEntry", "DiskIndex", "Scan", "scan_directory"]
+__all__ = ["DiskEntry", "DiskIndex", "Scan", "erase_prefix", "scan_directory"]
 
 _STALE_TEMP_SECONDS: Final = 600.0
 """A temporary file this old is a leftover even if a process with its writer's pid runs."""
@@ -53,13 +58,16 @@ class DiskEntry:
 
 
 class DiskIndex:
-    """Entries by key, least recently used first, and their bytes, within ``capacity``.
+    """Entries by key, least recently used first, and their bytes, within ``capacity``
+    and the quotas of ``limits``.
 
     Keys are ChunkKeys, typed as bytes so that a bare digest can probe the index.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, limits: TenantLimits | None = None) -> None:
         self.capacity = capacity
+        self.ledger = TenantLedger(limits)
+        """The accounts by tenant of what is indexed."""
         self._entries: collections.OrderedDict[bytes, DiskEntry] = collections.OrderedDict()
         self.bytes = 0
         """Bytes of the files indexed."""
@@ -116,19 +124,30 @@ class DiskIndex:
         """Index a file just written, as the most recent."""
         self._entries[key] = entry
         self.bytes += entry.size
+        self.ledger.add(key, entry.size)
 
     def held_prefix(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` indexed; each becomes the most recent."""
-        return held_prefix_count(self._entries, keys)
+        n = held_prefix_count(self._entries, keys)
+        if n and self.ledger.active:
+            self.ledger.touch(keys, n)
+        return n
 
-    def to_write(self, keys: Sequence[bytes]) -> list[int]:
+    def to_write(self, keys: Sequence[bytes], since: int | None = None) -> list[int]:
         """What a put of ``keys`` must write: the position of the first occurrence of each
-        key not indexed. Keys indexed become the most recent (a put keeps them)."""
+        key not indexed, but none of a tenant erased since the ledger's
+        :attr:`~.tenant_ledger.TenantLedger.erasures` was ``since`` (when the put was
+        called). Keys indexed become the most recent (a put keeps them)."""
         todo: list[int] = []
         seen: set[bytes] = set()
+        ledger = self.ledger
+        erased = since is not None and since != ledger.erasures
         for i, key in enumerate(keys):
             if key in self._entries:
                 self._entries.move_to_end(key)
+                ledger.touch_one(key)
+            elif erased and ledger.erased_since(key, since or 0):
+                continue
             elif key not in seen:
                 seen.add(key)
                 todo.append(i)
@@ -143,41 +162,94 @@ class DiskIndex:
             return
         if status is ReadStatus.OK:
             self._entries.move_to_end(key)
+            self.ledger.touch_one(key)
         elif status is not ReadStatus.ERROR:
             del self._entries[key]
             self.bytes -= entry.size
+            self.ledger.remove(key)
 
     def pop(self, key: bytes) -> DiskEntry:
         """Forget ``key`` (which must be indexed); returns its entry."""
         entry = self._entries.pop(key)
         self.bytes -= entry.size
+        self.ledger.remove(key)
         return entry
 
-    def admit(self, sizes: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """Plan writing files of ``sizes``: which of them fit (their positions) and the
-        keys evicted to make room, oldest first (already forgotten here).
+    def admit(self, keys: Sequence[bytes], sizes: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Plan writing files of ``sizes`` for ``keys``: which of them fit (their positions)
+        and the keys evicted to make room, oldest first (already forgotten here).
 
-        A file larger than the capacity, or than what the files before it in the batch
-        leave of it, is refused: evicting older entries would not make room.
+        A file's tenant first loses its own oldest files to stay within its quota; then,
+        when the capacity is short, the oldest files of tenants not within a quota go. A
+        file is refused (nothing evicted for it) when it is larger than the capacity or
+        than what the files before it in the batch leave of it, larger than its tenant's
+        quota, or when only protected files could make room; quota refusals are counted
+        in the ledger.
         """
+        ledger = self.ledger
         admitted: list[int] = []
         victims: list[bytes] = []
         reserved = 0
-        for i, size in enumerate(sizes):
+        pending: dict[bytes, int] = {}  # bytes admitted in this batch, by tag
+        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             if reserved + size > self.capacity:
                 continue
-            while self.bytes + reserved + size > self.capacity and self._entries:
-                victim, entry = self._entries.popitem(last=False)
-                self.bytes -= entry.size
-                victims.append(victim)
-                self.evictions += 1
+            tag = key[:TAG_BYTES]
+            own = ledger.victims(tag, pending.get(tag, 0) + size)
+            if own is None:
+                ledger.refuse(key)
+                continue
+            own_bytes = sum(self._entries[k].size for k in own)
+            short = self.bytes - own_bytes + reserved + size - self.capacity
+            room: list[bytes] = []
+            if short > 0:
+                room, _ = ledger.pick_unprotected(
+                    self._entries, short, freed={tag: own_bytes}, whole=True
+                )
+                if not room:  # only protected files could make room
+                    ledger.refuse(key)
+                    continue
+            for victim in own + room:
+                self._evict(victim)
+            victims += own + room
             reserved += size
+            pending[tag] = pending.get(tag, 0) + size
             admitted.append(i)
         return admitted, victims
+
+    async def erase_tenant(self, files: RecordFiles, tag: bytes) -> tuple[int, int, list[str]]:
+        """Forget and delete every file of the tenant with ``tag``: those indexed, then any
+        other record or temporary file of ``files`` whose name starts with the tag's hex
+        (another process's, another layout's: found by name, never by reading a file).
+        The caller holds the tier's write lock; the erasure is marked in the ledger (see
+        :meth:`to_write`) even if the deletion fails.
+
+        Returns:
+            Record files deleted (indexed or not), temporary files deleted, the errors.
+        """
+        try:
+            keys = self.ledger.erase(tag)
+            for key in keys:
+                self.bytes -= self._entries.pop(key).size
+            paths = [files.path(key) for key in keys]
+            with anyio.CancelScope(shield=True):  # the index must learn what was deleted
+                others, temps, failures = await anyio.to_thread.run_sync(
+                    erase_prefix, files.directory, tag_hex(tag), paths
+                )
+            self.ledger.count_erased(tag, others)
+        finally:
+            self.ledger.mark_erased(tag)
+        return len(keys) + others, temps, failures
 
     def clear(self) -> None:
         self._entries.clear()
         self.bytes = 0
+        self.ledger.clear()
+
+    def _evict(self, key: bytes) -> None:
+        self.bytes -= self._entries.pop(key).size
+        self.ledger.evicted(key)
+        self.evictions += 1
 
 
 @dataclass(slots=True)
@@ -221,6 +293,42 @@ def scan_directory(directory: Path, spec: RecordSpec, capacity: int) -> Scan:
     scan.evicted = start
     scan.entries = [(key, entry) for _, _, key, entry in found[start:]]
     return scan
+
+
+def erase_prefix(directory: Path, prefix: str, known: list[Path]) -> tuple[int, int, list[str]]:
+    """Delete ``known``, then the record files and temporary files (writes under way)
+    under ``directory`` whose key's text starts with ``prefix`` (at least two hex
+    characters: one fan-out directory is listed, no file is read).
+
+    Returns:
+        Record files deleted besides ``known``, temporary files deleted, and the errors.
+    """
+    errors = unlink_all(known)
+    records = temps = 0
+    try:
+        with os.scandir(directory / prefix[:2]) as items:
+            names = [item.name for item in items]
+    except FileNotFoundError:
+        return records, temps, errors
+    except OSError as exc:
+        return records, temps, [*errors, str(exc)]
+    for name in names:
+        is_temp = name.startswith(TEMP_PREFIX)
+        final = name[len(TEMP_PREFIX) :].split("-", 2)[-1] if is_temp else name
+        if not (final.startswith(prefix) and final.endswith(CHUNK_SUFFIX)):
+            continue
+        try:
+            os.unlink(directory / prefix[:2] / name)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            errors.append(str(exc))
+            continue
+        if is_temp:
+            temps += 1
+        else:
+            records += 1
+    return records, temps, errors
 
 
 def _is_fanout(name: str) -> bool:

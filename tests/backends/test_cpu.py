@@ -9,6 +9,8 @@ import torch
 from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.keys import ChunkKey
 from lmcache_async.memory import MemoryPool
+from lmcache_async.stats import TenantUsage
+from lmcache_async.tenants import tag_hex, tenant_tag
 
 PAGE = 64 * 1024
 
@@ -110,4 +112,28 @@ async def test_pool_waiter_is_served_by_eviction() -> None:
     obj.unref()
     assert cpu.stats().evictions == 2
     await cpu.aclose()
+    assert pool.stats().used_bytes == 0
+
+
+def test_usage_is_accounted_by_tenant_without_quotas() -> None:
+    pool, cpu, evicted = make(pages=4)
+    a, b = tenant_tag("a"), tenant_tag("b")
+    keys = [ChunkKey(a + i.to_bytes(12, "little")) for i in range(4)]
+    other = ChunkKey(b + bytes(12))
+    for k in [*keys, other]:  # the pool is full at the last one: evicts the oldest
+        obj = pool.allocate_nowait((PAGE,), torch.uint8)
+        assert obj is not None
+        assert cpu.put_nowait([k], [obj]) == 1
+        obj.unref()
+    assert evicted == [[keys[0]]]
+    assert cpu.remove_nowait([keys[1]]) == 1
+    assert cpu.stats().tenants == {
+        tag_hex(a): TenantUsage(chunks=2, bytes=2 * PAGE, evictions=1),
+        tag_hex(b): TenantUsage(chunks=1, bytes=PAGE),
+    }
+    assert sorted(cpu.erase_tenant_nowait(a)) == sorted(keys[2:])
+    assert pool.stats().used_bytes == PAGE
+    assert cpu.stats().tenants[tag_hex(a)] == TenantUsage(erased=2, evictions=1)
+    cpu.clear_nowait()
+    assert cpu.stats().tenants[tag_hex(b)] == TenantUsage()
     assert pool.stats().used_bytes == 0

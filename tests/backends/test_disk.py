@@ -35,6 +35,7 @@ from lmcache_async.errors import (
 from lmcache_async.keys import ChunkKey
 from lmcache_async.layouts import KVLayout
 from lmcache_async.memory import MemoryObj, MemoryPool
+from lmcache_async.tenants import tag_hex, tenant_tag
 
 CHUNK = 16
 LAYOUT = KVLayout.vllm_flash_attn(
@@ -738,6 +739,51 @@ async def test_remove_and_clear(root: Path, pool: MemoryPool) -> None:
         assert chunk_files(root) == []
         assert (disk.stats().chunks, disk.stats().bytes) == (0, 0)
         assert await disk.get([key(0)]) == [None]
+
+
+@pytest.mark.anyio
+async def test_erase_tenant_finds_its_files_by_name_only(root: Path, pool: MemoryPool) -> None:
+    """Erasure reaches a tenant's layer keys and its files of another layout, and spares
+    a neighbour whose keys share the fan-out directory (the same first byte)."""
+    tag = tenant_tag("a")
+    neighbour = tag[:1] + bytes(b ^ 0xFF for b in tag[1:])
+    keys = [ChunkKey(tag + os.urandom(12)), ChunkKey(tag + os.urandom(12), layer=3)]
+    kept = [ChunkKey(neighbour + os.urandom(12)), ChunkKey(os.urandom(16))]
+    other_layout = KVLayout.vllm_flash_attn(
+        num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16
+    )
+    async with opened(root, pool, layout=other_layout) as other:
+        foreign = pool.allocate_nowait(other_layout.payload_shape(CHUNK), torch.bfloat16)
+        assert foreign is not None
+        foreign.tensor.fill_(1.5)
+        assert await other.put([ChunkKey(tag + os.urandom(12))], [foreign]) == 1
+        foreign.unref()
+    async with opened(root, pool) as disk:
+        objs = [make_obj(pool, i) for i in range(4)]
+        try:
+            assert await disk.put(keys + kept, objs) == 4
+        finally:
+            for obj in objs:
+                obj.unref()
+        with pytest.raises(InvalidInputError, match="tenant tag"):
+            await disk.erase_tenant(tag[:3])
+        assert await disk.erase_tenant(tag) == 3
+        assert [p.name.startswith(tag.hex()) for p in chunk_files(root)] == [False, False]
+        got = await disk.get(kept)
+        try:
+            assert [
+                item is not None and torch.equal(raw(item), expected(i))
+                for i, item in zip((2, 3), got, strict=True)
+            ] == [True, True]
+        finally:
+            for item in got:
+                if item is not None:
+                    item.unref()
+        usage = disk.stats().tenants[tag_hex(tag)]
+        assert (usage.chunks, usage.bytes, usage.erased) == (0, 0, 3)
+        assert disk.stats().chunks == 2
+    with pytest.raises(EngineClosedError):
+        await disk.erase_tenant(tag)
 
 
 @pytest.mark.anyio
