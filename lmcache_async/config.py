@@ -482,6 +482,14 @@ def _check_quota_capacity(config: EngineConfig) -> None:
                 f"a quota of {quota.largest / GB:g} GB is larger than the tier "
                 f"({setting} = {capacity / GB:g} GB)",
             )
+        if quota.named_total > capacity:
+            # Named tenants within their quotas are never evicted for another: the tier
+            # must be able to hold all of them.
+            raise ConfigError(
+                f"tenant_quotas.{tier}",
+                f"the named tenants' quotas add up to {quota.named_total / GB:g} GB, more "
+                f"than the tier ({setting} = {capacity / GB:g} GB)",
+            )
 
 
 def _check_locations(name: str, value: object) -> tuple[str, ...]:

@@ -49,6 +49,12 @@ class TierQuota:
         return self.default
 
     @property
+    def named_total(self) -> int:
+        """The sum of the named tenants' quotas, in bytes: what the tier must hold for
+        every one of them to be within its quota at once."""
+        return sum(self.named.values())
+
+    @property
     def largest(self) -> int:
         """The largest quota of this tier, in bytes (0 when there is none)."""
         return max([*self.named.values(), self.default or 0])

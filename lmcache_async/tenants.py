@@ -147,6 +147,15 @@ class TenantLimits:
         return self._by_tag.get(tag, self._default)
 
     @property
+    def has_default(self) -> bool:
+        """Whether tenants not named have a quota (the ``"*"`` entry)."""
+        return self._default is not None
+
+    def named(self, tag: bytes) -> bool:
+        """Whether the tenant with ``tag`` has a quota of its own (not the default)."""
+        return tag in self._by_tag
+
+    @property
     def largest(self) -> int:
         """The largest quota in bytes (0 when nobody has one), to check against a tier's
         capacity."""

@@ -162,6 +162,7 @@ def test_invalid_value_names_its_field(field: str, value: Any) -> None:
         ({"cpu": {"a": True}}, "tenant_quotas.cpu.a"),
         ({"gpu": {"a": 1}}, "tenant_quotas.gpu"),
         ("cpu.a=6", "tenant_quotas.cpu"),
+        ("cpu.a=3,cpu.b=3", "tenant_quotas.cpu"),  # 6 GB of named quotas in 5
         ({"disk": {"a": 1}}, "tenant_quotas.disk"),
         ({"redis": {"a": 1}}, "tenant_quotas.redis"),
         ("cpu.a=1,cpu.a=2", "tenant_quotas.cpu.a"),

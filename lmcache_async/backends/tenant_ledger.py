@@ -7,7 +7,10 @@ touches the tier's index or memory, it only answers which keys must go: :meth:`v
 :meth:`pick_unprotected` (the tier's oldest chunks that may go to make room for anyone).
 A tenant *within* its quota is protected: its chunks are never evicted for another
 tenant. A tenant with no quota is never protected, and one over its quota (quotas shrank
-since a restart) only until it is back within it.
+since a restart) only until it is back within it. Tenants under the default quota
+(``"*"``) are as many as there are names, more than any tier holds: when nothing else can
+make room, their oldest chunks go, and only the tenants named in the quotas (whose sum the
+config keeps within the tier) are never evicted for another.
 
 Without any quota (:attr:`TenantLedger.active` False) a put or a removal costs one
 dictionary update and a hit costs nothing: the per-tenant LRU order is kept only while
@@ -17,6 +20,7 @@ some quota can use it. Everything runs on the tier's event loop.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Iterable, Sequence
 
 from ..errors import InvalidInputError
@@ -186,14 +190,15 @@ class TenantLedger:
                 return out
         return None
 
-    def protected(self, key: bytes, freed: int = 0) -> bool:
+    def protected(self, key: bytes, freed: int = 0, *, default_too: bool = True) -> bool:
         """Whether the chunk's tenant is within its quota (with ``freed`` of its bytes
-        already chosen to go): then the chunk is never evicted for another tenant."""
+        already chosen to go): then the chunk is never evicted for another tenant. With
+        ``default_too`` False only tenants named in the quotas count."""
         if not self.active:
             return False
         tag = key[:TAG_BYTES]
         limit = self._limits.limit(tag)
-        if limit is None:
+        if limit is None or not (default_too or self._limits.named(tag)):
             return False
         account = self._accounts.get(tag)
         return account is None or account.bytes - freed <= limit
@@ -221,6 +226,33 @@ class TenantLedger:
                 return [], 0  # only protected chunks would be left: no walk over them
         taken = dict(freed) if freed else {}
         out: list[bytes] = []
+        pick = functools.partial(
+            self._pick, evictable=evictable, round_to=round_to, taken=taken, out=out
+        )
+        released = pick(oldest_first, needed, default_too=True)
+        if released < needed and self._limits.has_default:
+            # Not enough without them: tenants under the default quota give way too.
+            chosen = set(out)
+            rest = (key for key in oldest_first if key not in chosen)
+            released += pick(rest, needed - released, default_too=False)
+        if whole and released < needed:
+            return [], 0
+        if freed is not None:
+            freed.update(taken)
+        return out, released
+
+    def _pick(
+        self,
+        oldest_first: Iterable[bytes],
+        needed: int,
+        *,
+        evictable: KeyFilter | None,
+        round_to: int,
+        taken: dict[bytes, int],
+        out: list[bytes],
+        default_too: bool,
+    ) -> int:
+        """One pass of :meth:`pick_unprotected`: appends to ``out``, returns the bytes."""
         released = 0
         for key in oldest_first:
             if released >= needed:
@@ -228,18 +260,14 @@ class TenantLedger:
             if evictable is not None and not evictable(key):
                 continue
             tag = key[:TAG_BYTES]
-            if self.protected(key, taken.get(tag, 0)):
+            if self.protected(key, taken.get(tag, 0), default_too=default_too):
                 continue
             account = self._accounts.get(tag)
             nbytes = account.keys.get(key, 0) if account is not None else 0
             taken[tag] = taken.get(tag, 0) + nbytes
             released += -(-nbytes // round_to) * round_to
             out.append(key)
-        if whole and released < needed:
-            return [], 0
-        if freed is not None:
-            freed.update(taken)
-        return out, released
+        return released
 
     def refuse(self, key: bytes) -> None:
         """Count a chunk the tier did not store because of a quota."""
@@ -252,7 +280,7 @@ class TenantLedger:
         total = 0
         for tag, account in self._accounts.items():
             limit = self._limits.limit(tag)
-            if limit is None or account.bytes > limit:
+            if limit is None or account.bytes > limit or not self._limits.named(tag):
                 total += account.bytes + len(account.keys) * (round_to - 1)
         return total
 

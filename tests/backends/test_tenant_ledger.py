@@ -130,10 +130,21 @@ def test_pick_unprotected_counts_what_was_already_chosen() -> None:
 
 
 def test_nothing_to_pick_when_only_protected_chunks_are_left() -> None:
-    ledger = TenantLedger(limits(default=100))
+    ledger = TenantLedger(limits(a=100, c=100))
     filled(ledger, A, 3)
-    filled(ledger, C, 1, nbytes=5)  # c too has the default quota
+    filled(ledger, C, 1, nbytes=5)
     assert ledger.pick_unprotected(Unwalkable(), 10) == ([], 0)
+
+
+def test_tenants_under_the_default_quota_give_way_last_and_named_ones_never() -> None:
+    ledger = TenantLedger(limits(default=100, a=100))
+    named = filled(ledger, A, 2)  # within its own quota: never taken for another
+    b = filled(ledger, B, 2)  # within the default quota
+    c = filled(ledger, C, 2)
+    order = [named[0], b[0], c[0], named[1], b[1], c[1]]
+    assert ledger.pick_unprotected(order, 30) == ([b[0], c[0], b[1]], 30)
+    assert ledger.pick_unprotected(order, 100) == ([b[0], c[0], b[1], c[1]], 40)
+    assert ledger.pick_unprotected(order, 100, whole=True) == ([], 0)
 
 
 class Unwalkable:
