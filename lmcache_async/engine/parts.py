@@ -35,7 +35,7 @@ from .execute import Runner
 from .hashers import TenantHashers
 from .lookups import Lookups
 from .requests import RequestKeys
-from .tiers import check_tier_settings
+from .tiers import check_tier_settings, tier_limits
 
 __all__ = ["EngineBase", "EngineParts", "build_parts"]
 
@@ -127,7 +127,7 @@ def build_parts(
             f"({chunk_bytes} bytes for {config.chunk_size} tokens)",
         )
     check_tier_settings(config)
-    cpu = CPUBackend(pool)
+    cpu = CPUBackend(pool, limits=tier_limits(config, "cpu"))
     manager = StorageManager(
         cpu,
         events=events,

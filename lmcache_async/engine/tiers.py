@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..backends.base import StorageBackend
+from ..backends.cipher import RecordCipher
 from ..backends.codec import Codec
 from ..backends.disk import DiskBackend
 from ..backends.record import RecordSpec
@@ -10,8 +11,9 @@ from ..config import EngineConfig
 from ..errors import ConfigError
 from ..layouts import KVFormat, KVLayout, LayoutKind
 from ..memory import MemoryPool
+from ..tenants import TenantLimits
 
-__all__ = ["check_tier_settings", "open_slow_tiers", "record_spec"]
+__all__ = ["check_tier_settings", "open_slow_tiers", "record_spec", "tier_limits"]
 
 
 def check_tier_settings(config: EngineConfig) -> None:
@@ -31,7 +33,13 @@ def check_tier_settings(config: EngineConfig) -> None:
 
 def record_spec(config: EngineConfig, layout: KVLayout, codec: Codec | None = None) -> RecordSpec:
     """How an engine's chunks are written to disk and Redis (``codec``: the config's
-    ``tier_codec`` unless given)."""
+    ``tier_codec`` unless given; encrypted when the config names an
+    ``encryption_key_file``, which is read here).
+
+    Raises:
+        ConfigError: the key file cannot be read or holds no valid key.
+    """
+    key_file = config.encryption_key_file
     return RecordSpec(
         fingerprint=layout.fingerprint,
         fmt=str(layout.fmt),
@@ -41,7 +49,15 @@ def record_spec(config: EngineConfig, layout: KVLayout, codec: Codec | None = No
         codec=Codec(config.tier_codec) if codec is None else codec,
         layer_fmt=str(KVFormat.KV_MLA if layout.kind is LayoutKind.MLA else KVFormat.KV_T2D),
         layer_shape_of=layout.layer_payload_shape,
+        cipher=None if key_file is None else RecordCipher.from_key_file(key_file),
     )
+
+
+def tier_limits(config: EngineConfig, tier: str) -> TenantLimits | None:
+    """The tenant quotas of ``tier`` by tag, or None when it has none."""
+    quotas = config.tenant_quotas
+    quota = None if quotas is None else quotas.tier(tier)
+    return None if quota is None else TenantLimits(quota)
 
 
 async def open_slow_tiers(
@@ -63,6 +79,7 @@ async def open_slow_tiers(
                     spec=spec,
                     allocation_timeout=config.allocation_timeout,
                     max_local_disk_size=config.disk_capacity_bytes,
+                    limits=tier_limits(config, "disk"),
                 )
             )
         if config.remote_url is not None:
@@ -81,6 +98,7 @@ async def open_slow_tiers(
                     allocation_timeout=config.allocation_timeout,
                     timeout=config.remote_timeout,
                     ttl=config.remote_ttl,
+                    limits=tier_limits(config, "redis"),
                 )
             )
     except BaseException:
