@@ -13,7 +13,8 @@ Bytes that fail to decode (corrupt, truncated, trailing garbage, a header that d
 describe the requested tensor) raise :class:`~lmcache_async.errors.IntegrityError`; a
 decode never returns data of the wrong size. The compressed frames carry no content
 checksum of their own: the chunk record's checksum over the stored payload (see
-:mod:`.record`) already covers them, and lz4's would cost more than the decompression.
+:mod:`.record`; for an encrypted record, its authentication tag) already covers them, and
+lz4's would cost more than the decompression.
 """
 
 from __future__ import annotations

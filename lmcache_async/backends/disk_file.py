@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import functools
 import io
 import os
 import secrets
@@ -35,6 +36,7 @@ import torch
 from ..errors import IntegrityError
 from ..keys import DIGEST_SIZE, ChunkKey
 from ..memory import MemoryObj
+from .cipher import PIECE_BYTES, SealedReader, SealedWriter
 from .codec import Codec
 from .record import PREFIX_SIZE, RecordHeader, RecordSpec, tensor_bytes
 
@@ -74,6 +76,9 @@ _READ_THREADS: Final = 2
 """Worker threads one get reads with: a file read releases the GIL, the checksum does not,
 so while one thread verifies a payload the other reads the next; verification then costs
 little beyond the reads themselves."""
+
+Payload = bytes | memoryview | SealedWriter
+"""A record's payload as written: bytes, or sealed as it is written."""
 
 _SPLIT_READ_BYTES: Final = 1 << 20
 """A get splits its reads over threads only from this many payload bytes on."""
@@ -212,7 +217,7 @@ class RecordFiles:
         return outcomes
 
     async def write(
-        self, evicted: Sequence[bytes], writes: Sequence[tuple[bytes, bytes, bytes | memoryview]]
+        self, evicted: Sequence[bytes], writes: Sequence[tuple[bytes, bytes, Payload]]
     ) -> WriteResult:
         """Delete the files of ``evicted``, then write ``(key, header, payload)`` records in
         order, stopping at the first failure."""
@@ -271,6 +276,9 @@ def _read_record(
         raise IntegrityError(
             f"file is {file_size} bytes, its record {offset + header.length} bytes"
         )
+    if header.sealed and Codec(header.codec) is Codec.NONE:
+        _read_sealed(f, head[offset:], spec.sealed_reader(header, out))
+        return
     if Codec(header.codec) is Codec.NONE:
         # Straight into pool memory, verified there: no intermediate copy.
         dest = tensor_bytes(out)
@@ -300,6 +308,20 @@ def read_header(f: io.FileIO, file_size: int) -> tuple[bytes, RecordHeader, int]
     return head, header, offset
 
 
+def _read_sealed(f: io.FileIO, first: bytes, reader: SealedReader) -> None:
+    """Feed the rest of an encrypted payload to ``reader``, a piece at a time through a
+    buffer that stays in the CPU cache (decrypted straight into pool memory), then check
+    its tag."""
+    reader.feed(first[: reader.needed])
+    piece = memoryview(bytearray(min(PIECE_BYTES, reader.needed)))
+    while reader.needed:
+        got = f.readinto(piece[: reader.needed])
+        if not got:
+            raise IntegrityError("record file ended early")
+        reader.feed(piece[:got])
+    reader.finish()
+
+
 def _fill(f: io.FileIO, first: bytes, dest: memoryview) -> None:
     n = min(len(first), len(dest))
     dest[:n] = first[:n]
@@ -320,8 +342,8 @@ def unlink_if_same(path: Path, seen: os.stat_result) -> None:
 
 def encode_batch(
     spec: RecordSpec, batch: list[tuple[bytes, MemoryObj]]
-) -> list[tuple[bytes, bytes | memoryview]]:
-    return [spec.encode(key, obj) for key, obj in batch]
+) -> list[tuple[bytes, Payload]]:
+    return [spec.encode_deferred(key, obj) for key, obj in batch]
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +355,7 @@ class WriteResult:
 
 
 def write_batch(
-    victims: list[Path], writes: list[tuple[Path, bytes, bytes | memoryview]], fsync: bool
+    victims: list[Path], writes: list[tuple[Path, bytes, Payload]], fsync: bool
 ) -> WriteResult:
     """Delete evicted files, then write records in order, stopping at the first failure."""
     unlink_errors = unlink_all(victims)
@@ -347,7 +369,7 @@ def write_batch(
     return WriteResult(written, unlink_errors, None)
 
 
-def _write_record(path: Path, header: bytes, payload: bytes | memoryview, fsync: bool) -> None:
+def _write_record(path: Path, header: bytes, payload: Payload, fsync: bool) -> None:
     """Write one record to a temporary file and rename it to ``path``."""
     tmp = path.with_name(temp_name(path.name))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -359,7 +381,10 @@ def _write_record(path: Path, header: bytes, payload: bytes | memoryview, fsync:
     try:
         try:
             _write_all(fd, header)
-            _write_all(fd, payload)
+            if isinstance(payload, SealedWriter):
+                payload.write_to(functools.partial(_write_all, fd))  # encrypted as written
+            else:
+                _write_all(fd, payload)
             if fsync:
                 os.fsync(fd)
         finally:

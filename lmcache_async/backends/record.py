@@ -8,6 +8,15 @@ A record is ``prefix ‖ header ‖ payload``:
   shape, dtype, codec, stored payload length and the xxh3-64 checksum of the stored payload;
 * ``payload``: the chunk's tensor bytes, encoded by the codec (``none`` = the bytes as is).
 
+A tier given a :class:`~.cipher.RecordCipher` writes *sealed* records instead: format version
+:data:`SEALED_FORMAT_VERSION`, a header that also names the cipher (``enc``), the master key's
+id (``kid``) and the record's nonce (``iv``) and carries no checksum, and a payload that is
+``ciphertext ‖ GCM tag`` of the (possibly compressed) payload, with ``prefix ‖ header`` as
+associated data. The tag stands in for the checksum: it covers the header as well, and
+checking it costs no extra pass over the payload. A sealed record read without a key, a
+clear one read with a key, one sealed under another key or one that does not authenticate
+is refused like a record that fails its checksum.
+
 The disk tier writes one record per file and the Redis tier one record per value, so a
 reader always sees a whole record or none. :meth:`RecordSpec.parse` checks every field
 against what the reader expects; anything that does not match raises
@@ -20,7 +29,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgpack
@@ -30,6 +39,14 @@ import xxhash
 from ..errors import IntegrityError
 from ..keys import DIGEST_SIZE
 from ..memory import MemoryObj
+from .cipher import (
+    AUTH_TAG_BYTES,
+    KEY_ID_BYTES,
+    NONCE_BYTES,
+    RecordCipher,
+    SealedReader,
+    SealedWriter,
+)
 from .codec import Codec, decode, encode
 
 __all__ = [
@@ -38,6 +55,7 @@ __all__ = [
     "PREFIX_SIZE",
     "RecordHeader",
     "RecordSpec",
+    "SEALED_FORMAT_VERSION",
     "object_checksum",
     "payload_checksum",
     "tensor_bytes",
@@ -45,6 +63,9 @@ __all__ = [
 
 MAGIC: Final = b"LMCA"
 FORMAT_VERSION: Final = 1
+"""Format version of records stored in the clear."""
+SEALED_FORMAT_VERSION: Final = 2
+"""Format version of sealed (encrypted) records."""
 _PREFIX = struct.Struct("<4sHII")
 PREFIX_SIZE: Final = _PREFIX.size
 _MAX_HEADER_BYTES: Final = 64 * 1024
@@ -76,7 +97,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RecordHeader:
-    """What a record says about its payload."""
+    """What a record says about its payload.
+
+    A sealed record names its ``cipher`` (``""``: stored in the clear), the ``key_id`` of
+    the master key and its ``nonce``, and has no ``checksum`` (0). ``raw``, of a sealed
+    header parsed from a record, is the ``prefix ‖ header`` bytes its payload authenticates.
+    """
 
     key: bytes
     fingerprint: str
@@ -86,23 +112,35 @@ class RecordHeader:
     codec: str
     length: int
     checksum: int
+    cipher: str = ""
+    key_id: bytes = b""
+    nonce: bytes = b""
+    raw: bytes = field(default=b"", compare=False, repr=False)
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the payload is encrypted."""
+        return bool(self.cipher)
 
     def to_bytes(self) -> bytes:
         """``prefix ‖ header``: everything that precedes the payload."""
-        body: bytes = msgpack.packb(
-            {
-                "key": bytes(self.key),
-                "fp": self.fingerprint,
-                "fmt": self.fmt,
-                "shape": list(self.shape),
-                "dtype": self.dtype,
-                "codec": self.codec,
-                "len": self.length,
-                "sum": self.checksum,
-            },
-            use_bin_type=True,
-        )
-        return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body), xxhash.xxh32_intdigest(body)) + body
+        fields: dict[str, Any] = {
+            "key": bytes(self.key),
+            "fp": self.fingerprint,
+            "fmt": self.fmt,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "codec": self.codec,
+            "len": self.length,
+        }
+        if self.sealed:
+            fields.update(enc=self.cipher, kid=bytes(self.key_id), iv=bytes(self.nonce))
+            version = SEALED_FORMAT_VERSION
+        else:
+            fields["sum"] = self.checksum
+            version = FORMAT_VERSION
+        body: bytes = msgpack.packb(fields, use_bin_type=True)
+        return _PREFIX.pack(MAGIC, version, len(body), xxhash.xxh32_intdigest(body)) + body
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> tuple[RecordHeader, int]:
@@ -117,8 +155,11 @@ class RecordHeader:
         magic, version, length, header_sum = _PREFIX.unpack_from(view)
         if magic != MAGIC:
             raise IntegrityError("record has a bad magic number")
-        if version != FORMAT_VERSION:
-            raise IntegrityError(f"record format version {version}, expected {FORMAT_VERSION}")
+        if version not in (FORMAT_VERSION, SEALED_FORMAT_VERSION):
+            raise IntegrityError(
+                f"record format version {version}, expected {FORMAT_VERSION} "
+                f"or {SEALED_FORMAT_VERSION}"
+            )
         if length > _MAX_HEADER_BYTES or PREFIX_SIZE + length > len(view):
             raise IntegrityError("record header is truncated")
         body = view[PREFIX_SIZE : PREFIX_SIZE + length]
@@ -126,6 +167,7 @@ class RecordHeader:
             raise IntegrityError("record header checksum mismatch")
         try:
             fields: Any = msgpack.unpackb(body, raw=False, strict_map_key=True)
+            sealed = version == SEALED_FORMAT_VERSION
             header = cls(
                 key=bytes(fields["key"]),
                 fingerprint=str(fields["fp"]),
@@ -134,10 +176,20 @@ class RecordHeader:
                 dtype=str(fields["dtype"]),
                 codec=str(fields["codec"]),
                 length=int(fields["len"]),
-                checksum=int(fields["sum"]),
+                checksum=0 if sealed else int(fields["sum"]),
+                cipher=str(fields["enc"]) if sealed else "",
+                key_id=bytes(fields["kid"]) if sealed else b"",
+                nonce=bytes(fields["iv"]) if sealed else b"",
+                raw=bytes(view[: PREFIX_SIZE + length]) if sealed else b"",
             )
         except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
             raise IntegrityError(f"record header is malformed: {exc}") from exc
+        if sealed and (
+            not header.cipher
+            or len(header.key_id) != KEY_ID_BYTES
+            or len(header.nonce) != NONCE_BYTES
+        ):
+            raise IntegrityError("sealed record header is malformed")
         return header, PREFIX_SIZE + length
 
 
@@ -147,7 +199,8 @@ class RecordSpec:
 
     ``shape_of(n)`` is the payload shape of a chunk of ``n`` tokens (``1 ≤ n ≤ max_tokens``);
     a record whose shape is not one of those is refused. Keys of one layer (layerwise
-    stores) carry ``layer_fmt`` payloads of ``layer_shape_of(n)`` instead.
+    stores) carry ``layer_fmt`` payloads of ``layer_shape_of(n)`` instead. With a
+    ``cipher`` records are sealed, and only records sealed under its key are accepted.
     """
 
     fingerprint: str
@@ -158,6 +211,7 @@ class RecordSpec:
     codec: Codec = Codec.NONE
     layer_fmt: str | None = None
     layer_shape_of: Callable[[int], tuple[int, ...]] | None = None
+    cipher: RecordCipher | None = None
 
     def _expected(self, key: bytes) -> tuple[str, Callable[[int], tuple[int, ...]]]:
         """Payload format and shape function for ``key`` (a layer key is longer)."""
@@ -168,16 +222,37 @@ class RecordSpec:
     def encode(self, key: bytes, obj: MemoryObj) -> tuple[bytes, bytes | memoryview]:
         """The header bytes and the (possibly compressed) payload of ``obj`` under ``key``.
 
-        The payload is a view on ``obj``'s memory when the codec is ``none``: keep a
-        reference on ``obj`` until it is written. Runs in a worker thread for large chunks.
+        The payload is a view on ``obj``'s memory when the codec is ``none`` and there is no
+        cipher: keep a reference on ``obj`` until it is written. With a cipher it is new
+        bytes, ``ciphertext ‖ tag``, and no checksum is computed. Runs in a worker thread
+        for large chunks.
         """
+        payload = self._payload(obj)
+        if self.cipher is None:
+            return self._clear_header(key, obj, payload), payload
+        head, nonce = self._sealed_header(self.cipher, key, obj, payload)
+        return head, self.cipher.seal(key, nonce, payload, head)
+
+    def encode_deferred(
+        self, key: bytes, obj: MemoryObj
+    ) -> tuple[bytes, bytes | memoryview | SealedWriter]:
+        """As :meth:`encode`, except that a sealed payload is a :class:`~.cipher.SealedWriter`
+        that encrypts it only as it is written, a piece at a time (for files: no buffer of
+        the whole sealed payload). Keep a reference on ``obj`` until it is written."""
+        payload = self._payload(obj)
+        if self.cipher is None:
+            return self._clear_header(key, obj, payload), payload
+        head, nonce = self._sealed_header(self.cipher, key, obj, payload)
+        return head, self.cipher.writer(key, nonce, payload, head)
+
+    def _payload(self, obj: MemoryObj) -> bytes | memoryview:
         if self.codec is Codec.NONE:
-            payload: bytes | memoryview = tensor_bytes(obj.tensor)
-            checksum = object_checksum(obj)
-        else:
-            payload = encode(self.codec, obj.tensor)
-            checksum = payload_checksum(payload)
-        header = RecordHeader(
+            return tensor_bytes(obj.tensor)
+        return encode(self.codec, obj.tensor)
+
+    def _clear_header(self, key: bytes, obj: MemoryObj, payload: bytes | memoryview) -> bytes:
+        checksum = object_checksum(obj) if self.codec is Codec.NONE else payload_checksum(payload)
+        return RecordHeader(
             key=bytes(key),
             fingerprint=self.fingerprint,
             fmt=self._expected(key)[0],
@@ -186,8 +261,27 @@ class RecordSpec:
             codec=str(self.codec),
             length=len(payload),
             checksum=checksum,
-        )
-        return header.to_bytes(), payload
+        ).to_bytes()
+
+    def _sealed_header(
+        self, cipher: RecordCipher, key: bytes, obj: MemoryObj, payload: bytes | memoryview
+    ) -> tuple[bytes, bytes]:
+        """A sealed record's header bytes, and its fresh nonce."""
+        nonce = cipher.new_nonce()
+        head = RecordHeader(
+            key=bytes(key),
+            fingerprint=self.fingerprint,
+            fmt=self._expected(key)[0],
+            shape=tuple(obj.shape),
+            dtype=_dtype_name(obj.dtype),
+            codec=str(self.codec),
+            length=len(payload) + AUTH_TAG_BYTES,
+            checksum=0,
+            cipher=cipher.name,
+            key_id=cipher.key_id,
+            nonce=nonce,
+        ).to_bytes()
+        return head, nonce
 
     def check_header(self, header: RecordHeader, key: bytes) -> None:
         """Raise IntegrityError unless ``header`` describes a chunk of ``key`` for this spec."""
@@ -204,6 +298,23 @@ class RecordSpec:
             Codec(header.codec)
         except ValueError as exc:
             raise IntegrityError(f"record uses an unknown codec {header.codec!r}") from exc
+        self._check_seal(header)
+
+    def _check_seal(self, header: RecordHeader) -> RecordCipher | None:
+        """This spec's cipher, if ``header`` is sealed under its key; None if both are in
+        the clear; IntegrityError for any other combination."""
+        cipher = self.cipher
+        if cipher is None:
+            if header.sealed:
+                raise IntegrityError("record is encrypted and this tier has no key")
+            return None
+        if not header.sealed:
+            raise IntegrityError("record is stored in the clear and this tier encrypts")
+        if header.cipher != cipher.name:
+            raise IntegrityError(f"record uses an unknown cipher {header.cipher!r}")
+        if header.key_id != cipher.key_id:
+            raise IntegrityError("record was encrypted under another key")
+        return cipher
 
     def _shape_ok(self, shape: tuple[int, ...], shape_of: Callable[[int], tuple[int, ...]]) -> bool:
         full = shape_of(self.max_tokens)
@@ -220,23 +331,43 @@ class RecordSpec:
         return math.prod(header.shape) * self.dtype.itemsize
 
     def verify_payload(self, header: RecordHeader, payload: bytes | memoryview) -> None:
-        """Raise IntegrityError if ``payload`` is not the bytes ``header`` promises."""
+        """Raise IntegrityError if ``payload`` is not the bytes ``header`` promises.
+
+        A sealed payload is only measured here: its tag is checked as it is decrypted
+        (:meth:`decode_into`, :meth:`sealed_reader`), which is where it must be anyway.
+        """
         if len(payload) != header.length:
             raise IntegrityError(
                 f"record payload is {len(payload)} bytes, its header says {header.length}"
             )
+        if header.sealed:
+            return
         if payload_checksum(payload) != header.checksum:
             raise IntegrityError("record payload checksum mismatch")
 
     def decode_into(
         self, header: RecordHeader, payload: bytes | memoryview, out: torch.Tensor
     ) -> None:
-        """Decode a verified payload into ``out`` (shape ``header.shape``, this dtype).
+        """Decode a verified payload into ``out`` (shape ``header.shape``, this dtype); a
+        sealed one is authenticated and decrypted first (straight into ``out`` when it is
+        not compressed).
 
         Raises:
-            IntegrityError: the payload does not decode to exactly that tensor.
+            IntegrityError: the payload does not decode to exactly that tensor, or a sealed
+                one does not authenticate under this spec's cipher.
         """
         codec = Codec(header.codec)
+        cipher = self._check_seal(header)
+        if cipher is not None:
+            if codec is Codec.NONE:
+                dest = tensor_bytes(out)
+                cipher.open_into(header.key, header.nonce, payload, _aad(header), dest)
+                return
+            if len(payload) < AUTH_TAG_BYTES:
+                raise IntegrityError("sealed payload is shorter than its tag")
+            plain = memoryview(bytearray(len(payload) - AUTH_TAG_BYTES))
+            cipher.open_into(header.key, header.nonce, payload, _aad(header), plain)
+            payload = plain
         if codec is Codec.NONE:
             if len(payload) != out.numel() * out.element_size():
                 raise IntegrityError("record payload does not fill its tensor")
@@ -244,8 +375,25 @@ class RecordSpec:
             return
         decode(codec, payload, shape=header.shape, dtype=self.dtype, out=out)
 
+    def sealed_reader(self, header: RecordHeader, out: torch.Tensor) -> SealedReader:
+        """A reader that decrypts the uncompressed sealed payload of ``header`` into
+        ``out`` as the payload's bytes are fed to it (a file read piece by piece).
+
+        Raises:
+            IntegrityError: the header is not sealed under this spec's cipher, or its
+                payload does not fill ``out``.
+        """
+        cipher = self._check_seal(header)
+        if cipher is None or Codec(header.codec) is not Codec.NONE:
+            raise IntegrityError("record payload is not sealed and uncompressed")
+        dest = tensor_bytes(out)
+        if header.length != len(dest) + AUTH_TAG_BYTES:
+            raise IntegrityError("record payload does not fill its tensor")
+        return cipher.reader(header.key, header.nonce, _aad(header), dest)
+
     def parse(self, data: bytes | memoryview, key: bytes) -> tuple[RecordHeader, memoryview]:
-        """Check a whole record read back for ``key``; returns its header and payload view.
+        """Check a whole record read back for ``key``; returns its header and payload view
+        (of a sealed record: the ciphertext, authenticated only by :meth:`decode_into`).
 
         Raises:
             IntegrityError: any field, the length or the checksum does not match.
@@ -255,3 +403,8 @@ class RecordSpec:
         payload = memoryview(data)[offset:]
         self.verify_payload(header, payload)
         return header, payload
+
+
+def _aad(header: RecordHeader) -> bytes:
+    """What a sealed payload authenticates: the ``prefix ‖ header`` bytes it was read with."""
+    return header.raw or header.to_bytes()

@@ -1,16 +1,19 @@
-"""What the disk and Redis benchmarks share: the chunk records they move, argument checks,
-random payloads and the interleaved timing of a tier and its raw baseline."""
+"""What the disk and Redis benchmarks share: the chunk records they move (in the clear or
+encrypted), argument checks, random payloads and the interleaved timing of a tier, its
+encrypted twin and their raw baseline."""
 
 from __future__ import annotations
 
 import functools
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Final
 
 import torch
 
 from lmcache_async import InvalidInputError
+from lmcache_async.backends.cipher import KEY_BYTES, RecordCipher
 from lmcache_async.backends.codec import Codec
 from lmcache_async.backends.record import RecordSpec
 
@@ -18,6 +21,8 @@ __all__ = [
     "BENCH_DTYPE",
     "BENCH_TOKENS",
     "CHUNK_GRANULE",
+    "ENCRYPTION_TARGETS",
+    "bench_cipher",
     "bench_spec",
     "check_count",
     "fill_random",
@@ -29,14 +34,21 @@ BENCH_DTYPE: Final = torch.bfloat16
 # Bytes per token of a chunk's [2, 1, tokens, width] bf16 payload must be whole elements.
 CHUNK_GRANULE: Final = 2 * BENCH_TOKENS * 2
 
+ENCRYPTION_TARGETS: Final[Mapping[str, float]] = {
+    "encrypted_put_ratio": 0.8,
+    "encrypted_get_ratio": 0.8,
+}
+"""An encrypted tier should reach at least 0.8x the same tier in the clear."""
+
 
 def _bench_shape(width: int, tokens: int) -> tuple[int, ...]:
     return (2, 1, tokens, width)
 
 
-def bench_spec(tier: str, chunk_bytes: int) -> RecordSpec:
-    """The record of a ``chunk_bytes`` chunk (``[2, 1, tokens, width]`` bf16, uncompressed)
-    in ``tier``'s benchmark; ``chunk_bytes`` is a multiple of :data:`CHUNK_GRANULE`."""
+def bench_spec(tier: str, chunk_bytes: int, cipher: RecordCipher | None = None) -> RecordSpec:
+    """The record of a ``chunk_bytes`` chunk (``[2, 1, tokens, width]`` bf16, uncompressed,
+    sealed with ``cipher`` if one is given) in ``tier``'s benchmark; ``chunk_bytes`` is a
+    multiple of :data:`CHUNK_GRANULE`."""
     width = chunk_bytes // CHUNK_GRANULE
     return RecordSpec(
         fingerprint=f"bench-{tier};width={width}",
@@ -45,7 +57,13 @@ def bench_spec(tier: str, chunk_bytes: int) -> RecordSpec:
         max_tokens=BENCH_TOKENS,
         shape_of=functools.partial(_bench_shape, width),
         codec=Codec.NONE,
+        cipher=cipher,
     )
+
+
+def bench_cipher() -> RecordCipher:
+    """A cipher under a random master key, for one benchmark run."""
+    return RecordCipher(os.urandom(KEY_BYTES))
 
 
 def check_count(name: str, value: object) -> int:
@@ -55,21 +73,22 @@ def check_count(name: str, value: object) -> int:
 
 
 async def interleaved(
-    tier: Callable[[int, int], Awaitable[None]],
-    raw: Callable[[int, int], Awaitable[None]],
+    sides: Sequence[Callable[[int, int], Awaitable[None]]],
     spans: list[tuple[int, int]],
     run: int,
-) -> tuple[float, float]:
-    """Seconds ``tier`` and ``raw`` take over all spans, a batch of one then the same batch
-    of the other (who goes first alternates), so both see the same background load."""
-    times = [0.0, 0.0]
-    sides = (tier, raw)
+) -> list[float]:
+    """Seconds each of ``sides`` takes over all spans: a batch through each side in turn,
+    the same batch, and who goes first rotates from batch to batch (with two sides: it
+    alternates), so all see the same background load."""
+    times = [0.0] * len(sides)
     for n, (lo, hi) in enumerate(spans):
-        for side in (0, 1) if (n + run) % 2 == 0 else (1, 0):
+        first = (n + run) % len(sides)
+        for turn in range(len(sides)):
+            side = (first + turn) % len(sides)
             start = time.perf_counter()
             await sides[side](lo, hi)
             times[side] += time.perf_counter() - start
-    return times[0], times[1]
+    return times
 
 
 def fill_random(tensors: list[torch.Tensor]) -> None:

@@ -1,4 +1,5 @@
-"""The disk tier's put and get GB/s next to plain file writes and reads of the same bytes."""
+"""The disk tier's put and get GB/s next to plain file writes and reads of the same bytes,
+and the same tier with its records encrypted."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-from lmcache_async import ChunkKey, InvalidInputError
+from lmcache_async import ChunkKey, InvalidInputError, TierError
 from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.backends.record import RecordSpec, tensor_bytes
 from lmcache_async.bench import gbps
@@ -22,6 +23,8 @@ from lmcache_async.bench.tiers.common import (
     BENCH_DTYPE,
     BENCH_TOKENS,
     CHUNK_GRANULE,
+    ENCRYPTION_TARGETS,
+    bench_cipher,
     bench_spec,
     check_count,
     fill_random,
@@ -43,22 +46,28 @@ async def bench_disk(
     repeats: int = 3,
     batch: int = 16,
     cold: bool = False,
+    encrypted: bool = True,
 ) -> dict[str, Any]:
-    """Disk tier put/get GB/s against raw file writes/reads of the same bytes.
+    """Disk tier put/get GB/s against raw file writes/reads of the same bytes, and with
+    ``encrypted`` the same tier sealing its records (AES-256-GCM, a random key) against
+    the tier in the clear.
 
     Each run writes ``chunks`` chunks of ``chunk_bytes`` (random bytes) through a fresh
-    tier and as plain files, ``batch`` chunks per call, then reads them all back; its files
-    are deleted afterwards. Subdirectories ``tier-<run>`` and ``raw-<run>`` of
-    ``directory`` are used.
+    tier (and a fresh encrypted one) and as plain files, ``batch`` chunks per call, then
+    reads them all back; its files are deleted afterwards. Subdirectories ``tier-<run>``,
+    ``sealed-<run>`` and ``raw-<run>`` of ``directory`` are used.
 
     Returns:
         ``put_gbps``, ``raw_write_gbps``, ``put_ratio``, ``get_gbps``, ``raw_read_gbps``,
-        ``get_ratio`` (medians over runs), the settings, the targets and ``runs`` (every
-        run's figures).
+        ``get_ratio`` (medians over runs); with ``encrypted`` also ``encrypted_put_gbps``,
+        ``encrypted_get_gbps`` and their ratios to the tier in the clear,
+        ``encrypted_put_ratio`` and ``encrypted_get_ratio``; the settings, the targets and
+        ``runs`` (every run's figures).
 
     Raises:
         InvalidInputError: a count is not a positive int, or ``chunk_bytes`` is not a
             multiple of 1024.
+        TierError: a tier lost a chunk or read back other bytes than it was given.
     """
     check_count("chunk_bytes", chunk_bytes)
     check_count("chunks", chunks)
@@ -70,6 +79,7 @@ async def bench_disk(
         )
     root = Path(os.fspath(directory))
     spec = bench_spec("disk", chunk_bytes)
+    sealed = bench_spec("disk", chunk_bytes, bench_cipher()) if encrypted else None
     shape = spec.shape_of(BENCH_TOKENS)
     page = DEFAULT_PAGE_SIZE
     per_chunk = -(-chunk_bytes // page) * page
@@ -91,6 +101,7 @@ async def bench_disk(
                     root,
                     run,
                     spec=spec,
+                    sealed=sealed,
                     pool=pool,
                     keys=keys,
                     sources=sources,
@@ -108,6 +119,16 @@ async def bench_disk(
 
     put, raw_write = median("put_gbps"), median("raw_write_gbps")
     get, raw_read = median("get_gbps"), median("raw_read_gbps")
+    targets = {**DISK_TARGETS, **(ENCRYPTION_TARGETS if encrypted else {})}
+    figures: dict[str, Any] = {}
+    if encrypted:
+        sealed_put, sealed_get = median("encrypted_put_gbps"), median("encrypted_get_gbps")
+        figures = {
+            "encrypted_put_gbps": sealed_put,
+            "encrypted_put_ratio": sealed_put / put,
+            "encrypted_get_gbps": sealed_get,
+            "encrypted_get_ratio": sealed_get / get,
+        }
     return {
         "tier": "disk",
         "chunk_bytes": chunk_bytes,
@@ -122,7 +143,9 @@ async def bench_disk(
         "get_gbps": get,
         "raw_read_gbps": raw_read,
         "get_ratio": get / raw_read,
-        "targets": dict(DISK_TARGETS),
+        **figures,
+        "encrypted": encrypted,
+        "targets": targets,
         "runs": runs,
     }
 
@@ -132,63 +155,96 @@ async def _disk_run(
     run: int,
     *,
     spec: RecordSpec,
+    sealed: RecordSpec | None,
     pool: MemoryPool,
     keys: list[ChunkKey],
     sources: list[MemoryObj],
     batch: int,
     cold: bool,
 ) -> dict[str, float]:
-    """One run: writes then reads through the tier and as raw files; returns GB/s."""
+    """One run: writes then reads through the tier, the encrypted tier (with ``sealed``)
+    and as raw files, taking turns batch by batch; returns GB/s."""
     tier_dir, raw_dir = root / f"tier-{run}", root / f"raw-{run}"
     nbytes = sum(obj.nbytes for obj in sources)
     spans = [(start, min(start + batch, len(keys))) for start in range(0, len(keys), batch)]
     raw_paths = [raw_dir / f"{i:06d}.bin" for i in range(len(keys))]
     views = [tensor_bytes(obj.tensor) for obj in sources]
-    disk = await DiskBackend.open(
-        tier_dir,
-        pool=pool,
-        spec=spec,
-        allocation_timeout=30.0,
-        max_local_disk_size=2 * nbytes + (1 << 20),
-    )
+    tiers: list[DiskBackend] = []
     scratch = pool.allocate_nowait((min(batch, len(keys)) * views[0].nbytes,), torch.uint8)
     if scratch is None:
         raise InvalidInputError("benchmark pool too small")  # sized by bench_disk: a bug
     try:
+        for directory, tier_spec in ((tier_dir, spec), (root / f"sealed-{run}", sealed)):
+            if tier_spec is not None:
+                tiers.append(
+                    await DiskBackend.open(
+                        directory,
+                        pool=pool,
+                        spec=tier_spec,
+                        allocation_timeout=30.0,
+                        max_local_disk_size=2 * nbytes + (1 << 20),
+                    )
+                )
         await anyio.to_thread.run_sync(functools.partial(raw_dir.mkdir, parents=True))
         dest = tensor_bytes(scratch.tensor)
-
-        async def tier_put(lo: int, hi: int) -> None:
-            await disk.put(keys[lo:hi], sources[lo:hi])
 
         async def raw_write(lo: int, hi: int) -> None:
             await anyio.to_thread.run_sync(_raw_write, raw_paths[lo:hi], views[lo:hi])
 
-        async def tier_get(lo: int, hi: int) -> None:
-            got = await disk.get(keys[lo:hi])
-            for obj in got:
-                if obj is None:
-                    raise InvalidInputError("disk tier lost a chunk during the benchmark")
-                obj.unref()
-
         async def raw_read(lo: int, hi: int) -> None:
             await anyio.to_thread.run_sync(_raw_read, raw_paths[lo:hi], dest)
 
-        put_s, raw_write_s = await interleaved(tier_put, raw_write, spans, run)
+        puts = [functools.partial(_tier_put, disk, keys, sources) for disk in tiers]
+        gets = [functools.partial(_tier_get, disk, keys) for disk in tiers]
+        put_s = await interleaved([raw_write, *puts], spans, run)
         if cold:
-            tier_files = [disk.path_of(key) for key in keys]
+            tier_files = [disk.path_of(key) for disk in tiers for key in keys]
             await anyio.to_thread.run_sync(_drop_cached, [*tier_files, *raw_paths])
-        get_s, raw_read_s = await interleaved(tier_get, raw_read, spans, run)
+        get_s = await interleaved([raw_read, *gets], spans, run)
+        for disk in tiers:  # untimed: each tier hands back exactly the bytes it was given
+            for i in dict.fromkeys((0, len(keys) - 1)):
+                await _check_exact(disk, keys[i], sources[i])
     finally:
         scratch.unref()
-        await disk.aclose()
-        await anyio.to_thread.run_sync(_remove_trees, [tier_dir, raw_dir])
-    return {
-        "put_gbps": gbps(nbytes, put_s),
-        "raw_write_gbps": gbps(nbytes, raw_write_s),
-        "get_gbps": gbps(nbytes, get_s),
-        "raw_read_gbps": gbps(nbytes, raw_read_s),
+        for disk in tiers:
+            await disk.aclose()
+        await anyio.to_thread.run_sync(_remove_trees, [tier_dir, root / f"sealed-{run}", raw_dir])
+    figures = {
+        "put_gbps": gbps(nbytes, put_s[1]),
+        "raw_write_gbps": gbps(nbytes, put_s[0]),
+        "get_gbps": gbps(nbytes, get_s[1]),
+        "raw_read_gbps": gbps(nbytes, get_s[0]),
     }
+    if sealed is not None:
+        figures["encrypted_put_gbps"] = gbps(nbytes, put_s[2])
+        figures["encrypted_get_gbps"] = gbps(nbytes, get_s[2])
+    return figures
+
+
+async def _tier_put(
+    disk: DiskBackend, keys: list[ChunkKey], sources: list[MemoryObj], lo: int, hi: int
+) -> None:
+    await disk.put(keys[lo:hi], sources[lo:hi])
+
+
+async def _tier_get(disk: DiskBackend, keys: list[ChunkKey], lo: int, hi: int) -> None:
+    got = await disk.get(keys[lo:hi])
+    for obj in got:
+        if obj is not None:
+            obj.unref()
+    if any(obj is None for obj in got):
+        raise TierError("the disk tier lost a chunk during the benchmark")
+
+
+async def _check_exact(disk: DiskBackend, key: ChunkKey, source: MemoryObj) -> None:
+    (obj,) = await disk.get([key])
+    if obj is None:
+        raise TierError("the disk tier lost a chunk during the benchmark")
+    try:
+        if not torch.equal(obj.tensor.view(torch.uint8), source.tensor.view(torch.uint8)):
+            raise TierError("the disk tier returned other bytes than were put")
+    finally:
+        obj.unref()
 
 
 def _raw_write(paths: list[Path], views: list[memoryview]) -> None:

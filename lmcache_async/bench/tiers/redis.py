@@ -1,8 +1,9 @@
 """The Redis tier's put and get GB/s next to plain pipelined redis-py SET and GET of the
-same records."""
+same records, and the same tier with its records encrypted."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
@@ -17,6 +18,8 @@ from lmcache_async.bench.tiers.common import (
     BENCH_DTYPE,
     BENCH_TOKENS,
     CHUNK_GRANULE,
+    ENCRYPTION_TARGETS,
+    bench_cipher,
     bench_spec,
     check_count,
     fill_random,
@@ -33,6 +36,7 @@ REDIS_TARGETS: Final[Mapping[str, float]] = {"put_ratio": 0.8, "get_ratio": 0.8}
 """The Redis tier should reach at least 0.8x raw pipelined SET and GET of the same values."""
 
 _REDIS_TIER_PREFIX: Final = "lmca-bench:"
+_REDIS_SEALED_PREFIX: Final = "lmca-bench-sealed:"
 _REDIS_RAW_SUFFIX: Final = b"}:raw"
 
 
@@ -45,8 +49,11 @@ async def bench_redis(
     call_bytes: int = 32 << 20,
     batch_bytes: int | None = None,
     timeout: float = 60.0,
+    encrypted: bool = True,
 ) -> dict[str, Any]:
-    """Redis tier put/get GB/s against raw redis-py pipelined SET/GET of the same values.
+    """Redis tier put/get GB/s against raw redis-py pipelined SET/GET of the same values,
+    and with ``encrypted`` the same tier sealing its records (AES-256-GCM, a random key,
+    its own key prefix) against the tier in the clear, taking turns with the other two.
 
     Each run puts ``chunks`` chunks of ``chunk_bytes`` random bytes through a
     :class:`~lmcache_async.backends.redis.RedisBackend` and SETs the very records the tier
@@ -67,7 +74,10 @@ async def bench_redis(
     Returns:
         ``put_gbps``, ``raw_set_gbps``, ``put_ratio``, ``get_gbps``, ``raw_get_gbps``,
         ``get_ratio`` (medians over runs; each ratio is the median of the runs' own
-        ratios), the settings, the targets and ``runs`` (every run's figures).
+        ratios); with ``encrypted`` also ``encrypted_put_gbps``, ``encrypted_get_gbps`` and
+        their ratios to the tier in the clear, ``encrypted_put_ratio`` and
+        ``encrypted_get_ratio``; the settings, the targets and ``runs`` (every run's
+        figures).
 
     Raises:
         InvalidInputError: a count or size is not a positive int, or ``chunk_bytes`` is
@@ -114,17 +124,22 @@ async def bench_redis(
     else:
         raw = redis.asyncio.Redis.from_url(target.url, socket_timeout=timeout)
     sources: list[MemoryObj] = []
-    tier: RedisBackend | None = None
+    tiers: list[RedisBackend] = []
+    sealed = bench_spec("redis", chunk_bytes, bench_cipher()) if encrypted else None
     try:
-        tier = await RedisBackend.open(
-            url,
-            pool=pool,
-            spec=spec,
-            allocation_timeout=timeout,
-            timeout=timeout,
-            key_prefix=_REDIS_TIER_PREFIX,
-            batch_bytes=batch_bytes,
-        )
+        for tier_spec, prefix in ((spec, _REDIS_TIER_PREFIX), (sealed, _REDIS_SEALED_PREFIX)):
+            if tier_spec is not None:
+                tiers.append(
+                    await RedisBackend.open(
+                        url,
+                        pool=pool,
+                        spec=tier_spec,
+                        allocation_timeout=timeout,
+                        timeout=timeout,
+                        key_prefix=prefix,
+                        batch_bytes=batch_bytes,
+                    )
+                )
         for _ in range(chunks):
             obj = pool.allocate_nowait(spec.shape_of(BENCH_TOKENS), BENCH_DTYPE)
             if obj is None:
@@ -148,13 +163,13 @@ async def bench_redis(
             set_per_trip=-(-per_trip // PUT_SPLIT),
         )
         runs = [
-            await _redis_run(tier, side, keys=keys, sources=sources, per_call=per_call, run=run)
+            await _redis_run(tiers, side, keys=keys, sources=sources, per_call=per_call, run=run)
             for run in range(repeats + 1)  # run 0 warms connections and memory up
         ][1:]
     finally:
         for obj in sources:
             obj.unref()
-        if tier is not None:
+        for tier in tiers:
             await tier.aclose()
         await raw.aclose()
         pool.close()
@@ -162,6 +177,8 @@ async def bench_redis(
     def median(name: str) -> float:
         return statistics.median(r[name] for r in runs)
 
+    sealed_names = ("put_gbps", "put_ratio", "get_gbps", "get_ratio") if encrypted else ()
+    figures = {f"encrypted_{name}": median(f"encrypted_{name}") for name in sealed_names}
     return {
         "tier": "redis",
         "url": target.display,
@@ -176,13 +193,15 @@ async def bench_redis(
         "get_gbps": median("get_gbps"),
         "raw_get_gbps": median("raw_get_gbps"),
         "get_ratio": median("get_ratio"),
-        "targets": dict(REDIS_TARGETS),
+        **figures,
+        "encrypted": encrypted,
+        "targets": {**REDIS_TARGETS, **(ENCRYPTION_TARGETS if encrypted else {})},
         "runs": runs,
     }
 
 
-def _redis_tier_key(key: ChunkKey) -> bytes:
-    return (_REDIS_TIER_PREFIX + key.to_str()).encode()
+def _redis_tier_key(key: ChunkKey, prefix: str = _REDIS_TIER_PREFIX) -> bytes:
+    return (prefix + key.to_str()).encode()
 
 
 class _RawRedis:
@@ -238,7 +257,7 @@ class _RawRedis:
 
 
 async def _redis_run(
-    tier: RedisBackend,
+    tiers: list[RedisBackend],
     raw: _RawRedis,
     *,
     keys: list[ChunkKey],
@@ -246,48 +265,65 @@ async def _redis_run(
     per_call: int,
     run: int,
 ) -> dict[str, float]:
-    """One run: all puts then all gets, through the tier and raw, ``per_call`` values at a
-    time, the two sides taking turns (see :func:`~lmcache_async.bench.tiers.common.interleaved`)."""
+    """One run: all puts then all gets, raw and through the tier (and the encrypted tier,
+    the second of ``tiers`` if there is one), ``per_call`` values at a time, the sides
+    taking turns (see :func:`~lmcache_async.bench.tiers.common.interleaved`)."""
     nbytes = sum(obj.nbytes for obj in sources)
     spans = [(lo, min(lo + per_call, len(keys))) for lo in range(0, len(keys), per_call)]
+    puts = [functools.partial(_tier_put, tier, keys, sources) for tier in tiers]
+    gets = [functools.partial(_tier_get, tier, keys) for tier in tiers]
+    try:
+        put_s = await interleaved([raw.set, *puts], spans, run)
+        get_s = await interleaved([raw.get, *gets], spans, run)
+        for tier in tiers:  # untimed: each tier hands back exactly the bytes it was given
+            await _check_exact(tier, [keys[0], keys[-1]], [sources[0], sources[-1]])
+    finally:
+        prefixes = (_REDIS_TIER_PREFIX, _REDIS_SEALED_PREFIX)[: len(tiers)]
+        await raw.delete([_redis_tier_key(key, prefix) for prefix in prefixes for key in keys])
+    figures = {
+        "put_gbps": gbps(nbytes, put_s[1]),
+        "raw_set_gbps": gbps(nbytes, put_s[0]),
+        "put_ratio": put_s[0] / put_s[1],
+        "get_gbps": gbps(nbytes, get_s[1]),
+        "raw_get_gbps": gbps(nbytes, get_s[0]),
+        "get_ratio": get_s[0] / get_s[1],
+    }
+    if len(tiers) > 1:
+        figures["encrypted_put_gbps"] = gbps(nbytes, put_s[2])
+        figures["encrypted_put_ratio"] = put_s[1] / put_s[2]
+        figures["encrypted_get_gbps"] = gbps(nbytes, get_s[2])
+        figures["encrypted_get_ratio"] = get_s[1] / get_s[2]
+    return figures
 
-    async def tier_put(lo: int, hi: int) -> None:
-        for obj in sources[lo:hi]:
-            obj.checksum = None  # computed by the tier, as for a chunk seen the first time
-        added = await tier.put(keys[lo:hi], sources[lo:hi])
-        if added != hi - lo:
-            raise TierError(f"the redis tier stored {added} of {hi - lo} chunks")
 
-    async def tier_get(lo: int, hi: int) -> None:
-        got = await tier.get(keys[lo:hi])
+async def _tier_put(
+    tier: RedisBackend, keys: list[ChunkKey], sources: list[MemoryObj], lo: int, hi: int
+) -> None:
+    for obj in sources[lo:hi]:
+        obj.checksum = None  # computed by the tier, as for a chunk seen the first time
+    added = await tier.put(keys[lo:hi], sources[lo:hi])
+    if added != hi - lo:
+        raise TierError(f"the redis tier stored {added} of {hi - lo} chunks")
+
+
+async def _tier_get(tier: RedisBackend, keys: list[ChunkKey], lo: int, hi: int) -> None:
+    got = await tier.get(keys[lo:hi])
+    for obj in got:
+        if obj is not None:
+            obj.unref()
+    if any(obj is None for obj in got):
+        raise TierError("the redis tier lost a chunk during the benchmark")
+
+
+async def _check_exact(tier: RedisBackend, keys: list[ChunkKey], sources: list[MemoryObj]) -> None:
+    got = await tier.get(keys)
+    try:
+        for obj, source in zip(got, sources, strict=True):
+            if obj is None or not torch.equal(
+                obj.tensor.view(torch.uint8), source.tensor.view(torch.uint8)
+            ):
+                raise TierError("the redis tier returned other bytes than were put")
+    finally:
         for obj in got:
             if obj is not None:
                 obj.unref()
-        if any(obj is None for obj in got):
-            raise TierError("the redis tier lost a chunk during the benchmark")
-
-    try:
-        put_s, set_s = await interleaved(tier_put, raw.set, spans, run)
-        get_s, raw_get_s = await interleaved(tier_get, raw.get, spans, run)
-        # Untimed: the tier hands back exactly the bytes it was given.
-        got = await tier.get([keys[0], keys[-1]])
-        try:
-            for obj, source in zip(got, (sources[0], sources[-1]), strict=True):
-                if obj is None or not torch.equal(
-                    obj.tensor.view(torch.uint8), source.tensor.view(torch.uint8)
-                ):
-                    raise TierError("the redis tier returned other bytes than were put")
-        finally:
-            for obj in got:
-                if obj is not None:
-                    obj.unref()
-    finally:
-        await raw.delete([_redis_tier_key(key) for key in keys])
-    return {
-        "put_gbps": gbps(nbytes, put_s),
-        "raw_set_gbps": gbps(nbytes, set_s),
-        "put_ratio": set_s / put_s,
-        "get_gbps": gbps(nbytes, get_s),
-        "raw_get_gbps": gbps(nbytes, raw_get_s),
-        "get_ratio": raw_get_s / get_s,
-    }
