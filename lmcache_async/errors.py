@@ -8,7 +8,8 @@ the caller can do next::
     │   └── ConfigError                       a configuration field is invalid (.field)
     ├── AllocationTimeoutError (TimeoutError) no host memory in time: retry or store less
     ├── TierError                             a storage tier failed
-    │   └── TierUnavailableError              the tier is down or unreachable
+    │   ├── TierUnavailableError              the tier is down or unreachable
+    │   └── EraseIncompleteError              erasure failed in some tiers: retry (.failed)
     ├── IntegrityError                        stored bytes failed their checksum
     ├── ProtocolError                         a malformed or unexpected wire message
     └── EngineClosedError (RuntimeError)      the engine was closed
@@ -16,10 +17,13 @@ the caller can do next::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 __all__ = [
     "AllocationTimeoutError",
     "ConfigError",
     "EngineClosedError",
+    "EraseIncompleteError",
     "IntegrityError",
     "InvalidInputError",
     "LMCacheAsyncError",
@@ -55,6 +59,24 @@ class TierError(LMCacheAsyncError):
 
 class TierUnavailableError(TierError):
     """A storage tier is down or unreachable."""
+
+
+class EraseIncompleteError(TierError):
+    """Erasing a tenant failed in some tiers (down, failing, or unable to erase): the
+    tenant's chunks may remain there. :attr:`removed` has the chunks removed per tier that
+    was erased, :attr:`failed` why each other tier was not; erasing again is safe."""
+
+    def __init__(self, removed: Mapping[str, int], failed: Mapping[str, str]) -> None:
+        self.removed = dict(removed)
+        self.failed = dict(failed)
+        why = "; ".join(f"{tier}: {reason}" for tier, reason in self.failed.items())
+        done = ", ".join(f"{tier} {count}" for tier, count in self.removed.items()) or "none"
+        super().__init__(f"erasure failed in {why} (chunks removed: {done})")
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[EraseIncompleteError], tuple[dict[str, int], dict[str, str]]]:
+        return type(self), (self.removed, self.failed)
 
 
 class IntegrityError(LMCacheAsyncError):

@@ -5,8 +5,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Final
 
-__all__ = ["Counters", "EngineStats", "PoolStats", "TenantUsage", "TierStats"]
+__all__ = [
+    "OTHER_TENANTS",
+    "TENANT_TRAFFIC_TAGS",
+    "Counters",
+    "EngineStats",
+    "PoolStats",
+    "TenantCounters",
+    "TenantStats",
+    "TenantTraffic",
+    "TenantUsage",
+    "TierStats",
+]
+
+TENANT_TRAFFIC_TAGS: Final = 4096
+"""Tenants whose lookups are counted one by one; the lookups of tenants seen later are
+summed under :data:`OTHER_TENANTS`."""
+
+OTHER_TENANTS: Final = "(other)"
+"""The label of the tenants summed together (past a cap on the tenants counted one by
+one, here or in a metrics endpoint)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +90,48 @@ class TierStats:
 
 
 @dataclass(slots=True)
+class TenantTraffic:
+    """One tenant's lookups so far (mutable: :class:`TenantCounters` adds to it)."""
+
+    lookup_requests: int = 0
+    lookup_tokens: int = 0
+    lookup_hit_tokens: int = 0
+
+
+class TenantCounters:
+    """Lookup traffic by tenant tag (the first bytes of a request's first key).
+
+    One dict update per request. At most ``capacity`` tags are counted one by one; the
+    lookups of tags seen after that are summed under the empty tag ``b""`` (shown as
+    :data:`OTHER_TENANTS`), so a stream of one-off tenants cannot grow it without bound.
+    """
+
+    __slots__ = ("_by_tag", "_capacity")
+
+    def __init__(self, capacity: int = TENANT_TRAFFIC_TAGS) -> None:
+        self._capacity = capacity
+        self._by_tag: dict[bytes, TenantTraffic] = {}
+
+    def count(self, tag: bytes, tokens: int, hit_tokens: int) -> None:
+        """Count one lookup of ``tokens`` tokens with ``hit_tokens`` hits for ``tag``."""
+        by_tag = self._by_tag
+        traffic = by_tag.get(tag)
+        if traffic is None:
+            if len(by_tag) >= self._capacity:
+                tag = b""
+                traffic = by_tag.get(tag)
+            if traffic is None:
+                traffic = by_tag[tag] = TenantTraffic()
+        traffic.lookup_requests += 1
+        traffic.lookup_tokens += tokens
+        traffic.lookup_hit_tokens += hit_tokens
+
+    def items(self) -> list[tuple[bytes, TenantTraffic]]:
+        """``(tag, traffic)`` per tag counted (``b""``: the tenants summed together)."""
+        return list(self._by_tag.items())
+
+
+@dataclass(slots=True)
 class Counters:
     """Running totals the engine updates as requests finish."""
 
@@ -83,6 +145,42 @@ class Counters:
     partial_stores: int = 0
     failed_requests: int = 0
     timed_out_requests: int = 0
+    tenants: TenantCounters = field(default_factory=TenantCounters)
+    """Lookups by tenant."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    """One tenant's figures: its lookups, and what each tier holds of it.
+
+    ``chunks`` and ``bytes`` add up the tiers (a chunk held in the CPU tier and on disk
+    counts twice); ``tiers`` has each tier's :class:`TenantUsage` (held, evicted, erased,
+    quota) for the tiers that report one.
+    """
+
+    tag: str
+    """The tenant's tag as 8 hex characters (``""`` for the tenants summed together)."""
+    lookup_requests: int = 0
+    lookup_tokens: int = 0
+    lookup_hit_tokens: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    tiers: Mapping[str, TenantUsage] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix hit tokens over tokens looked up (0.0 before any lookup)."""
+        return self.lookup_hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+    @property
+    def evictions(self) -> int:
+        """Chunks of the tenant evicted, over every tier."""
+        return sum(usage.evictions for usage in self.tiers.values())
+
+    @property
+    def erased(self) -> int:
+        """Chunks of the tenant removed by erasure, over every tier."""
+        return sum(usage.erased for usage in self.tiers.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +225,10 @@ class EngineStats:
     healthy: bool
     frozen: bool
     hot_cache: bool
+    tenants: Mapping[str, TenantStats] = field(default_factory=lambda: MappingProxyType({}))
+    """Figures by tenant label: the tenant's name when this engine has keyed for it,
+    ``"(none)"`` for the unnamed tenant, ``"tag:<8 hex>"`` for a tenant a tier holds that
+    this engine has not named, :data:`OTHER_TENANTS` for lookups past the cap."""
 
     @property
     def hit_rate(self) -> float:

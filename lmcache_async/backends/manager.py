@@ -3,7 +3,8 @@
 The CPU tier is the hot cache; slow tiers (disk, Redis) sit behind it. A store puts chunks
 into the CPU tier at once and hands them to each slow tier's writer through a bounded queue
 (write-behind, :mod:`.writers`: a full queue skips that tier's write and counts it), or
-waits for the slow tiers when configured to. A lookup counts a prefix across tiers (it may
+waits for the slow tiers when configured to. Erasure by tenant reaches every tier and the
+queued writes. A lookup counts a prefix across tiers (it may
 begin on CPU and continue on disk or in Redis); a fetch reads the chunks the CPU tier lacks
 from the slow tiers and promotes them into it. A slow tier that is down is skipped, never
 waited on; a failing call is a miss. The manager decides what a write goes to and what a
@@ -28,6 +29,7 @@ from ..events import EventBuffer
 from ..keys import ChunkKey, ChunkSpan
 from ..memory import MemoryObj
 from ..stats import TierStats
+from . import erasure
 from .base import StorageBackend
 from .cpu import CPUBackend
 from .pins import Clock, PinSets
@@ -343,6 +345,15 @@ class StorageManager:
                     self._read_failed(tier, exc)
         log.info("cache_cleared", chunks=dropped, locations=list(names))
         return dropped
+
+    async def erase_tenant(self, tag: bytes, *, timeout: float) -> dict[str, int]:
+        """Remove every chunk of the tenant with ``tag`` from every tier (one that is down
+        too) and the slow-tier writes queued; the chunks removed per tier. Nothing queued
+        before lands after (:func:`.erasure.erase_tenant`: it raises InvalidInputError for
+        a bad tag, EraseIncompleteError when some tier could not be erased)."""
+        return await erasure.erase_tenant(
+            tag, self._cpu, self._writers, self._kv_events, timeout=timeout
+        )
 
     # -- pins -----------------------------------------------------------------------------
 

@@ -5,6 +5,12 @@ puts them into the tier in the background. A full queue skips that tier's write 
 it (back-pressure must not reach a store through a slow disk or a far Redis), and so does a
 tier that is down when the write comes up. A write's KV event is recorded once the tier
 added something. Everything here runs on the event loop.
+
+Erasing a tenant: :meth:`TierWriter.forget` drops the tenant's chunks from the queued
+writes at once; :meth:`TierWriter.settle` waits for a write of the tenant under way, so the
+tier's own erasure comes after it; a write the erasure stopped waiting for is
+:meth:`TierWriter.abandon`-ed: it removes the tenant's chunks it put once it ends. Nothing
+queued before an erasure stays in the tier after it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from ..errors import TierError
 from ..events import EventBuffer, KVEvent
 from ..keys import ChunkKey
 from ..memory import MemoryObj
+from ..tenants import TAG_BYTES
 from .base import StorageBackend
 
 __all__ = ["TierWriter", "TierWriters"]
@@ -28,11 +35,29 @@ __all__ = ["TierWriter", "TierWriters"]
 log = structlog.get_logger(__name__)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Write:
     keys: list[ChunkKey]
-    objs: list[MemoryObj]  # one reference each, owned by the write
+    objs: list[MemoryObj]  # one reference each when queued, owned by the write
     event: KVEvent | None
+    ended: anyio.Event | None = None
+    """Set when the write is done, for an erasure waiting on it (made on demand)."""
+    undo: frozenset[bytes] = frozenset()
+    """Tags of tenants erased while the write was under way: removed once it ends."""
+
+    def has_tag(self, tag: bytes) -> bool:
+        return any(key[:TAG_BYTES] == tag for key in self.keys)
+
+    def drop_tag(self, tag: bytes) -> int:
+        """Forget (and release) the chunks of ``tag``; returns how many there were."""
+        ours = [key[:TAG_BYTES] == tag for key in self.keys]
+        dropped = sum(ours)
+        if dropped:
+            _release([obj for obj, mine in zip(self.objs, ours, strict=True) if mine])
+            self.keys = [key for key, mine in zip(self.keys, ours, strict=True) if not mine]
+            self.objs = [obj for obj, mine in zip(self.objs, ours, strict=True) if not mine]
+            self.event = None  # it names chunks no longer written
+        return dropped
 
 
 def _release(objs: Sequence[MemoryObj]) -> None:
@@ -53,8 +78,12 @@ class TierWriter:
         self.dropped = 0
         self.written = 0
         self.failed = 0
+        self.erased = 0
+        """Chunks dropped from queued writes, or removed after a write, by erasures."""
         self._idle = anyio.Event()
         self._idle.set()
+        self._queued: set[_Write] = set()
+        self._running: set[_Write] = set()
 
     def submit(
         self, keys: list[ChunkKey], objs: Sequence[MemoryObj], event: KVEvent | None
@@ -67,6 +96,7 @@ class TierWriter:
             _release(write.objs)
             self.dropped += len(keys)
             return False
+        self._queued.add(write)
         self.pending += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         return True
@@ -75,8 +105,21 @@ class TierWriter:
         self, keys: list[ChunkKey], objs: Sequence[MemoryObj], event: KVEvent | None
     ) -> int:
         """Write now and wait for it; returns the chunks written (0 on failure)."""
+        return await self._put(_Write(keys, list(objs), event))
+
+    async def _put(self, write: _Write) -> int:
+        self._running.add(write)
         try:
-            added = await self.tier.put(keys, objs)
+            return await self._put_running(write)
+        finally:
+            self._running.discard(write)
+            if write.ended is not None:
+                write.ended.set()
+
+    async def _put_running(self, write: _Write) -> int:
+        keys = write.keys
+        try:
+            added = await self.tier.put(keys, write.objs)
         except TierError as exc:
             self.failed += len(keys)
             log.warning("tier_write_failed", tier=self.tier.name, chunks=len(keys), error=str(exc))
@@ -85,18 +128,42 @@ class TierWriter:
             self.failed += len(keys)
             log.exception("tier_write_failed", tier=self.tier.name, chunks=len(keys))
             return 0
+        if write.undo and await self._undo(write):
+            return 0
         self.written += len(keys)
-        if added and event is not None:
-            self._events.add(event)
+        if added and write.event is not None:
+            self._events.add(write.event)
         return len(keys)
+
+    async def _undo(self, write: _Write) -> bool:
+        """Remove what ``write`` put of tenants erased while it was under way; True when
+        that was all of it."""
+        gone = [key for key in write.keys if key[:TAG_BYTES] in write.undo]
+        if not gone:
+            return False
+        try:
+            await self.tier.remove(gone)
+        except Exception as exc:
+            log.error(
+                "tier_erase_after_write_failed",
+                tier=self.tier.name,
+                chunks=len(gone),
+                error=str(exc),
+            )
+        else:
+            self.erased += len(gone)
+        return len(gone) == len(write.keys)
 
     async def run(self) -> None:
         """Drain the queue until it is closed; every write's references are released."""
         async with self._receive:
             async for item in self._receive:
+                self._queued.discard(item)
                 try:
-                    if self.tier.healthy():
-                        await self.write(item.keys, item.objs, item.event)
+                    if not item.keys:
+                        pass  # erased while queued
+                    elif self.tier.healthy():
+                        await self._put(item)
                     else:
                         self.dropped += len(item.keys)
                 finally:
@@ -104,6 +171,31 @@ class TierWriter:
                     self.pending -= 1
                     if self.pending == 0:
                         self._idle.set()
+
+    def forget(self, tag: bytes) -> int:
+        """Drop the chunks of the tenant with ``tag`` from every queued write (releasing
+        them); returns how many were dropped."""
+        dropped = sum(write.drop_tag(tag) for write in self._queued)
+        self.erased += dropped
+        return dropped
+
+    def abandon(self, tag: bytes) -> None:
+        """Make each write of the tenant with ``tag`` under way now remove the tenant's
+        chunks it put once it ends (an erasure that could not wait for it)."""
+        for write in self._running:
+            if write.has_tag(tag):
+                write.undo |= {tag}
+
+    async def settle(self, tag: bytes) -> None:
+        """Wait until no write holding chunks of ``tag`` is under way (bound it with a
+        cancel scope)."""
+        while True:
+            busy = next((write for write in self._running if write.has_tag(tag)), None)
+            if busy is None:
+                return
+            if busy.ended is None:
+                busy.ended = anyio.Event()
+            await busy.ended.wait()
 
     async def drain(self) -> None:
         """Wait until every queued write is done."""
@@ -119,7 +211,8 @@ class TierWriter:
             try:
                 item = self._receive.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                return
+                break
+            self._queued.discard(item)
             _release(item.objs)
             self.dropped += len(item.keys)
             self.pending -= 1

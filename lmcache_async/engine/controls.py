@@ -1,5 +1,5 @@
-"""The engine's controls: tier names, re-encoding, health, flushing, clearing, the freeze
-and hot-cache switches, KV events and statistics. One group of
+"""The engine's controls: tier names, re-encoding, health, flushing, clearing, erasure by
+tenant, the freeze and hot-cache switches, KV events and statistics. One group of
 :class:`~lmcache_async.engine.CacheEngine`'s public methods, over its parts."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from ..backends.codec import Codec
 from ..errors import InvalidInputError
 from ..events import KVEvent
-from ..stats import EngineStats
+from ..stats import EngineStats, TenantStats
+from ..tenants import tag_hex
 from ..tokens import Tokens
 from .compress import reencode_prefix
 from .parts import EngineBase
@@ -86,6 +87,27 @@ class TierControls(EngineBase):
         self._check_open()
         return await self._parts.manager.clear(self.check_locations(locations, "locations"))
 
+    async def erase(self, tenant: str | None = None) -> dict[str, int]:
+        """Remove every chunk of ``tenant`` (None: the engine's own tenant) from every tier
+        (CPU, disk, Redis; a tier that is down too) and from the writes queued for the slow
+        tiers; returns the chunks removed per tier.
+
+        A tenant's chunks are found by the tag their keys start with, which depends on the
+        name alone: the erasure reaches the tenant's chunks of every model in a shared disk
+        directory or Redis. Nothing queued before the erasure lands after it; a lookup pin
+        taken before it holds its chunks until released (they go then).
+
+        Raises:
+            InvalidInputError: ``tenant`` is not None or a valid tenant name.
+            EraseIncompleteError: some tier could not be erased; its ``removed`` has the
+                other tiers' counts, its ``failed`` why each of these failed. Erase again.
+            EngineClosedError: the engine is closed.
+        """
+        self._check_open()
+        parts = self._parts
+        tag = parts.hashers.tag(tenant)
+        return await parts.manager.erase_tenant(tag, timeout=parts.config.store_timeout)
+
     def freeze(self, enabled: bool) -> None:
         """Freeze mode: stores write nothing; lookups and retrieves are still served."""
         self._check_open()
@@ -112,8 +134,26 @@ class TierControls(EngineBase):
         await self._parts.events.wait()
 
     def stats(self) -> EngineStats:
-        """A snapshot of traffic, memory, tiers and switches."""
+        """A snapshot of traffic, memory, tiers and switches, and the figures by tenant
+        (``tenants``: lookups, and what each tier holds, evicted and erased of each)."""
         parts = self._parts
         return engine_stats(
-            parts.counters, parts.pool, parts.manager, parts.events, healthy=self.is_healthy()
+            parts.counters,
+            parts.pool,
+            parts.manager,
+            parts.events,
+            healthy=self.is_healthy(),
+            names=parts.hashers.names,
         )
+
+    def tenant_stats(self, tenant: str | None = None) -> TenantStats:
+        """The figures of ``tenant`` (None: the engine's own tenant); zeros for a tenant
+        neither looked up nor held.
+
+        Raises:
+            InvalidInputError: ``tenant`` is not None or a valid tenant name.
+        """
+        parts = self._parts
+        tag = tag_hex(parts.hashers.tag(tenant))
+        figures = self.stats().tenants
+        return next((t for t in figures.values() if t.tag == tag), TenantStats(tag=tag))

@@ -3,7 +3,7 @@
 :class:`Lookups` counts a prompt's cached prefix across tiers (it may begin in the CPU
 tier and continue on disk or in Redis), pins the CPU tier's part for a lookup id when
 asked, starts prefetches through the load core, and releases pins that outlive
-``pin_timeout`` (a caller that forgot them).
+``pin_timeout`` (a caller that forgot them). Lookups are counted in all and by tenant.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..config import EngineConfig
 from ..core import LoadCore
 from ..pipelines.layerwise import LayerwisePipeline
 from ..stats import Counters
+from ..tenants import TAG_BYTES
 
 __all__ = ["Lookups"]
 
@@ -61,11 +62,21 @@ class Lookups:
             return ends[hits - 1]
         return min(hits * self._chunk_size, num_tokens)
 
-    def _count_hits(self, hits: int, ends: list[int], num_tokens: int) -> int:
-        """The prefix tokens ``hits`` leading chunks cover, counted as a lookup's hits."""
+    def _count_hits(
+        self, keys: Sequence[bytes], hits: int, ends: list[int], num_tokens: int
+    ) -> int:
+        """The prefix tokens ``hits`` leading chunks cover, counted as a lookup's hits, in
+        all and for the tenant of ``keys``."""
         hit_tokens = self._hit_tokens(hits, ends, num_tokens)
         self._counters.lookup_hit_tokens += hit_tokens
+        self._count_tenant(keys, num_tokens, hit_tokens)
         return hit_tokens
+
+    def _count_tenant(self, keys: Sequence[bytes], num_tokens: int, hit_tokens: int) -> None:
+        """One lookup of the tenant whose tag leads ``keys`` (a request is one tenant's:
+        its first key names it)."""
+        if keys:
+            self._counters.tenants.count(keys[0][:TAG_BYTES], num_tokens, hit_tokens)
 
     def _count_request(self, num_tokens: int) -> None:
         self._counters.lookup_requests += 1
@@ -108,7 +119,7 @@ class Lookups:
             return None
         hits = self._pin_cpu(keys, lookup_id) if pin and lookup_id is not None else cpu_hits
         self._count_request(num_tokens)
-        return self._count_hits(hits, ends, num_tokens)
+        return self._count_hits(keys, hits, ends, num_tokens)
 
     async def lookup(
         self,
@@ -133,6 +144,7 @@ class Lookups:
                 return answered
         self._count_request(num_tokens)
         if not self._healthy():
+            self._count_tenant(keys, num_tokens, 0)
             return 0
         slow = manager.reads_slow_tiers(None) or locations is not None
         if self._layerwise_keys:
@@ -147,7 +159,7 @@ class Lookups:
             hits = await manager.lookup_prefix(keys, locations, cpu_hits=cpu_hits)
         else:
             hits = manager.contains_prefix(keys)
-        return self._count_hits(hits, ends, num_tokens)
+        return self._count_hits(keys, hits, ends, num_tokens)
 
     async def _layerwise_hits(
         self,
@@ -183,11 +195,12 @@ class Lookups:
         for ``lookup_id``); returns the prefix tokens cached."""
         self._count_request(num_tokens)
         if not self._healthy():
+            self._count_tenant(keys, num_tokens, 0)
             return 0
         hits = await self._manager.lookup_prefix(keys, locations)
         if hits:
             self._load.prefetch(keys[:hits], locations, lookup_id)
-        return self._count_hits(hits, ends, num_tokens)
+        return self._count_hits(keys, hits, ends, num_tokens)
 
     # -- pin expiry -------------------------------------------------------------------------
 

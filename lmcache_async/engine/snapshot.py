@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from ..backends.manager import StorageManager
 from ..events import EventBuffer
 from ..memory import MemoryPool
-from ..stats import Counters, EngineStats
+from ..stats import (
+    OTHER_TENANTS,
+    Counters,
+    EngineStats,
+    TenantCounters,
+    TenantStats,
+    TenantTraffic,
+    TenantUsage,
+    TierStats,
+)
+from ..tenants import TAG_BYTES, TenantNames, tag_hex
 
-__all__ = ["engine_stats"]
+__all__ = ["engine_stats", "tenant_stats"]
 
 
 def engine_stats(
@@ -17,8 +30,10 @@ def engine_stats(
     events: EventBuffer,
     *,
     healthy: bool,
+    names: TenantNames | None = None,
 ) -> EngineStats:
-    """A snapshot of traffic, memory, tiers and switches."""
+    """A snapshot of traffic, memory, tiers and switches; with ``names``, the figures by
+    tenant labelled with them."""
     tiers = manager.tier_stats()
     cpu = tiers["cpu"]
     return EngineStats(
@@ -49,4 +64,48 @@ def engine_stats(
         healthy=healthy,
         frozen=manager.frozen,
         hot_cache=manager.hot_cache,
+        tenants=MappingProxyType(
+            {} if names is None else tenant_stats(counters.tenants, tiers, names)
+        ),
     )
+
+
+def tenant_stats(
+    traffic: TenantCounters, tiers: Mapping[str, TierStats], names: TenantNames
+) -> dict[str, TenantStats]:
+    """Each tenant's lookups (``traffic``) and usage of each tier (``TierStats.tenants``,
+    by tag), by the label ``names`` gives its tag, in label order."""
+    lookups: dict[str, TenantTraffic] = {
+        tag_hex(tag) if tag else "": counts for tag, counts in traffic.items()
+    }
+    usage: dict[str, dict[str, TenantUsage]] = {}
+    for tier_name, tier in tiers.items():
+        for tag, tier_usage in tier.tenants.items():
+            usage.setdefault(tag, {})[tier_name] = tier_usage
+    figures: dict[str, TenantStats] = {}
+    for tag in sorted(lookups.keys() | usage.keys()):
+        counts = lookups.get(tag) or TenantTraffic()
+        held = usage.get(tag, {})
+        label = _label(tag, names)
+        if label in figures:  # a name that reads like another label
+            label = f"{label} [{tag}]"
+        figures[label] = TenantStats(
+            tag=tag,
+            lookup_requests=counts.lookup_requests,
+            lookup_tokens=counts.lookup_tokens,
+            lookup_hit_tokens=counts.lookup_hit_tokens,
+            chunks=sum(u.chunks for u in held.values()),
+            bytes=sum(u.bytes for u in held.values()),
+            tiers=MappingProxyType(held),
+        )
+    return dict(sorted(figures.items()))
+
+
+def _label(tag: str, names: TenantNames) -> str:
+    if not tag:
+        return OTHER_TENANTS
+    try:
+        raw = bytes.fromhex(tag)
+    except ValueError:
+        return f"tag:{tag}"
+    return names.label(raw) if len(raw) == TAG_BYTES else f"tag:{tag}"

@@ -7,8 +7,9 @@ the process-wide default one). :class:`MetricsServer` serves that registry over 
 the event loop, so a scrape reads the engine on the thread that changes it.
 
 Metric names start with ``lmcache_async_``: token, request and chunk counters
-(``*_total``), pool and tier gauges (bytes, chunks, usage, ``tier_healthy{tier}`` as 0/1)
-and the ``request_latency_seconds{op}`` histogram.
+(``*_total``), pool and tier gauges (bytes, chunks, usage, ``tier_healthy{tier}`` as 0/1),
+the ``request_latency_seconds{op}`` histogram and the series by tenant
+(:mod:`.metrics_tenants`, ``tenant_*{tenant}``, at most ``tenant_labels`` tenants labelled).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from lmcache_async.errors import ConfigError, InvalidInputError
+from lmcache_async.rpc.metrics_tenants import DEFAULT_TENANT_LABELS, TenantSeries
 from lmcache_async.stats import EngineStats
 from lmcache_async.tokens import is_strict_int
 
@@ -221,6 +223,8 @@ class EngineCollector(Collector):
     before its first client): then only ``lmcache_async_engine_open 0``, the latencies
     and ``extra`` are reported. ``extra`` returns more gauges by name (the sidecar's
     sessions, event subscribers, ...), each reported as ``lmcache_async_{name}``.
+    ``tenant_labels``: the tenants reported under a label of their own (the rest: ``other``;
+    InvalidInputError unless an int >= 0).
     """
 
     def __init__(
@@ -229,10 +233,12 @@ class EngineCollector(Collector):
         *,
         latency: LatencyTracker | None = None,
         extra: Callable[[], Mapping[str, float]] | None = None,
+        tenant_labels: int = DEFAULT_TENANT_LABELS,
     ) -> None:
         self._stats = stats
         self._latency = latency
         self._extra = extra
+        self._tenants = TenantSeries(tenant_labels)
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
@@ -241,6 +247,7 @@ class EngineCollector(Collector):
         )
         if stats is not None:
             yield from _engine_metrics(stats)
+            yield from self._tenants.collect(stats)
         if self._latency is not None:
             yield _latency_metric(self._latency)
         if self._extra is not None:

@@ -55,6 +55,7 @@ class FakeTier(StorageBackend):
         self.up = True
         self.probe_ok = True
         self.puts = 0
+        self.erased = 0
         self.contains_calls: list[list[ChunkKey]] = []
         self.get_calls: list[list[ChunkKey]] = []
 
@@ -103,6 +104,14 @@ class FakeTier(StorageBackend):
         n = len(self.data)
         self.data.clear()
         return n
+
+    async def erase_tenant(self, tag: bytes) -> int:
+        self._check()
+        keys = [key for key in self.data if key[: len(tag)] == tag]
+        for key in keys:
+            del self.data[key]
+        self.erased += len(keys)
+        return len(keys)
 
     def healthy(self) -> bool:
         return self.up

@@ -1,7 +1,10 @@
 """Prometheus metrics: the latency tracker, the collector over an embedded engine after
-known traffic, and the HTTP endpoint scraped over a real socket."""
+known traffic, the series by tenant and their cap, and the HTTP endpoint scraped over a
+real socket."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import anyio
 import prometheus_client
@@ -19,6 +22,7 @@ from lmcache_async.rpc.metrics import (
     MetricsServer,
     make_registry,
 )
+from lmcache_async.stats import EngineStats, TenantStats, TenantUsage
 
 CHUNK = 16
 TIMEOUT = 20
@@ -255,3 +259,88 @@ async def test_the_endpoint_stays_on_loopback_unless_allowed() -> None:
             await MetricsServer.bind(registry, port=server.port)
     finally:
         await server.aclose()
+
+
+# -- series by tenant --------------------------------------------------------------------------
+
+
+def _scrape(collector: EngineCollector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return samples(prometheus_client.generate_latest(make_registry(collector)).decode())
+
+
+@pytest.mark.anyio
+async def test_tenant_series_follow_each_tenants_lookups_usage_and_erasure() -> None:
+    tokens = [(i * 31 + 5) % 20_000 for i in range(4 * CHUNK)]
+    kv = LAYOUT.allocate_kv_caches(4, generator=torch.Generator().manual_seed(3))
+    slots = torch.arange(len(tokens))
+    config = EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.01)
+    with anyio.fail_after(TIMEOUT):
+        async with CacheEngine.open(config, LAYOUT, model_name="metrics") as engine:
+            for tenant in ("a", "b"):
+                await engine.store(tokens, kv_caches=kv, slot_mapping=slots, tenant=tenant)
+            assert await engine.lookup(tokens, tenant="a") == 64
+            assert await engine.lookup(tokens[:CHUNK], tenant="a") == CHUNK
+            assert await engine.lookup([t + 1 for t in tokens], tenant="b") == 0
+            collector = EngineCollector(engine.stats)
+            found = _scrape(collector)
+            await engine.erase("a")
+            erased = _scrape(collector)
+            cpu_bytes = engine.stats().tenants["b"].tiers["cpu"].bytes
+    prefix = "lmcache_async_tenant_"
+    assert value(found, prefix + "lookups_total", tenant="a") == 2
+    assert value(found, prefix + "lookup_tokens_total", tenant="a") == 80
+    assert value(found, prefix + "lookup_hit_tokens_total", tenant="a") == 80
+    assert value(found, prefix + "lookups_total", tenant="b") == 1
+    assert value(found, prefix + "lookup_hit_tokens_total", tenant="b") == 0
+    for tenant in ("a", "b"):
+        assert value(found, prefix + "chunks", tenant=tenant, tier="cpu") == 4
+        assert value(found, prefix + "bytes", tenant=tenant, tier="cpu") == cpu_bytes > 0
+        assert value(found, prefix + "erased_total", tenant=tenant, tier="cpu") == 0
+    assert value(erased, prefix + "chunks", tenant="a", tier="cpu") == 0
+    assert value(erased, prefix + "erased_total", tenant="a", tier="cpu") == 4
+    assert value(erased, prefix + "chunks", tenant="b", tier="cpu") == 4
+    assert not any(name == prefix + "quota_bytes" for name, _ in found), "no quotas here"
+
+
+@pytest.mark.anyio
+async def test_at_most_the_cap_of_tenants_get_a_label_the_rest_are_summed_as_other() -> None:
+    config = EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.01)
+    async with CacheEngine.open(config, LAYOUT, model_name="metrics") as engine:
+        base = engine.stats()
+
+    def with_tenants(*names: str) -> EngineStats:
+        figures = {
+            name: TenantStats(
+                tag=f"{i:08x}",
+                lookup_requests=1,
+                lookup_tokens=10 * (i + 1),
+                tiers={"cpu": TenantUsage(chunks=i + 1, bytes=100, quota_bytes=1000)},
+            )
+            for i, name in enumerate(names)
+        }
+        return dataclasses.replace(base, tenants=figures)
+
+    current = with_tenants("t0", "t1", "t2", "t3")
+    collector = EngineCollector(lambda: current, tenant_labels=2)
+    found = _scrape(collector)
+    lookups = {
+        dict(labels)["tenant"]: v
+        for (name, labels), v in found.items()
+        if name == "lmcache_async_tenant_lookups_total"
+    }
+    assert lookups == {"t0": 1, "t1": 1, "other": 2}
+    assert value(found, "lmcache_async_tenant_lookup_tokens_total", tenant="other") == 30 + 40
+    assert value(found, "lmcache_async_tenant_chunks", tenant="other", tier="cpu") == 3 + 4
+    assert value(found, "lmcache_async_tenant_quota_bytes", tenant="other", tier="cpu") == 2000
+    # The labelled tenants keep their labels: one that sorts first does not take one.
+    current = with_tenants("a0", "t0", "t1")
+    again = _scrape(collector)
+    labelled = {
+        dict(labels)["tenant"]
+        for (name, labels), _ in again.items()
+        if name == "lmcache_async_tenant_lookups_total"
+    }
+    assert labelled == {"t0", "t1", "other"}
+    assert value(again, "lmcache_async_tenant_lookups_total", tenant="other") == 1
+    with pytest.raises(InvalidInputError, match="cap"):
+        EngineCollector(lambda: None, tenant_labels=-1)
