@@ -26,6 +26,10 @@ class KVCacheClient(Protocol):
     Every call raises :class:`~lmcache_async.errors.InvalidInputError` for bad input
     (nothing stored) and :class:`~lmcache_async.errors.EngineClosedError` once closed; a
     cache that cannot serve (unhealthy, unreachable) answers with misses, never an error.
+
+    Every call about a prompt takes ``tenant``: whose KV it is (None: the client's own
+    tenant, given when it was opened). The tenant is bound into the chunk keys, so a
+    tenant's requests find only that tenant's KV.
     """
 
     async def store(
@@ -40,6 +44,7 @@ class KVCacheClient(Protocol):
         offsets: Sequence[int] | None = None,
         store_location: Sequence[str] | None = None,
         stream: torch.cuda.Stream | None = None,
+        tenant: str | None = None,
     ) -> int:
         """Copy the KV of ``tokens`` out of ``kv_caches``, as it stands on ``stream``
         (default: the current stream of their device) when called; returns the tokens
@@ -59,6 +64,7 @@ class KVCacheClient(Protocol):
         offsets: Sequence[int] | None = None,
         retrieve_locations: Sequence[str] | None = None,
         stream: torch.cuda.Stream | None = None,
+        tenant: str | None = None,
     ) -> torch.Tensor:
         """Load the cached run of chunks into ``kv_caches``, ahead of what is queued on
         ``stream`` (default: the current stream of their device) next; returns the bool
@@ -74,6 +80,7 @@ class KVCacheClient(Protocol):
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         search_range: Sequence[str] | None = None,
+        tenant: str | None = None,
     ) -> int:
         """Number of prefix tokens cached (pinned for ``lookup_id`` with ``pin=True``)."""
         ...
@@ -86,6 +93,7 @@ class KVCacheClient(Protocol):
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         search_range: Sequence[str] | None = None,
+        tenant: str | None = None,
     ) -> int:
         """Look up and start loading the hits of the slow tiers into host memory."""
         ...

@@ -505,9 +505,10 @@ class _SidecarLookups:
         pin: bool = False,
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
+        tenant: str | None = None,
     ) -> int:
         return await self._remote.lookup(
-            tokens, lookup_id=lookup_id, pin=pin, hashes=hashes, offsets=offsets
+            tokens, lookup_id=lookup_id, pin=pin, hashes=hashes, offsets=offsets, tenant=tenant
         )
 
     async def lookup_unpin(self, lookup_id: Hashable) -> None:

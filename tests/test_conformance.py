@@ -657,3 +657,98 @@ async def test_tier_names_are_checked(client: Client) -> None:
         assert await client.api.lookup(tokens, search_range=["cpu"]) == num_tokens
         assert await client.api.clear(["cpu"]) == 2
         assert await client.api.lookup(tokens) == 0
+
+
+# -- tenants ----------------------------------------------------------------------------------
+
+
+async def test_a_tenants_prompt_is_found_and_loaded_by_that_tenant_only(client: Client) -> None:
+    num_tokens = 3 * CHUNK + 5
+    tokens = prompt(num_tokens, 30)
+    kv, slots = kv_for(num_tokens, seed=301)
+    with anyio.fail_after(TIMEOUT):
+        stored = await client.api.store(tokens, kv_caches=kv, slot_mapping=slots, tenant="a")
+        assert stored == num_tokens
+        assert await client.api.lookup(tokens, tenant="a") == num_tokens
+        assert await client.api.lookup(tokens[: 2 * CHUNK], tenant="a") == 2 * CHUNK
+        for other in ("b", "", None):
+            assert await client.api.lookup(tokens, tenant=other) == 0, other
+            assert await client.api.prefetch(tokens, lookup_id="o", tenant=other) == 0, other
+            target = fresh(blocks_for(num_tokens))
+            mask = await client.api.retrieve(
+                tokens, kv_caches=target, slot_mapping=slots, tenant=other
+            )
+            assert not mask.any(), other
+            assert untouched(target, torch.tensor([], dtype=torch.long)), other
+        await client.api.lookup_unpin("o")
+        assert await client.api.lookup(tokens, lookup_id="p", pin=True, tenant="a") == num_tokens
+        assert (await client.stats())["pinned_chunks"] == 4
+        target = fresh(blocks_for(num_tokens))
+        mask = await client.api.retrieve(
+            tokens, kv_caches=target, slot_mapping=slots, lookup_id="p", tenant="a"
+        )
+        after = await client.stats()
+    assert bool(mask.all())
+    assert raw(payload_of(target, slots)) == raw(payload_of(kv, slots))
+    assert (after["pinned_chunks"], after["active_lookup_ids"], after["cached_chunks"]) == (0, 0, 4)
+
+
+async def test_two_tenants_keep_their_own_kv_of_one_prompt(client: Client) -> None:
+    num_tokens = 2 * CHUNK + 3
+    tokens = prompt(num_tokens, 31)
+    kv_a, slots = kv_for(num_tokens, seed=311)
+    kv_b, _ = kv_for(num_tokens, seed=312)
+    kv_own, _ = kv_for(num_tokens, seed=313)
+    with anyio.fail_after(TIMEOUT):
+        for tenant, kv in (("a", kv_a), ("b", kv_b), (None, kv_own)):
+            stored = await client.api.store(tokens, kv_caches=kv, slot_mapping=slots, tenant=tenant)
+            assert stored == num_tokens, tenant
+        assert (await client.stats())["cached_chunks"] == 3 * 3
+        for tenant, kv in (("a", kv_a), ("b", kv_b), (None, kv_own)):
+            target = fresh(blocks_for(num_tokens))
+            mask = await client.api.retrieve(
+                tokens, kv_caches=target, slot_mapping=slots, tenant=tenant
+            )
+            assert bool(mask.all()), tenant
+            assert raw(payload_of(target, slots)) == raw(payload_of(kv, slots)), tenant
+        # By block hashes too: the tenant keys them as it keys tokens.
+        hashes, offsets = [11, 22], [CHUNK, 2 * CHUNK]
+        stored = await client.api.store(
+            hashes=hashes,
+            offsets=offsets,
+            kv_caches=kv_a,
+            slot_mapping=slots[: 2 * CHUNK],
+            tenant="a",
+        )
+        assert stored == 2 * CHUNK
+        assert await client.api.lookup(hashes=hashes, offsets=offsets, tenant="a") == 2 * CHUNK
+        assert await client.api.lookup(hashes=hashes, offsets=offsets, tenant="b") == 0
+        assert await client.api.lookup(hashes=hashes, offsets=offsets) == 0
+
+
+BAD_TENANTS: Final = [
+    pytest.param(7, id="int"),
+    pytest.param(b"a", id="bytes"),
+    pytest.param("x" * 257, id="too-long"),
+    pytest.param("\ud800", id="not-unicode"),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_TENANTS)
+async def test_a_bad_tenant_raises_and_stores_nothing(client: Client, bad: Any) -> None:
+    num_tokens = 2 * CHUNK
+    tokens = prompt(num_tokens, 32)
+    kv, slots = kv_for(num_tokens, seed=321)
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: client.api.store(tokens, kv_caches=kv, slot_mapping=slots, tenant=bad),
+        lambda: client.api.retrieve(tokens, kv_caches=kv, slot_mapping=slots, tenant=bad),
+        lambda: client.api.lookup(tokens, tenant=bad),
+        lambda: client.api.prefetch(tokens, lookup_id="bad", tenant=bad),
+    ]
+    with anyio.fail_after(TIMEOUT):
+        for call in calls:
+            with pytest.raises(InvalidInputError, match="tenant"):
+                await call()
+        stats = await client.stats()
+        assert (stats["cached_chunks"], stats["pinned_chunks"]) == (0, 0)
+        assert await client.api.lookup(tokens) == 0

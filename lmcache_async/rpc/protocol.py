@@ -8,7 +8,8 @@ The header always carries ``"v"`` (:data:`PROTOCOL_VERSION`), may carry ``"id"``
 id, int or str, echoed in the reply) and, when there are payload frames, ``"sizes"`` (the
 byte length of each). Payload frames are raw bytes (token ids, tensor bytes) sent
 zero-copy. A reply has the type of its request, or :attr:`MessageType.ERROR` with a
-``"code"`` (:class:`ErrorCode`) and a ``"message"``.
+``"code"`` (:class:`ErrorCode`) and a ``"message"``. A request about a prompt may name its
+tenant in ``"tenant"`` (:func:`put_tenant`, :func:`tenant_of`); absent, the session's own.
 
 msgpack is read with ``raw=False, strict_map_key=True`` and no extension types; nothing on
 any socket is ever unpickled. :func:`decode` refuses, with a
@@ -32,6 +33,7 @@ import numpy.typing as npt
 import zmq
 
 from lmcache_async.errors import InvalidInputError, ProtocolError
+from lmcache_async.tenants import check_tenant
 from lmcache_async.tokens import TOKEN_BYTES, Tokens, is_strict_int, token_array
 
 __all__ = [
@@ -49,14 +51,19 @@ __all__ = [
     "error_reply",
     "hashes_from_wire",
     "hashes_to_wire",
+    "put_tenant",
     "request_id_of",
+    "tenant_of",
     "to_wire",
     "tokens_from_payload",
     "tokens_payload",
 ]
 
-PROTOCOL_VERSION: Final = 1
-"""Version every header carries; a peer speaking another one gets an error reply."""
+PROTOCOL_VERSION: Final = 2
+"""Version every header carries; a peer speaking another one gets an error reply.
+
+2: requests name their tenant (``"tenant"``). A peer of version 1 would ignore the field
+and serve every tenant from one namespace, so it is refused instead."""
 
 DEFAULT_MAX_HEADER_BYTES: Final = 1 << 20
 """Largest header accepted by default (1 MiB)."""
@@ -78,6 +85,7 @@ _RESERVED_KEYS: Final = frozenset({_VERSION_KEY, _ID_KEY, _SIZES_KEY})
 _MSGPACK_INT_MIN: Final = -(2**63)
 _MSGPACK_INT_MAX: Final = 2**64 - 1
 
+_TENANT_KEY: Final = "tenant"
 _MAX_ERROR_MESSAGE_CHARS: Final = 1000
 _TOKEN_DTYPE: Final = np.dtype("<i4")
 
@@ -490,3 +498,25 @@ def to_wire(value: object) -> Any:
     ):
         return [to_wire(item) for item in value]
     raise InvalidInputError(f"{type(value).__name__} has no wire form")
+
+
+def put_tenant(header: dict[str, Any], tenant: object) -> None:
+    """Name ``tenant`` in a request's header; None (the session's own tenant) adds nothing.
+
+    Raises:
+        InvalidInputError: ``tenant`` is not None or a valid tenant name (see
+            :func:`~lmcache_async.tenants.check_tenant`).
+    """
+    name = check_tenant(tenant)
+    if name is not None:
+        header[_TENANT_KEY] = name
+
+
+def tenant_of(header: Mapping[str, Any]) -> str | None:
+    """The tenant a request's header names; None when it names none (the session's own).
+
+    Raises:
+        InvalidInputError: the field is not a valid tenant name (the message names
+            ``tenant``), which the endpoint answers with an ``INVALID_INPUT`` reply.
+    """
+    return check_tenant(header.get(_TENANT_KEY))

@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # lmcache_async.rpc.protocol.PROTOCOL_VERSION
 HELLO, LOOKUP, STORE, ERROR = 1, 2, 3, 0
 LAYOUT = {
     "kind": "vllm_flash_attn",

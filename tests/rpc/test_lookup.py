@@ -408,6 +408,40 @@ async def test_a_second_server_for_the_same_rank_is_refused(socket_dir: Path) ->
                     pass
 
 
+@pytest.mark.anyio
+async def test_a_lookup_names_its_tenant_and_finds_only_that_tenants_chunks(
+    socket_dir: Path,
+) -> None:
+    tokens = list(range(100, 100 + 3 * CHUNK + 5))
+    kv = LAYOUT.allocate_kv_caches(4, generator=torch.Generator().manual_seed(1))
+    directory = str(socket_dir)
+    with anyio.fail_after(20):
+        async with CacheEngine.open(CONFIG, LAYOUT, model_name="tenants") as engine:
+            slots = torch.arange(len(tokens))
+            assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots, tenant="a") == 53
+            async with (
+                LookupServer.serve(engine, instance_id="tenants", rank=0, socket_dir=directory),
+                LookupClient("tenants", 1, socket_dir=directory, timeout=5.0) as client,
+            ):
+                assert await client.lookup(tokens, tenant="a") == 53
+                assert await client.lookup(tokens, tenant="b") == 0
+                assert await client.lookup(tokens) == 0  # the engine's own tenant
+                assert await client.lookup(tokens, lookup_id="p", pin=True, tenant="a") == 53
+                assert engine.stats().pinned_chunks == 4
+                await client.unpin("p")
+                assert engine.stats().pinned_chunks == 0
+                with pytest.raises(InvalidInputError, match="tenant must be None or a str"):
+                    await client.lookup(tokens, tenant=5)  # type: ignore[arg-type]
+
+                def sync_lookups() -> list[int]:
+                    with SyncLookupClient("tenants", 1, socket_dir=directory, timeout=5.0) as sync:
+                        with pytest.raises(InvalidInputError, match="at most 256 UTF-8 bytes"):
+                            sync.lookup(tokens, tenant="x" * 300)
+                        return [sync.lookup(tokens, tenant=t) for t in ("a", "b", None)]
+
+                assert await anyio.to_thread.run_sync(sync_lookups) == [53, 0, 0]
+
+
 class StubEngine:
     """Stands in for a CacheEngine: lookups of 7 tokens wait for ``release``, lookups of 13
     tokens fail, others answer their length."""

@@ -27,7 +27,13 @@ from lmcache_async import CacheEngine, EngineConfig, InvalidInputError, RemoteCa
 from lmcache_async.backends.record import payload_checksum, tensor_bytes
 from lmcache_async.rpc.client import check_move_target
 from lmcache_async.rpc.move import move
-from lmcache_async.rpc.protocol import MessageType, decode, encode, tokens_payload
+from lmcache_async.rpc.protocol import (
+    PROTOCOL_VERSION,
+    MessageType,
+    decode,
+    encode,
+    tokens_payload,
+)
 from tests.rpc.test_sidecar import (
     CHUNK,
     LAYOUT,
@@ -367,7 +373,13 @@ async def test_malformed_pushes_and_moves_get_error_replies(
             assert (reply.header["code"], reply.type) == ("invalid_input", MessageType.ERROR)
             # A well-formed push of zeros with a wrong checksum: refused, not counted.
             reply = await ask(MessageType.PUSH, {"checksums": [1]}, tokens, payload)
-            assert reply.header == {"v": 1, "id": 1, "stored": 0, "chunks": 0, "refused": 1}
+            assert reply.header == {
+                "v": PROTOCOL_VERSION,
+                "id": 1,
+                "stored": 0,
+                "chunks": 0,
+                "refused": 1,
+            }
     finally:
         sock.close(linger=0)
         context.term()

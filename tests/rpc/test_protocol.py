@@ -31,7 +31,9 @@ from lmcache_async.rpc.protocol import (
     error_reply,
     hashes_from_wire,
     hashes_to_wire,
+    put_tenant,
     request_id_of,
+    tenant_of,
     to_wire,
     tokens_from_payload,
     tokens_payload,
@@ -216,7 +218,8 @@ REFUSALS: list[tuple[str, list[bytes], str]] = [
     ("timestamp", [LOOKUP, timestamp_header], "unsupported msgpack value"),
     ("no version", [LOOKUP, header(id=1)], "no protocol version"),
     ("old version", [LOOKUP, header(v=0)], "protocol version 0 is not supported"),
-    ("new version", [LOOKUP, header(v=2)], "protocol version 2 is not supported"),
+    ("previous version", [LOOKUP, header(v=V - 1)], f"protocol version {V - 1} is not"),
+    ("new version", [LOOKUP, header(v=V + 1)], f"protocol version {V + 1} is not supported"),
     ("text version", [LOOKUP, header(v="1")], "protocol version '1' is not supported"),
     ("bool version", [LOOKUP, header(v=True)], "protocol version True is not supported"),
     ("float id", [LOOKUP, header(v=V, id=1.5)], "request id must be an int or str"),
@@ -259,6 +262,36 @@ SERVER_REFUSAL_CASES = [
 def test_decode_refuses_with_the_reason(frames: list[bytes], match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
         decode(frames, max_header_bytes=100, max_payload_bytes=1000)
+
+
+def test_a_tenant_travels_in_the_header_and_none_adds_nothing() -> None:
+    for tenant in ("a", "", "é" * 128, "x" * 256):
+        fields: dict[str, Any] = {}
+        put_tenant(fields, tenant)
+        assert fields == {"tenant": tenant}
+        assert tenant_of(decode(encode(MessageType.STORE, fields)).header) == tenant
+    fields = {}
+    put_tenant(fields, None)
+    assert fields == {}
+    assert tenant_of({}) is None
+    assert tenant_of({"tenant": None}) is None
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (7, "tenant must be None or a str, got int"),
+        (b"a", "tenant must be None or a str, got bytes"),
+        ("x" * 257, "tenant must be at most 256 UTF-8 bytes"),
+        ("é" * 129, "tenant must be at most 256 UTF-8 bytes"),
+        (["a"], "tenant must be None or a str, got list"),
+    ],
+)
+def test_a_bad_tenant_is_refused_naming_the_field(bad: object, match: str) -> None:
+    with pytest.raises(InvalidInputError, match=match):
+        put_tenant({}, bad)
+    with pytest.raises(InvalidInputError, match=match):
+        tenant_of({"tenant": bad})
 
 
 def test_error_reply_and_request_id_salvage() -> None:
@@ -356,6 +389,10 @@ def test_server_answers_a_valid_lookup_over_a_raw_socket(served: Served) -> None
     assert (reply.type, reply.request_id, reply.header["hits"]) == (MessageType.LOOKUP, 5, STORED)
     reply = served.peer.ask(encode(MessageType.PING, request_id="p"))
     assert reply.header == {"v": V, "id": "p", "instance_id": "fuzz", "rank": 0}
+    # The worker stored for its own tenant: another tenant's lookup finds nothing.
+    reply = served.peer.ask(lookup_frames(served.tokens, request_id=6, tenant="other"))
+    assert (reply.type, reply.header["hits"]) == (MessageType.LOOKUP, 0)
+    assert served.client.lookup(served.tokens, tenant="other") == 0
     assert served.snapshot() == (STORED, STORED // CHUNK, 0)
 
 
@@ -398,6 +435,8 @@ def test_server_reports_bad_fields_unsupported_types_and_engine_errors(served: S
             "invalid_input",
             "token ids must be >= 0",
         ),
+        (lookup_frames([1], tenant=5), "invalid_input", "tenant must be None or a str"),
+        (lookup_frames([1], tenant="x" * 300), "invalid_input", "tenant must be at most 256"),
         (encode(MessageType.UNPIN, {}, request_id=3), "protocol", "'lookup_id' must be"),
         (encode(MessageType.STORE, {}, request_id=3), "unsupported", "does not serve STORE"),
         (encode(MessageType.ERROR, {}, request_id=3), "unsupported", "does not serve ERROR"),

@@ -47,6 +47,7 @@ from lmcache_async.rpc.client.wire import Unavailable
 from lmcache_async.rpc.protocol import MessageLimits, MessageType, decode, encode
 from lmcache_async.rpc.sidecar import SidecarNamespace, SidecarServer, SidecarSettings, serve
 from lmcache_async.rpc.transport import check_listen_url, load_curve_secret_key
+from lmcache_async.tenants import TAG_BYTES, tenant_tag
 
 HERE = Path(__file__).parent
 CLIENT_SCRIPT = HERE / "sidecar_client.py"
@@ -430,14 +431,15 @@ async def test_other_protocol_version_and_garbage_get_error_replies(sidecar: Sid
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(sidecar.url)
-    hello = {"v": 2, "id": 5, "model_name": MODEL, "layout": LAYOUT.to_dict()}
+    # A client of version 1 would send no tenant: every tenant would share its keys.
+    hello = {"v": 1, "id": 5, "model_name": MODEL, "layout": LAYOUT.to_dict()}
     try:
         with anyio.fail_after(30):
             await sock.send_multipart([bytes([MessageType.HELLO]), msgpack.packb(hello)])
             reply = decode(await sock.recv_multipart())
             assert (reply.type, reply.request_id) == (MessageType.ERROR, 5)
             assert reply.header["code"] == "protocol"
-            assert "protocol version 2 is not supported" in reply.header["message"]
+            assert "protocol version 1 is not supported" in reply.header["message"]
             await sock.send_multipart([b"\x03", b"\xc1not msgpack"])
             reply = decode(await sock.recv_multipart())
             assert reply.header["code"] == "protocol"
@@ -489,12 +491,14 @@ async def test_malformed_digest_lookups_get_error_replies(sidecar: Sidecar) -> N
     async with connect(sidecar.url, timeout=10) as engine:
         link = engine._conn.link
         assert link is not None
-        digests = b"\1" * 16 * 3
+        # Digests of this client's tenant (none named): its tag leads each one.
+        digests = (tenant_tag(None) + b"\1" * (16 - TAG_BYTES)) * 3
         cases = [
             ({"digests_of": 3 * CHUNK, "pin": False}, [digests[:-1]], ProtocolError),
             ({"digests_of": 3 * CHUNK, "pin": False}, [digests, digests], ProtocolError),
             ({"digests_of": 5 * CHUNK, "pin": False}, [digests], InvalidInputError),
             ({"digests_of": -1, "pin": False}, [digests], ProtocolError),
+            ({"digests_of": 3 * CHUNK, "pin": False}, [b"\1" * 16 * 3], InvalidInputError),
         ]
         with anyio.fail_after(30):
             for header, payloads, error in cases:

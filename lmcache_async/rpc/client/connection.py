@@ -21,6 +21,7 @@ import structlog
 import zmq.asyncio
 from anyio.abc import TaskGroup
 
+from lmcache_async.engine.hashers import TenantHashers
 from lmcache_async.errors import (
     EngineClosedError,
     InvalidInputError,
@@ -34,6 +35,7 @@ from lmcache_async.rpc.client.settings import ClientSettings
 from lmcache_async.rpc.client.welcome import Welcome, key_hasher
 from lmcache_async.rpc.client.wire import SessionLost, Unavailable
 from lmcache_async.rpc.protocol import Message, MessageType
+from lmcache_async.tenants import TenantNames
 
 __all__ = ["ClientCounters", "Connection"]
 
@@ -57,7 +59,8 @@ class Connection:
     """The sidecar ``settings.url`` names, as one client sees it.
 
     ``link``, ``welcome`` and ``hasher`` are the current link (None while down), the last
-    welcome and the hasher it allows (lookups then send chunk digests, not tokens).
+    welcome and the hasher it allows (lookups then send chunk digests, not tokens);
+    :meth:`hasher_for` gives each tenant's.
     """
 
     def __init__(self, settings: ClientSettings) -> None:
@@ -75,6 +78,7 @@ class Connection:
         self._links: set[Link] = set()  # every open link, the current one and hellos
         self.welcome: Welcome | None = None
         self.hasher: ChunkHasher | None = None
+        self._hashers: TenantHashers | None = None
         self._task_group: TaskGroup | None = None
         self._keeper = anyio.CancelScope()
         self._probe = anyio.Event()
@@ -151,6 +155,7 @@ class Connection:
         self._drop_link()
         self.link, self.welcome = link, welcome
         self.hasher = key_hasher(self._namespace, welcome, self.url)
+        self._hashers = None if self.hasher is None else TenantHashers(self.hasher, TenantNames())
         self.healthy = True
         self.connected.set()
         log.info(
@@ -159,6 +164,17 @@ class Connection:
             server=welcome.server,
             shared_memory=link.segment is not None,
         )
+
+    def hasher_for(self, tenant: str | None) -> ChunkHasher | None:
+        """The hasher of ``tenant``'s chunk keys as the server computes them (None: this
+        client's own tenant), or None when the server did not say how it hashes. Named
+        tenants' hashers are kept among the most recently used few.
+
+        Raises:
+            InvalidInputError: ``tenant`` is not a valid tenant name.
+        """
+        hashers = self._hashers
+        return None if hashers is None else hashers.for_tenant(tenant)
 
     def _attach(self, welcome: Welcome) -> Segment | None:
         """The server's segment mapped here, or None (payloads then travel inline).

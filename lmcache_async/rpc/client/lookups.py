@@ -22,7 +22,7 @@ from lmcache_async.keys import ChunkHasher, DigestGuess
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, count, key_fields
-from lmcache_async.rpc.protocol import MessageType
+from lmcache_async.rpc.protocol import MessageType, put_tenant
 from lmcache_async.tokens import Tokens
 
 __all__ = ["Lookups"]
@@ -103,6 +103,7 @@ class Lookups:
         hashes: Sequence[int | bytes] | None,
         offsets: Sequence[int] | None,
         search_range: Sequence[str] | None,
+        tenant: str | None = None,
     ) -> int:
         """As :meth:`RemoteCacheEngine.prefetch`.
 
@@ -116,6 +117,7 @@ class Lookups:
         locations = check_tiers(self._conn.welcome, search_range, "search_range")
         if locations is not None:
             header["search_range"] = locations
+        put_tenant(header, tenant)
         return await self.hits(MessageType.PREFETCH, header, payloads, num_tokens) or 0
 
     async def unpin(self, lookup_id: Hashable) -> None:

@@ -34,7 +34,7 @@ from lmcache_async.rpc.client.settings import (
 from lmcache_async.rpc.client.transfers import DataPath
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import check_lookup_id, key_fields
-from lmcache_async.rpc.protocol import MessageLimits, MessageType
+from lmcache_async.rpc.protocol import MessageLimits, MessageType, put_tenant
 from lmcache_async.tokens import Tokens
 
 __all__ = ["RemoteCacheEngine"]
@@ -50,7 +50,8 @@ class RemoteCacheEngine:
     ``set_hot_cache`` and ``stats`` are coroutines here (they ask the server).
     ``store_layer``/``retrieve_layer``, ``flush`` and KV events are not offered over the
     sidecar. Lookups by tokens send the prompt's chunk digests (the server says how it
-    hashes in its welcome), not the tokens.
+    hashes in its welcome), not the tokens. Every request about a prompt takes
+    ``tenant=`` (None: the ``tenant`` given here), as the engine's do.
     """
 
     def __init__(
@@ -175,11 +176,14 @@ class RemoteCacheEngine:
         offsets: Sequence[int] | None = None,
         store_location: Sequence[str] | None = None,
         stream: torch.cuda.Stream | None = None,
+        tenant: str | None = None,
     ) -> int:
         """As :meth:`CacheEngine.store <lmcache_async.CacheEngine.store>`: copy the KV of
         ``tokens`` into the sidecar's cache; returns the tokens cached from the first
         stored chunk on, 0 when the sidecar is unreachable or too slow. ``stream``: the
         CUDA stream the KV was written on (as for CacheEngine; ignored on the CPU).
+        ``tenant``: whose KV this is (default: this client's ``tenant``); only requests of
+        the same tenant find it.
 
         Raises:
             InvalidInputError: bad input (nothing stored).
@@ -195,6 +199,7 @@ class RemoteCacheEngine:
             offsets=offsets,
             store_location=store_location,
             stream=stream,
+            tenant=tenant,
         )
 
     async def retrieve(
@@ -210,11 +215,13 @@ class RemoteCacheEngine:
         offsets: Sequence[int] | None = None,
         retrieve_locations: Sequence[str] | None = None,
         stream: torch.cuda.Stream | None = None,
+        tenant: str | None = None,
     ) -> torch.Tensor:
         """As :meth:`CacheEngine.retrieve <lmcache_async.CacheEngine.retrieve>`: load the
         cached run of chunks from the mask start on into ``kv_caches``; returns the bool CPU
         mask of the tokens written (all False when the sidecar is unreachable). ``stream``:
         the CUDA stream the KV is read on (as for CacheEngine; ignored on the CPU).
+        ``tenant``: whose KV is asked for (as :meth:`store`).
 
         Raises:
             InvalidInputError: bad input.
@@ -231,6 +238,7 @@ class RemoteCacheEngine:
             offsets=offsets,
             retrieve_locations=retrieve_locations,
             stream=stream,
+            tenant=tenant,
         )
 
     async def lookup(
@@ -242,11 +250,13 @@ class RemoteCacheEngine:
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         search_range: Sequence[str] | None = None,
+        tenant: str | None = None,
     ) -> int:
         """As :meth:`CacheEngine.lookup <lmcache_async.CacheEngine.lookup>`: prefix tokens
-        cached in the sidecar (0 when it is unreachable). Pins (``pin=True`` with a
-        ``lookup_id``: an int or str) belong to this client and are released by
-        :meth:`lookup_unpin`, a retrieve with the id, or when this client goes away.
+        cached in the sidecar for ``tenant`` (default: this client's; 0 when it is
+        unreachable). Pins (``pin=True`` with a ``lookup_id``: an int or str) belong to
+        this client and are released by :meth:`lookup_unpin`, a retrieve with the id, or
+        when this client goes away.
 
         Raises:
             InvalidInputError: bad input.
@@ -266,13 +276,15 @@ class RemoteCacheEngine:
         locations = check_tiers(conn.welcome, search_range, "search_range")
         if locations is not None:
             options["search_range"] = locations
-        lookups, hasher = self._lookups, conn.hasher
+        put_tenant(options, tenant)
+        lookups = self._lookups
+        hasher = conn.hasher if tenant is None else conn.hasher_for(tenant)
         if hasher is None or tokens is None or hashes is not None or offsets is not None:
             header, key_payloads, num_tokens = key_fields(tokens, hashes, offsets)
             header.update(options)
             return await lookups.hits(MessageType.LOOKUP, header, key_payloads, num_tokens) or 0
-        # Chunk digests instead of the tokens: 16 bytes a chunk on the wire, and the server
-        # neither converts nor hashes the prompt.
+        # Chunk digests (of the tenant's keys) instead of the tokens: 16 bytes a chunk on
+        # the wire, and the server neither converts nor hashes the prompt.
         guess = hasher.guess(tokens)
         if guess is not None:
             hits = await lookups.guessed(guess, options)
@@ -290,17 +302,24 @@ class RemoteCacheEngine:
         hashes: Sequence[int | bytes] | None = None,
         offsets: Sequence[int] | None = None,
         search_range: Sequence[str] | None = None,
+        tenant: str | None = None,
     ) -> int:
         """As :meth:`CacheEngine.prefetch <lmcache_async.CacheEngine.prefetch>`: look up
-        and start loading the hits from disk or Redis into the sidecar's memory, for a
-        later :meth:`retrieve` with the same ``lookup_id`` (0 when unreachable).
+        (for ``tenant``, as :meth:`lookup`) and start loading the hits from disk or Redis
+        into the sidecar's memory, for a later :meth:`retrieve` with the same
+        ``lookup_id`` (0 when unreachable).
 
         Raises:
             InvalidInputError: bad input.
             EngineClosedError: the client is closed.
         """
         return await self._lookups.prefetch(
-            tokens, lookup_id=lookup_id, hashes=hashes, offsets=offsets, search_range=search_range
+            tokens,
+            lookup_id=lookup_id,
+            hashes=hashes,
+            offsets=offsets,
+            search_range=search_range,
+            tenant=tenant,
         )
 
     async def lookup_unpin(self, lookup_id: Hashable) -> None:

@@ -29,7 +29,7 @@ from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.link import Link
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, count, key_fields
-from lmcache_async.rpc.protocol import Message, MessageType
+from lmcache_async.rpc.protocol import Message, MessageType, put_tenant
 from lmcache_async.tokens import Tokens, check_mask, is_strict_int
 from lmcache_async.transfer import TransferPlan
 
@@ -87,8 +87,10 @@ class DataPath:
         slot_mapping: torch.Tensor,
         mask: torch.Tensor | None,
         stream: torch.cuda.Stream | None,
+        tenant: str | None,
     ) -> _Prepared:
         header, payloads, num_tokens = key_fields(tokens, hashes, offsets)
+        put_tenant(header, tenant)
         welcome = self._conn.welcome
         chunk_size = welcome.chunk_size if welcome is not None else 1
         start = check_mask(mask, num_tokens, chunk_size)
@@ -136,6 +138,7 @@ class DataPath:
         offsets: Sequence[int] | None,
         store_location: Sequence[str] | None,
         stream: torch.cuda.Stream | None = None,
+        tenant: str | None = None,
     ) -> int:
         """As :meth:`RemoteCacheEngine.store`.
 
@@ -153,6 +156,7 @@ class DataPath:
             slot_mapping=slot_mapping,
             mask=mask,
             stream=stream,
+            tenant=tenant,
         )
         header = prepared.header
         locations = check_tiers(conn.welcome, store_location, "store_location")
@@ -233,6 +237,7 @@ class DataPath:
         offsets: Sequence[int] | None,
         retrieve_locations: Sequence[str] | None,
         stream: torch.cuda.Stream | None = None,
+        tenant: str | None = None,
     ) -> torch.Tensor:
         """As :meth:`RemoteCacheEngine.retrieve`.
 
@@ -250,6 +255,7 @@ class DataPath:
             slot_mapping=slot_mapping,
             mask=mask,
             stream=stream,
+            tenant=tenant,
         )
         loaded = torch.zeros(prepared.num_tokens, dtype=torch.bool)
         header = prepared.header

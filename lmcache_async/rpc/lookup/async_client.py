@@ -130,20 +130,24 @@ class LookupClient:
         offsets: Sequence[int] | None = None,
         lookup_id: LookupId | None = None,
         pin: bool = False,
+        tenant: str | None = None,
     ) -> int:
         """Prefix tokens cached on every rank: the minimum of the ranks' answers.
 
         ``tokens`` (a list of int, 1-D integer tensor or ndarray) or the serving engine's
         block ``hashes`` with their end ``offsets``. With ``pin=True`` and a ``lookup_id``
         each rank pins what it found until :meth:`unpin` (call it whatever this returns:
-        a rank may hold pins beyond the minimum). A rank that does not answer in time or
-        fails counts as 0 hits (logged).
+        a rank may hold pins beyond the minimum). ``tenant``: whose prompt it is (None:
+        each rank's own tenant). A rank that does not answer in time or fails counts as 0
+        hits (logged).
 
         Raises:
             InvalidInputError: bad input, found here or by a rank's engine.
             EngineClosedError: the client is closed.
         """
-        return await self._fan_out(self._core.lookup(tokens, hashes, offsets, lookup_id, pin))
+        return await self._fan_out(
+            self._core.lookup(tokens, hashes, offsets, lookup_id, pin, tenant=tenant)
+        )
 
     async def unpin(self, lookup_id: LookupId) -> None:
         """Release every rank's pins for ``lookup_id``; a rank that fails is logged."""

@@ -25,6 +25,7 @@ from lmcache_async.rpc.protocol import (
     decode,
     encode,
     hashes_to_wire,
+    put_tenant,
     tokens_payload,
 )
 from lmcache_async.tokens import Tokens, is_strict_int
@@ -165,6 +166,8 @@ class ClientCore:
         offsets: Sequence[int] | None,
         lookup_id: LookupId | None,
         pin: bool,
+        *,
+        tenant: str | None = None,
     ) -> Call[int]:
         self.check_open()
         if not isinstance(pin, bool):
@@ -174,6 +177,7 @@ class ClientCore:
             header["lookup_id"] = check_lookup_id(lookup_id)
         elif pin:
             raise InvalidInputError("pin=True needs a lookup_id")
+        put_tenant(header, tenant)
         payloads: list[memoryview] = []
         ends = check_key_input(tokens, hashes, offsets)
         if ends is not None:

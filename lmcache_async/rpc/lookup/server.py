@@ -27,6 +27,7 @@ from lmcache_async.rpc.protocol import (
     error_reply,
     hashes_from_wire,
     request_id_of,
+    tenant_of,
     to_wire,
     tokens_from_payload,
 )
@@ -64,6 +65,7 @@ def _refuse_if_served(path: str) -> None:
 
 class LookupServer:
     """Answers LOOKUP, UNPIN, PING and STATS requests against one :class:`CacheEngine`.
+    A LOOKUP may name its prompt's tenant (``"tenant"``; none: the engine's own).
 
     Start it with :meth:`serve`. Each request runs in a task of its own (at most
     ``max_concurrency`` at once), so a long prompt being hashed does not hold up a ping. A
@@ -241,6 +243,7 @@ class LookupServer:
         lookup_id = header.get("lookup_id")
         if lookup_id is not None and not (is_strict_int(lookup_id) or isinstance(lookup_id, str)):
             raise ProtocolError("'lookup_id' must be an int or str")
+        tenant = tenant_of(header)
         if "hashes" in header:
             if message.payloads:
                 raise ProtocolError("a lookup by hashes carries no payload frames")
@@ -252,6 +255,7 @@ class LookupServer:
                 offsets=offsets,
                 lookup_id=lookup_id,
                 pin=pin,
+                tenant=tenant,
             )
         if len(message.payloads) != 1:
             raise ProtocolError(
@@ -259,4 +263,4 @@ class LookupServer:
                 f"{len(message.payloads)} frames"
             )
         tokens = tokens_from_payload(message.payloads[0])
-        return await self._engine.lookup(tokens, lookup_id=lookup_id, pin=pin)
+        return await self._engine.lookup(tokens, lookup_id=lookup_id, pin=pin, tenant=tenant)

@@ -108,9 +108,12 @@ class SyncLookupClient:
         offsets: Sequence[int] | None = None,
         lookup_id: LookupId | None = None,
         pin: bool = False,
+        tenant: str | None = None,
     ) -> int:
         """As :meth:`LookupClient.lookup`, blocking."""
-        return self._fan_out(self._core.lookup(tokens, hashes, offsets, lookup_id, pin))
+        return self._fan_out(
+            self._core.lookup(tokens, hashes, offsets, lookup_id, pin, tenant=tenant)
+        )
 
     def unpin(self, lookup_id: LookupId) -> None:
         """As :meth:`LookupClient.unpin`, blocking."""

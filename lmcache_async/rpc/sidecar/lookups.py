@@ -3,13 +3,15 @@
 Lookup ids are scoped to the client's session (:meth:`Session.scoped`); the ids a session
 pins with are remembered, so its pins go when it does. A LOOKUP by chunk digests that the
 CPU tier answers alone is served in the socket's reader callback (:meth:`LookupHandlers.now`).
+Each request may name the tenant whose prompt it is (``"tenant"``; none: the session's own);
+digests must then be that tenant's (the engine refuses another's).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lmcache_async.rpc.protocol import Message
+from lmcache_async.rpc.protocol import Message, tenant_of
 from lmcache_async.rpc.sidecar.fields import (
     digests_frame,
     flag_field,
@@ -55,7 +57,11 @@ class LookupHandlers:
             return None
         pin, lookup_id, scoped = pin_fields(session, header)
         hits = engine.lookup_digests_now(
-            digests_frame(message), int_field(header, "digests_of", -1), lookup_id=scoped, pin=pin
+            digests_frame(message),
+            int_field(header, "digests_of", -1),
+            lookup_id=scoped,
+            pin=pin,
+            tenant=tenant_of(header),
         )
         if hits is None:
             return None
@@ -69,6 +75,7 @@ class LookupHandlers:
         header = message.header
         pin, lookup_id, scoped = pin_fields(session, header)
         search_range = locations_field(header, "search_range")
+        tenant = tenant_of(header)
         if "digests_of" in header:
             # The client hashed the prompt: one frame of DIGEST_SIZE-byte chunk digests.
             num_tokens = int_field(header, "digests_of", -1)
@@ -76,7 +83,12 @@ class LookupHandlers:
             if pin and lookup_id is not None:
                 session.lookup_ids.add(lookup_id)
             hits = await engine.lookup_digests(
-                digests, num_tokens, lookup_id=scoped, pin=pin, search_range=search_range
+                digests,
+                num_tokens,
+                lookup_id=scoped,
+                pin=pin,
+                search_range=search_range,
+                tenant=tenant,
             )
             return {"hits": hits}, ()
         tokens, hashes, offsets = key_input(message)
@@ -89,6 +101,7 @@ class LookupHandlers:
             lookup_id=scoped,
             pin=pin,
             search_range=search_range,
+            tenant=tenant,
         )
         return {"hits": hits}, ()
 
@@ -98,6 +111,7 @@ class LookupHandlers:
         header = message.header
         lookup_id = lookup_id_field(header, required=True)
         assert lookup_id is not None
+        tenant = tenant_of(header)
         tokens, hashes, offsets = key_input(message)
         session.lookup_ids.add(lookup_id)
         hits = await engine.prefetch(
@@ -106,6 +120,7 @@ class LookupHandlers:
             hashes=hashes,
             offsets=offsets,
             search_range=locations_field(header, "search_range"),
+            tenant=tenant,
         )
         return {"hits": hits}, ()
 

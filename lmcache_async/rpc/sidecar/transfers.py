@@ -1,5 +1,8 @@
 """The data path: STORE/COMMIT, RETRIEVE/RELEASE, and PUSH/MOVE between instances.
 
+Every request about a prompt may name its tenant (``"tenant"``): its chunks are keyed for
+that tenant, so no other tenant's request finds them.
+
 - store: STORE (tokens or block hashes) → the chunks the engine has are held, the others
   allocated and their offsets replied in a *transaction* → the client gathers its KV into
   them → COMMIT (payloads inline from another host) → they go into the engine's tiers;
@@ -33,7 +36,7 @@ from lmcache_async.errors import InvalidInputError, ProtocolError
 from lmcache_async.keys import ChunkSpan
 from lmcache_async.memory import MemoryObj
 from lmcache_async.rpc.move import move
-from lmcache_async.rpc.protocol import Message, MessageType, tokens_from_payload
+from lmcache_async.rpc.protocol import Message, MessageType, tenant_of, tokens_from_payload
 from lmcache_async.rpc.sidecar.fields import (
     checksums_field,
     flag_field,
@@ -67,10 +70,12 @@ class TransferHandlers:
     async def _spans(
         self, engine: CacheEngine, message: Message
     ) -> tuple[list[ChunkSpan], np.ndarray | None]:
-        """The request's chunks from its ``start`` (the mask's first True) on.
+        """The request's chunks from its ``start`` (the mask's first True) on, keyed for
+        the tenant it names (none: the session's own).
 
         Raises:
-            InvalidInputError: ``start`` is not on a chunk boundary, or bad keys.
+            InvalidInputError: ``start`` is not on a chunk boundary, bad keys, or a bad
+                tenant.
         """
         start = int_field(message.header, "start", 0)
         if start % engine.config.chunk_size:
@@ -78,8 +83,11 @@ class TransferHandlers:
                 f"the mask must start on a chunk boundary (chunk_size "
                 f"{engine.config.chunk_size}), got {start}"
             )
+        tenant = tenant_of(message.header)
         tokens, hashes, offsets = key_input(message)
-        return await engine.chunk_spans(tokens, hashes=hashes, offsets=offsets, start=start)
+        return await engine.chunk_spans(
+            tokens, hashes=hashes, offsets=offsets, start=start, tenant=tenant
+        )
 
     # -- store ----------------------------------------------------------------------------
 
