@@ -149,6 +149,7 @@ def test_layer_order_follows_the_layer_numbers() -> None:
         ({"instance_id": "has space"}, "instance_id"),
         ({"request_stats": "yes"}, "request_stats"),
         ({"tenant": 5}, "tenant"),
+        ({"tenant": "x" * 257}, "tenant"),
         ({"chunk_size": -1}, "chunk_size"),
     ],
 )
@@ -291,10 +292,12 @@ class FakeCache:
     def __init__(self, hits: dict[str, int] | None = None) -> None:
         self.hits = hits or {}
         self.lookups: list[tuple[str, int]] = []
+        self.tenants: list[str | None] = []
         self.unpinned: list[str] = []
 
-    def lookup(self, tokens: list[int], req_id: str) -> int:
+    def lookup(self, tokens: list[int], req_id: str, tenant: str | None) -> int:
         self.lookups.append((req_id, len(tokens)))
+        self.tenants.append(tenant)
         return self.hits.get(req_id, 0)
 
     def unpin(self, req_id: str) -> None:
@@ -473,6 +476,59 @@ def test_roles_limit_loads_and_saves() -> None:
     assert producer.num_new_matched_tokens("r", prompt, 0) == 0
     assert cache.lookups == []
     assert _planner(FakeCache()).num_new_matched_tokens("r", None, 0) == 0
+
+
+def test_a_requests_cache_salt_is_its_tenant_from_lookup_to_load_and_store() -> None:
+    cache = FakeCache({"salted": 512, "plain": 256})
+    planner = _planner(cache, default_tenant="own")
+    prompt = list(range(600))
+    assert planner.num_new_matched_tokens("salted", prompt, 0, "a") == 512
+    planner.after_alloc("salted", 512, "a")
+    assert planner.num_new_matched_tokens("plain", prompt, 0, None) == 256
+    planner.after_alloc("plain", 256, None)
+    assert cache.tenants == ["a", "own"]  # no salt: the connector's tenant
+    meta = planner.build(
+        _step(
+            {"salted": 88, "plain": 256},
+            new=[_new("salted", prompt, [1] * 5, 512), _new("plain", prompt, [2] * 5, 256)],
+        )
+    )
+    expected = [("salted", "a"), ("plain", "own")]
+    assert [(load.req_id, load.tenant) for load in meta.loads] == expected
+    assert [(save.req_id, save.tenant) for save in meta.saves] == expected
+    meta = planner.build(_step({"plain": 88}, cached=[("plain", 512, None)]))
+    assert [(save.req_id, save.tenant) for save in meta.saves] == [("plain", "own")]
+    assert planner.finished("salted") is not None and planner.finished("plain") is not None
+    # Without a default tenant, a request without a salt is the engine's own (None).
+    bare = FakeCache()
+    _planner(bare).num_new_matched_tokens("r", prompt, 0)
+    assert bare.tenants == [None]
+
+
+def test_a_cache_salt_that_cannot_be_a_tenant_is_never_cached() -> None:
+    cache = FakeCache({"r": 512})
+    planner = _planner(cache)
+    prompt = list(range(600))
+    bad = "é" * 129  # 258 UTF-8 bytes: within vLLM's 128 characters, over a tenant's 256 bytes
+    assert planner.num_new_matched_tokens("r", prompt, 0, bad) == 0
+    planner.after_alloc("r", 0, bad)
+    assert cache.lookups == []
+    meta = planner.build(_step({"r": 256}, new=[_new("r", prompt, [1] * 5, 0)]))
+    assert (meta.loads, meta.saves) == ([], [])
+    assert planner.build(_step({"r": 256}, cached=[("r", 256, None)])).saves == []
+    assert planner.finished("r") is None
+    # The id is forgotten: a later request of that id is cached again.
+    assert planner.num_new_matched_tokens("r", prompt, 0, "fine") == 512
+    assert cache.tenants == ["fine"]
+
+
+def test_pipeline_stages_key_under_model_names_of_their_own() -> None:
+    from lmcache_async.integrations.vllm.connector import _stage_model_name
+
+    assert _stage_model_name("m", 0, 1) == "m"
+    names = {_stage_model_name("m", rank, 2) for rank in range(2)}
+    assert names == {"m#pp0of2", "m#pp1of2"}
+    assert _stage_model_name("m", 0, 2) != _stage_model_name("m", 0, 3)
 
 
 # -- vLLM end to end (subprocesses) ----------------------------------------------------------

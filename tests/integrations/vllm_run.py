@@ -6,12 +6,14 @@ Meant to run as a subprocess, one vLLM engine per process::
     python tests/integrations/vllm_run.py --model DIR --prompts prompts.json \
         [--connector-config '{"chunk_size": 256, ...}'] [--max-tokens 4] [--logprobs 3]
 
-``prompts.json`` is a list of token-id lists. Each prompt is generated on its own, in
-order (greedy, ``enforce_eager``, vLLM's prefix caching off), so its time to first token
-can be measured with ``--ttft`` (a separate ``max_tokens=1`` request timed first). With a
-connector config, the engine statistics of every worker rank are fetched over the lookup
-socket (``instance_id`` must be in the config) and the per-request connector counts are
-reported (``request_stats`` is switched on).
+``prompts.json`` is a list of prompts, each a token-id list or ``{"tokens": [...],
+"cache_salt": "a"}`` (vLLM's per-request salt, the connector's tenant of the request).
+Each prompt is generated on its own, in order (greedy, ``enforce_eager``, vLLM's prefix
+caching off), so its time to first token can be measured with ``--ttft`` (a separate
+``max_tokens=1`` request timed first). With a connector config, the engine statistics of
+every worker rank are fetched over the lookup socket (``instance_id`` must be in the
+config) and the per-request connector counts are reported (``request_stats`` is switched
+on).
 """
 
 from __future__ import annotations
@@ -54,6 +56,17 @@ def _logprobs(entries: Any) -> list[list[list[float]]]:
     return result
 
 
+def _prompt(item: Any, prompt_type: Any) -> Any:
+    """A ``TokensPrompt`` of one ``prompts.json`` entry (a token list, or a map with
+    ``tokens`` and an optional ``cache_salt``)."""
+    if isinstance(item, dict):
+        prompt = prompt_type(prompt_token_ids=list(item["tokens"]))
+        if item.get("cache_salt") is not None:
+            prompt["cache_salt"] = item["cache_salt"]
+        return prompt
+    return prompt_type(prompt_token_ids=list(item))
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gb)
@@ -64,7 +77,7 @@ def main(argv: list[str]) -> int:
     from vllm.inputs import TokensPrompt
 
     with open(args.prompts, encoding="utf-8") as f:
-        prompts: list[list[int]] = json.load(f)
+        prompts: list[TokensPrompt] = [_prompt(item, TokensPrompt) for item in json.load(f)]
     extra: dict[str, Any] | None = None
     kwargs: dict[str, Any] = {}
     if args.connector_config is not None:
@@ -95,19 +108,20 @@ def main(argv: list[str]) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=args.logprobs)
     first_token = SamplingParams(temperature=0.0, max_tokens=1)
     results = []
-    for tokens in prompts:
+    for request in prompts:
         ttft = None
         if args.ttft:
             began = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=tokens)], first_token, use_tqdm=False)
+            llm.generate([request], first_token, use_tqdm=False)
             ttft = time.perf_counter() - began
         began = time.perf_counter()
-        (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        (output,) = llm.generate([request], params, use_tqdm=False)
         elapsed = time.perf_counter() - began
         completion = output.outputs[0]
         results.append(
             {
-                "prompt_len": len(tokens),
+                "prompt_len": len(request["prompt_token_ids"]),
+                "cache_salt": request.get("cache_salt"),
                 "token_ids": list(completion.token_ids),
                 "logprobs": _logprobs(completion.logprobs),
                 "num_cached_tokens": output.num_cached_tokens,

@@ -30,6 +30,11 @@ the forward pass and what to store after it:
    computed (and the short last chunk once the prompt is done, when ``save_unfull_chunk``).
    A store returns once the chunks are in host memory; disk and Redis are written behind it.
 
+Each request is cached as its tenant's: vLLM's per-request ``cache_salt``, else the
+``tenant`` setting. The scheduler's lookups name it, the metadata carries it to the
+workers, and it is bound into every chunk key, so one tenant's prompts never load another's
+KV. Pipeline-parallel stages key their chunks under a model name of their own.
+
 With ``use_layerwise: true`` the worker moves KV layer by layer, as vLLM's forward pass
 reaches each attention layer: ``start_load_kv`` starts each load (looks its chunks up),
 ``wait_for_layer_load`` loads the layer about to run, ``save_kv_layer`` copies out the layer

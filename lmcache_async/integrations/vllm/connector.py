@@ -6,7 +6,8 @@ side is here: :meth:`~LMCacheAsyncConnector.register_kv_caches` recognises vLLM'
 (:func:`~.layout.detect_layout`), opens a :class:`~lmcache_async.SyncCacheEngine` on it
 (embedded, or a client of the sidecar) and serves the scheduler's lookups; each step it
 carries out the metadata's orders: loads before the forward pass (whole, or layer by layer
-with ``use_layerwise``) and stores after it.
+with ``use_layerwise``) and stores after it, each under the tenant of its request (vLLM's
+``cache_salt``, else the ``tenant`` setting).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
                 self._settings.engine,
                 can_load=transfer.is_kv_consumer,
                 can_save=transfer.is_kv_producer,
+                default_tenant=self._settings.tenant,
             )
         log.info(
             "vllm_connector_created",
@@ -149,10 +151,6 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
             tp_world_size=self._tp_size,
             tp_rank=tp_rank,
         )
-        tenant = self._settings.tenant
-        if self._pp_size > 1:
-            # Pipeline stages hold different layers under one layout fingerprint.
-            tenant = f"{tenant or ''}/pp{pp_rank}"
         if self._engine is not None:
             self._engine.close()  # registered again: the old memory is gone
             self._engine = None
@@ -161,9 +159,9 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
         engine = open_engine(
             self._settings,
             layout,
-            model_name=str(model.model),
+            model_name=_stage_model_name(str(model.model), pp_rank, self._pp_size),
             revision=model.revision,
-            tenant=tenant,
+            tenant=self._settings.tenant,
         )
         self._engine = engine
         rank = pp_rank * self._tp_size + tp_rank
@@ -205,6 +203,7 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
                 mask=mask,
                 req_id=load.req_id,
                 lookup_id=load.req_id,
+                tenant=load.tenant,
             )
         except Exception:
             self._load_failed(load)
@@ -254,6 +253,7 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
                 mask=mask,
                 req_id=load.req_id,
                 lookup_id=load.req_id,
+                tenant=load.tenant,
             )
             steps.step()  # the lookup: references on every layer of the cached chunks
         except Exception:
@@ -346,6 +346,7 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
                     slot_mapping=slots,
                     mask=mask,
                     req_id=save.req_id,
+                    tenant=save.tenant,
                 )
             except Exception:
                 log.exception("vllm_store_failed", req_id=save.req_id)
@@ -411,16 +412,17 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Cached tokens beyond vLLM's ``num_computed_tokens``; always a synchronous load."""
+        """Cached tokens beyond vLLM's ``num_computed_tokens`` for the request's tenant (its
+        ``cache_salt``, else the ``tenant`` setting); always a synchronous load."""
         hits = self._scheduler().num_new_matched_tokens(
-            request.request_id, request.prompt_token_ids, num_computed_tokens
+            request.request_id, request.prompt_token_ids, num_computed_tokens, request.cache_salt
         )
         return hits, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._scheduler().after_alloc(request.request_id, num_external_tokens)
+        self._scheduler().after_alloc(request.request_id, num_external_tokens, request.cache_salt)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler().build(scheduler_output)
@@ -446,6 +448,15 @@ def _instance_id(vllm_config: VllmConfig) -> str:
     if parallel.data_parallel_size > 1:
         return f"{base}-dp{parallel.data_parallel_rank}"
     return base
+
+
+def _stage_model_name(model_name: str, pp_rank: int, pp_size: int) -> str:
+    """The model name the chunk keys of pipeline stage ``pp_rank`` are bound to: stages hold
+    different layers, maybe of one layout fingerprint, so each keys its chunks in a
+    namespace of its own (the tenant stays the user's, for erasure by tenant)."""
+    if pp_size <= 1:
+        return model_name
+    return f"{model_name}#pp{pp_rank}of{pp_size}"
 
 
 def _heads(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> tuple[int, int]:

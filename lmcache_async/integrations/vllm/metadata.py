@@ -1,6 +1,8 @@
 """The orders the scheduler side sends the workers each step, through the connector
 metadata: what to load before the forward pass (:class:`LoadSpec`) and what to store
-after it (:class:`SaveSpec`), and the slots of vLLM's paged memory they touch.
+after it (:class:`SaveSpec`), and the slots of vLLM's paged memory they touch. Each names
+the request's tenant (its ``cache_salt``, else the connector's ``tenant``), whose keys the
+worker stores and loads under.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class LoadSpec:
 
     ``tokens`` are the prompt's tokens up to the end of the last chunk to read (they key the
     chunks; ``end`` may stop short of it, as it does for a fully cached prompt).
-    ``epoch`` counts the request's restarts (a failed load, a preemption).
+    ``epoch`` counts the request's restarts (a failed load, a preemption). ``tenant``:
+    whose KV it is (None: the worker engine's own tenant).
     """
 
     req_id: str
@@ -49,6 +52,7 @@ class LoadSpec:
     start: int
     end: int
     epoch: int
+    tenant: str | None = None
 
     def slots_and_mask(
         self, *, block_size: int, chunk_size: int
@@ -72,13 +76,15 @@ class LoadSpec:
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
     """Store the chunks of ``tokens`` (a prompt prefix) from token ``start`` (a chunk
-    boundary) on, after this step's forward."""
+    boundary) on, after this step's forward, as ``tenant``'s KV (None: the worker engine's
+    own tenant)."""
 
     req_id: str
     tokens: list[int]
     block_ids: list[int]
     start: int
     epoch: int
+    tenant: str | None = None
 
     def slots_and_mask(
         self, *, block_size: int, chunk_size: int

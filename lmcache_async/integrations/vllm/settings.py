@@ -22,6 +22,7 @@ from lmcache_async.errors import ConfigError, InvalidInputError
 from lmcache_async.layouts import KVLayout
 from lmcache_async.rpc.lookup import DEFAULT_LOOKUP_TIMEOUT, lookup_endpoint
 from lmcache_async.sync_engine import DEFAULT_SIDECAR_TIMEOUT, SyncCacheEngine
+from lmcache_async.tenants import check_tenant
 
 __all__ = [
     "CONNECTOR_KEYS",
@@ -57,7 +58,9 @@ CONNECTOR_KEYS: Final = (
 * ``sidecar_timeout``: seconds each request to the sidecar may take (default 5); a sidecar
   that does not answer in time is a miss;
 * ``socket_dir``: directory of the lookup sockets (default: the temporary directory);
-* ``tenant``: a salt in every chunk key, so tenants never share cache entries.
+* ``tenant``: the tenant of requests without a ``cache_salt``; a request's tenant (its
+  ``cache_salt``, else this) is bound into its chunk keys, so tenants never share cache
+  entries.
 """
 
 SIDECAR_ENGINE_KEYS: Final = ("chunk_size", "save_unfull_chunk", "log_level", "log_format")
@@ -128,7 +131,7 @@ class ConnectorSettings:
             instance_id=instance_id,
             socket_dir=socket_dir,
             lookup_timeout=timeout,
-            tenant=_optional_str(own, "tenant"),
+            tenant=_tenant(own),
             request_stats=request_stats,
             sidecar_url=sidecar_url,
             sidecar_timeout=_seconds(own, "sidecar_timeout", DEFAULT_SIDECAR_TIMEOUT),
@@ -166,6 +169,15 @@ def _check_sidecar(url: str, engine: EngineConfig, engine_keys: Mapping[str, Any
                 f"the sidecar at {url} owns the storage settings: give {flag} to "
                 "`lmcache-async serve`, not to the connector",
             )
+
+
+def _tenant(values: Mapping[str, Any]) -> str | None:
+    """The ``tenant`` key: a name every tier can key (at most 256 UTF-8 bytes)."""
+    tenant = _optional_str(values, "tenant")
+    try:
+        return check_tenant(tenant)
+    except InvalidInputError as exc:
+        raise ConfigError("tenant", str(exc)) from None
 
 
 def _optional_str(values: Mapping[str, Any], key: str) -> str | None:
