@@ -267,6 +267,11 @@ class SyncCacheEngine:
         result: int = self._call(self._engine.clear)
         return result
 
+    def erase(self, tenant: str | None = None) -> dict[str, int]:
+        """As ``engine.erase``: every chunk of ``tenant`` removed; the chunks per tier."""
+        result: dict[str, int] = self._call(self._engine.erase, tenant)
+        return result
+
     def freeze(self, enabled: bool) -> None:
         self._call(self._engine.freeze, enabled)
 

@@ -1,4 +1,5 @@
-"""The ``lmcache-async`` command line: ``check-config`` and an in-process ``bench`` run."""
+"""The ``lmcache-async`` command line: ``check-config``, an in-process ``bench`` run, and
+the usage rules of ``ctl erase`` and ``stats --by-tenant``."""
 
 from __future__ import annotations
 
@@ -87,6 +88,35 @@ def test_check_config_bad_environment(
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "check-config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["ctl", "erase"], "ctl erase needs --tenant NAME (or --own-tenant"),
+        (["ctl", "erase", "on", "--tenant", "a"], "ctl erase takes no state"),
+        (["ctl", "clear", "--tenant", "a"], "ctl clear takes no tenant"),
+        (["ctl", "freeze", "on", "--own-tenant"], "ctl freeze takes no tenant"),
+        (["ctl", "erase", "--tenant", "a", "--own-tenant"], "not allowed with argument"),
+        (["ctl", "erase", "--tenant", "x" * 300], "tenant must be at most 256 UTF-8 bytes"),
+    ],
+)
+def test_ctl_erase_names_exactly_one_tenant(
+    argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"ipc://{tmp_path}/nobody.sock"
+    assert main([*argv, "--url", url, "--timeout", "0.2"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_erase_and_stats_by_tenant_exit_1_without_a_sidecar(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"ipc://{tmp_path}/nobody.sock"
+    assert main(["ctl", "erase", "--tenant", "a", "--url", url, "--timeout", "0.2"]) == 1
+    assert "did not answer ERASE within 0.2 s" in capsys.readouterr().err
+    assert main(["stats", "--by-tenant", "--url", url, "--timeout", "0.2"]) == 1
+    assert "did not answer STATS within 0.2 s" in capsys.readouterr().err
 
 
 def test_bad_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

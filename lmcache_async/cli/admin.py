@@ -8,6 +8,7 @@ from typing import Any
 
 from lmcache_async.cli.common import EXIT_FAILED, EXIT_OK
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.tenants import check_tenant
 
 __all__ = ["add_admin_parsers", "run_admin", "run_events"]
 
@@ -17,7 +18,13 @@ def add_admin_parsers(sub: Any) -> None:
 
     def add_url(cmd: argparse.ArgumentParser) -> None:
         cmd.add_argument("--url", default=None, help="the sidecar (default: its default ipc path)")
-        cmd.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+        cmd.add_argument(
+            "--timeout",
+            type=float,
+            default=None,
+            metavar="SECONDS",
+            help="how long to wait for the answer (default 5, 60 for erase)",
+        )
         cmd.add_argument(
             "--curve-public-key-file", metavar="FILE", help="the CURVE sidecar's public key"
         )
@@ -35,11 +42,20 @@ def add_admin_parsers(sub: Any) -> None:
     ctl = sub.add_parser(
         "ctl",
         help="switch or query a running sidecar",
-        description="freeze on|off, hot-cache on|off, clear, health. Exit 1 when the sidecar "
-        "does not answer within --timeout, refuses, or (health) is unhealthy.",
+        description="freeze on|off, hot-cache on|off, clear, erase --tenant NAME, health. "
+        "erase removes every chunk of a tenant from every tier and prints what each tier "
+        "removed. Exit 1 when the sidecar does not answer within --timeout, refuses, could "
+        "not erase some tier, or (health) is unhealthy.",
     )
-    ctl.add_argument("action", choices=("freeze", "hot-cache", "clear", "health"))
+    ctl.add_argument("action", choices=("freeze", "hot-cache", "clear", "erase", "health"))
     ctl.add_argument("state", nargs="?", choices=("on", "off"))
+    whose = ctl.add_mutually_exclusive_group()
+    whose.add_argument("--tenant", default=None, metavar="NAME", help="erase: the tenant")
+    whose.add_argument(
+        "--own-tenant",
+        action="store_true",
+        help="erase: the sidecar engine's own tenant (the one its clients name by default)",
+    )
     add_url(ctl)
     stats = sub.add_parser(
         "stats",
@@ -54,6 +70,11 @@ def add_admin_parsers(sub: Any) -> None:
         default=None,
         metavar="SECONDS",
         help="measure throughput over this interval (default: since the server started)",
+    )
+    stats.add_argument(
+        "--by-tenant",
+        action="store_true",
+        help="print each tenant's lookups and usage of each tier instead",
     )
 
 
@@ -82,20 +103,24 @@ def run_admin(args: argparse.Namespace) -> int:
     answer, refuses, or (``ctl health``) is unhealthy.
 
     Raises:
-        InvalidInputError: ``ctl`` got a state it does not take, or lacks one it needs.
+        InvalidInputError: ``ctl`` got a state it does not take, or lacks one it needs;
+            ``erase`` without a valid tenant, or a tenant for another action.
     """
     import json  # noqa: PLC0415
 
     import anyio  # noqa: PLC0415
 
-    from lmcache_async.errors import LMCacheAsyncError  # noqa: PLC0415
+    from lmcache_async.errors import EraseIncompleteError, LMCacheAsyncError  # noqa: PLC0415
     from lmcache_async.rpc import admin  # noqa: PLC0415
+    from lmcache_async.rpc.erase import format_erase  # noqa: PLC0415
     from lmcache_async.rpc.transport import default_endpoint  # noqa: PLC0415
 
-    if args.command == "ctl" and (args.state is None) != (args.action in ("clear", "health")):
-        raise InvalidInputError(
-            f"ctl {args.action} takes {'on|off' if args.state is None else 'no state'}"
-        )
+    if args.command == "ctl":
+        _check_ctl(args)
+    erasing = args.command == "ctl" and args.action == "erase"
+    timeout = args.timeout
+    if timeout is None:
+        timeout = admin.DEFAULT_ERASE_TIMEOUT if erasing else admin.DEFAULT_ADMIN_TIMEOUT
     key = None
     if args.curve_public_key_file is not None:
         key = admin.load_curve_public_key(args.curve_public_key_file)
@@ -106,6 +131,8 @@ def run_admin(args: argparse.Namespace) -> int:
             reply = await client.stats()
             if args.json:
                 return json.dumps(reply, indent=2, default=repr), True
+            if args.by_tenant:
+                return admin.format_tenants(reply), True
             previous = None
             if args.interval:
                 previous = reply
@@ -117,12 +144,18 @@ def run_admin(args: argparse.Namespace) -> int:
             return admin.format_health(reply), bool(reply.get("healthy"))
         if args.action == "clear":
             return f"cleared {await client.clear()} chunks", True
+        if erasing:
+            try:
+                removed = await client.erase(args.tenant, timeout=timeout)
+            except EraseIncompleteError as exc:
+                return format_erase(args.tenant, exc.removed, exc.failed), False
+            return format_erase(args.tenant, removed), True
         on = args.state == "on"
         if args.action == "freeze":
             return f"freeze {'on' if await client.freeze(on) else 'off'}", True
         return f"hot cache {'on' if await client.set_hot_cache(on) else 'off'}", True
 
-    with admin.AdminClient(url, timeout=args.timeout, server_public_key=key) as client:
+    with admin.AdminClient(url, timeout=timeout, server_public_key=key) as client:
         try:
             text, ok = anyio.run(run, client)
         except LMCacheAsyncError as exc:
@@ -130,3 +163,20 @@ def run_admin(args: argparse.Namespace) -> int:
             return EXIT_FAILED
     print(text)
     return EXIT_OK if ok else EXIT_FAILED
+
+
+def _check_ctl(args: argparse.Namespace) -> None:
+    """InvalidInputError unless ``ctl``'s state and tenant fit its action."""
+    action = args.action
+    if (args.state is None) != (action in ("clear", "erase", "health")):
+        raise InvalidInputError(
+            f"ctl {action} takes {'on|off' if args.state is None else 'no state'}"
+        )
+    named = args.tenant is not None or args.own_tenant
+    if action == "erase" and not named:
+        raise InvalidInputError(
+            "ctl erase needs --tenant NAME (or --own-tenant for the engine's own tenant)"
+        )
+    if action != "erase" and named:
+        raise InvalidInputError(f"ctl {action} takes no tenant")
+    check_tenant(args.tenant)

@@ -2,8 +2,9 @@
 ``lmcache-async stats``.
 
 :class:`AdminClient` sends one request at a time (STATS, HEALTH, FREEZE, HOT_CACHE, CLEAR,
-PING) over a DEALER socket, each bounded by a timeout; it needs no session and no KV
-layout. :func:`format_stats` renders a STATS reply as the table ``stats`` prints.
+ERASE, PING) over a DEALER socket, each bounded by a timeout; it needs no session and no KV
+layout. :func:`format_stats` renders a STATS reply as the table ``stats`` prints
+(:func:`format_tenants` its figures by tenant, ``stats --by-tenant``).
 """
 
 from __future__ import annotations
@@ -26,24 +27,33 @@ from lmcache_async.errors import (
     TierError,
     TierUnavailableError,
 )
+from lmcache_async.rpc.admin_tenants import format_tenants
+from lmcache_async.rpc.erase import erase_result
 from lmcache_async.rpc.protocol import (
     ErrorCode,
     MessageLimits,
     MessageType,
     decode,
     encode,
+    put_tenant,
 )
+from lmcache_async.rpc.tables import size_text as _size
+from lmcache_async.rpc.tables import text_table as _table
 
 __all__ = [
     "DEFAULT_ADMIN_TIMEOUT",
+    "DEFAULT_ERASE_TIMEOUT",
     "AdminClient",
     "format_health",
     "format_stats",
+    "format_tenants",
     "load_curve_public_key",
 ]
 
 DEFAULT_ADMIN_TIMEOUT: Final = 5.0
 """Seconds an admin request waits for the sidecar's answer."""
+DEFAULT_ERASE_TIMEOUT: Final = 60.0
+"""Seconds an ERASE waits: erasing a tenant deletes each of its files and Redis keys."""
 
 _LIMITS: Final = MessageLimits(max_header_bytes=16 << 20, max_payload_bytes=1 << 20)
 _FRAMING_KEYS: Final = frozenset({"v", "id", "sizes"})
@@ -59,7 +69,6 @@ _TIER_COLUMNS: Final = (
     "CORRUPT",
     "ERRORS",
 )
-_UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
 _ERRORS: Final[dict[str, type[Exception]]] = {
     ErrorCode.INVALID_INPUT: InvalidInputError,
     ErrorCode.ENGINE_CLOSED: EngineClosedError,
@@ -88,13 +97,7 @@ class AdminClient:
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("ipc://", "tcp://")):
             raise InvalidInputError(f"url must be ipc://PATH or tcp://HOST:PORT, got {url!r:.80}")
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise InvalidInputError(f"timeout must be a positive number, got {timeout!r}")
+        _check_timeout(timeout)
         if server_public_key is not None and len(server_public_key) != 40:
             raise InvalidInputError("server_public_key must be a 40-character z85 CURVE key")
         self.url = url
@@ -116,10 +119,15 @@ class AdminClient:
             raise InvalidInputError(f"cannot connect to {url}: {exc}") from None
 
     async def request(
-        self, msg_type: MessageType, header: Mapping[str, Any] | None = None
+        self,
+        msg_type: MessageType,
+        header: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """Send one request and return its reply's fields (the header without the
-        version, request id and payload sizes).
+        version, request id and payload sizes); wait at most ``timeout`` seconds (default:
+        the client's).
 
         Raises:
             TierUnavailableError: no answer within the timeout.
@@ -132,8 +140,9 @@ class AdminClient:
         """
         request_id = next(self._ids)
         frames = encode(msg_type, header, request_id=request_id)
+        limit = self.timeout if timeout is None else timeout
         try:
-            with anyio.fail_after(self.timeout):
+            with anyio.fail_after(limit):
                 await self._socket.send_multipart(frames)
                 while True:
                     reply = decode(
@@ -145,8 +154,7 @@ class AdminClient:
                         break
         except TimeoutError:
             raise TierUnavailableError(
-                f"the sidecar at {self.url} did not answer {msg_type.name} within "
-                f"{self.timeout:g} s"
+                f"the sidecar at {self.url} did not answer {msg_type.name} within {limit:g} s"
             ) from None
         except zmq.ZMQError as exc:
             raise TierUnavailableError(f"{msg_type.name} to {self.url} failed: {exc}") from None
@@ -187,6 +195,25 @@ class AdminClient:
         if not isinstance(chunks, int) or isinstance(chunks, bool):
             raise ProtocolError("a CLEAR reply without a chunk count")
         return chunks
+
+    async def erase(
+        self, tenant: str | None = None, *, timeout: float = DEFAULT_ERASE_TIMEOUT
+    ) -> dict[str, int]:
+        """Remove every chunk of ``tenant`` (None: the sidecar engine's own tenant) from
+        the sidecar's tiers; returns the chunks removed per tier. Waits at most ``timeout``
+        seconds.
+
+        Raises:
+            InvalidInputError: ``tenant`` is not None or a valid tenant name, or
+                ``timeout`` is not a positive number.
+            EraseIncompleteError: some tier could not be erased (``removed``, ``failed``).
+            TierUnavailableError: no answer in time: the erasure may or may not be done.
+            EngineClosedError, ProtocolError, TierError: as :meth:`request`.
+        """
+        _check_timeout(timeout)
+        header: dict[str, Any] = {}
+        put_tenant(header, tenant)
+        return erase_result(await self.request(MessageType.ERASE, header, timeout=timeout))
 
     def close(self) -> None:
         """Close the socket; idempotent."""
@@ -234,6 +261,16 @@ def load_curve_public_key(path: str) -> bytes:
     return key
 
 
+def _check_timeout(timeout: object) -> None:
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise InvalidInputError(f"timeout must be a positive number, got {timeout!r}")
+
+
 def _bool(value: object) -> bool:
     if not isinstance(value, bool):
         raise InvalidInputError(f"enabled must be a bool, got {type(value).__name__}")
@@ -250,30 +287,12 @@ def _flag(header: Mapping[str, Any]) -> bool:
 # -- the stats table ------------------------------------------------------------------------
 
 
-def _size(nbytes: float) -> str:
-    value, unit = float(nbytes), 0
-    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
-        value /= 1024
-        unit += 1
-    return f"{value:.0f} B" if unit == 0 else f"{value:.1f} {_UNITS[unit]}"
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.3f}"
 
 
 def _onoff(value: object) -> str:
     return "on" if value else "off"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ") -> str:
-    cells = [list(header), *([str(c) for c in row] for row in rows)]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = [
-        indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        for row in cells
-    ]
-    return "\n".join(line.rstrip() for line in lines)
 
 
 def _num(mapping: Mapping[str, Any], key: str) -> float:

@@ -122,6 +122,9 @@ class MessageType(enum.IntEnum):
     payload before caching it and replies the tokens it took."""
     MOVE = 18
     """Ask the server's engine to move (or copy) a prefix to another sidecar."""
+    ERASE = 19
+    """Remove every chunk of a tenant (``"tenant"``; absent: the engine's own) from every
+    tier; the reply says what each tier removed, or why it could not."""
 
 
 _TYPES: Final = {int(t): t for t in MessageType}

@@ -22,12 +22,16 @@ from lmcache_async.cli import main
 from lmcache_async.errors import (
     ConfigError,
     EngineClosedError,
+    EraseIncompleteError,
     InvalidInputError,
+    ProtocolError,
     TierUnavailableError,
 )
 from lmcache_async.events import EventKind
-from lmcache_async.rpc.admin import AdminClient, format_health, format_stats
+from lmcache_async.rpc.admin import AdminClient, format_health, format_stats, format_tenants
+from lmcache_async.rpc.erase import erase_result, format_erase
 from lmcache_async.rpc.events import EventSubscriber
+from lmcache_async.rpc.protocol import MessageType
 from lmcache_async.rpc.sidecar import SidecarServer, SidecarSettings, serve
 
 CHUNK = 16
@@ -172,6 +176,59 @@ def test_a_server_without_engine_or_tracking_says_so() -> None:
     )
 
 
+def test_the_tenant_table_shows_each_tenants_lookups_and_usage_by_tier() -> None:
+    reply = _reply()
+    reply["stats"]["tenants"] = {
+        "a": {
+            "tag": "01cd9670",
+            "lookup_requests": 3,
+            "lookup_tokens": 400,
+            "lookup_hit_tokens": 100,
+            "chunks": 6,
+            "bytes": 3 << 10,
+            "tiers": {
+                "cpu": {"chunks": 4, "bytes": 2 << 10, "evictions": 1, "erased": 0},
+                "disk": {"chunks": 2, "bytes": 1 << 10, "erased": 5, "quota_bytes": 1 << 20},
+            },
+        },
+        "tag:deadbeef": {"tag": "deadbeef", "chunks": 0, "tiers": {}},
+    }
+    lines = format_tenants(reply).splitlines()
+    assert lines[0] == "tenants     2"
+    assert lines[1].split() == [
+        "TENANT", "TAG", "LOOKUPS", "HIT", "TOKENS", "TOKENS", "HIT", "RATE", "CHUNKS", "BYTES",
+    ]  # fmt: skip
+    assert lines[2].split() == ["a", "01cd9670", "3", "100", "400", "25.0%", "6", "3.0", "KiB"]
+    assert lines[3].split() == ["tag:deadbeef", "deadbeef", "0", "0", "0", "-", "0", "0", "B"]
+    assert lines[4] == "tenant usage by tier"
+    assert lines[5].split() == ["TENANT", "TIER", "CHUNKS", "BYTES", "QUOTA", "EVICTED", "ERASED"]
+    assert lines[6].split() == ["a", "cpu", "4", "2.0", "KiB", "-", "1", "0"]
+    assert lines[7].split() == ["a", "disk", "2", "1.0", "KiB", "1.0", "MiB", "0", "5"]
+    assert len(lines) == 8
+    assert "none yet" in format_tenants(_reply())
+    assert "not open" in format_tenants({"stats": None})
+
+
+def test_an_erase_reply_is_read_back_as_the_engine_reports_it() -> None:
+    assert erase_result({"removed": {"cpu": 2, "disk": 3}, "failed": {}}) == {"cpu": 2, "disk": 3}
+    with pytest.raises(EraseIncompleteError) as caught:
+        erase_result({"removed": {"cpu": 2}, "failed": {"redis": "down"}})
+    assert (caught.value.removed, caught.value.failed) == ({"cpu": 2}, {"redis": "down"})
+    for bad in ({}, {"removed": {"cpu": -1}, "failed": {}}, {"removed": {}, "failed": []}):
+        with pytest.raises(ProtocolError):
+            erase_result(bad)
+    assert format_erase("a", {"cpu": 2, "disk": 3}).splitlines() == [
+        "erased tenant 'a': 5 chunks removed",
+        "  cpu              2 chunks",
+        "  disk             3 chunks",
+    ]
+    assert format_erase(None, {"cpu": 1}, {"cpu": "slow", "redis": "down"}).splitlines() == [
+        "erased the engine's own tenant: 1 chunks removed, INCOMPLETE",
+        "  cpu              1 chunks  FAILED: slow",
+        "  redis            -  FAILED: down",
+    ]
+
+
 # -- no server --------------------------------------------------------------------------------
 
 
@@ -293,6 +350,70 @@ async def test_admin_requests_switch_and_report_a_live_sidecar(
     assert "lmcache_async_sidecar_sessions 1.0" in scrape
     assert "hit rate 100.0%" in cli_out["stats"] and "tiers" in cli_out["stats"]
     assert cli_out["health"].splitlines() == ["healthy     yes", "  cpu       up"]
+
+
+@pytest.mark.anyio
+async def test_erase_reaches_the_sidecars_tiers_from_an_admin_client_a_remote_and_ctl(
+    short_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sidecar whose Redis tier is down: each erasure removes the tenant's chunks from the
+    CPU tier and reports the Redis tier as failed, through AdminClient, RemoteCacheEngine
+    and ``ctl erase`` (exit 1); a bad tenant is refused."""
+    url = f"ipc://{short_dir}/erase.sock"
+    config = EngineConfig(
+        chunk_size=CHUNK, max_local_cpu_size=0.01, remote_url="redis://127.0.0.1:1"
+    )
+    settings = SidecarSettings(listen=url, config=config, events=None)
+    servers: list[SidecarServer] = []
+    ready = anyio.Event()
+
+    def on_ready(server: SidecarServer) -> None:
+        servers.append(server)
+        ready.set()
+
+    tokens = prompt(4 * CHUNK)
+    kv, slots = kv_for(4 * CHUNK, 1)
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: serve(settings, on_ready=on_ready, handle_signals=False))
+            await ready.wait()
+            with AdminClient(url, timeout=10) as admin:
+                with pytest.raises(EngineClosedError, match="no engine yet"):
+                    await admin.erase("a")
+                with pytest.raises(InvalidInputError, match="timeout"):
+                    await admin.erase("a", timeout=0)
+                async with RemoteCacheEngine.connect(url, LAYOUT, model_name=MODEL) as engine:
+                    for tenant in ("a", "b", None):
+                        stored = await engine.store(
+                            tokens, kv_caches=kv, slot_mapping=slots, tenant=tenant
+                        )
+                        assert stored == 64
+                    with pytest.raises(EraseIncompleteError) as by_admin:
+                        await admin.erase("a")
+                    assert by_admin.value.removed == {"cpu": 4}
+                    assert list(by_admin.value.failed) == ["redis"]
+                    assert await engine.lookup(tokens, tenant="a") == 0
+                    assert await engine.lookup(tokens, tenant="b") == 64
+                    with pytest.raises(EraseIncompleteError) as by_remote:
+                        await engine.erase("b")
+                    assert by_remote.value.removed == {"cpu": 4}
+                    assert await engine.lookup(tokens, tenant="b") == 0
+                    with pytest.raises(InvalidInputError, match="tenant"):
+                        await engine.erase(7)  # type: ignore[arg-type]
+                    with pytest.raises(InvalidInputError, match="tenant"):
+                        await admin.request(MessageType.ERASE, {"tenant": 7})
+                    assert await engine.lookup(tokens) == 64  # the engine's own tenant
+                    argv = ["ctl", "erase", "--own-tenant", "--url", url]
+                    assert await anyio.to_thread.run_sync(main, argv) == 1
+                    assert await engine.lookup(tokens) == 0
+            servers[0].stopping.set()
+    out = capsys.readouterr().out.splitlines()
+    assert out[-3:] == [
+        "erased the engine's own tenant: 4 chunks removed, INCOMPLETE",
+        "  cpu              4 chunks",
+        out[-1],
+    ]
+    assert out[-1].startswith("  redis            -  FAILED: ")
 
 
 async def _scrape(server: SidecarServer) -> str:

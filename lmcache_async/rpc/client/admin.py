@@ -1,7 +1,8 @@
-"""A client's administration calls: CLEAR, FREEZE, HOT_CACHE, STATS and PING.
+"""A client's administration calls: CLEAR, ERASE, FREEZE, HOT_CACHE, STATS and PING.
 
 Each is a miss (logged) when the sidecar cannot be reached: 0 chunks cleared, False for a
-switch or a ping, no engine or server part in the stats.
+switch or a ping, no engine or server part in the stats. ERASE is not: an erasure that did
+not happen raises.
 """
 
 from __future__ import annotations
@@ -11,11 +12,16 @@ from typing import Any
 
 import structlog
 
-from lmcache_async.errors import InvalidInputError, ProtocolError
+from lmcache_async.errors import (
+    InvalidInputError,
+    ProtocolError,
+    TierUnavailableError,
+)
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, count
-from lmcache_async.rpc.protocol import Message, MessageType
+from lmcache_async.rpc.erase import erase_result
+from lmcache_async.rpc.protocol import Message, MessageType, put_tenant
 
 __all__ = ["AdminCalls"]
 
@@ -46,6 +52,32 @@ class AdminCalls:
         names = check_tiers(self._conn.welcome, locations, "locations")
         reply = await self._admin(MessageType.CLEAR, {"locations": names})
         return 0 if reply is None else count(reply, "chunks")
+
+    async def erase(self, tenant: str | None) -> dict[str, int]:
+        """As :meth:`RemoteCacheEngine.erase`.
+
+        Raises:
+            InvalidInputError: ``tenant`` is not None or a valid tenant name, or the
+                sidecar refused it.
+            TierUnavailableError: the sidecar could not be reached or did not answer:
+                nothing is known to be erased.
+            EraseIncompleteError: the sidecar could not erase some tier.
+            EngineClosedError: the client is closed.
+        """
+        conn = self._conn
+        conn.check_open()
+        header: dict[str, Any] = {}
+        put_tenant(header, tenant)
+        link = await conn.usable()
+        if link is None:
+            raise TierUnavailableError(f"the sidecar at {conn.url} is unreachable: nothing erased")
+        try:
+            reply = await conn.ask(link, MessageType.ERASE, header)
+        except Unavailable as exc:
+            raise TierUnavailableError(
+                f"ERASE to the sidecar at {conn.url} failed ({exc}): the erasure may not be done"
+            ) from None
+        return erase_result(reply.header)
 
     async def switch(self, msg_type: MessageType, enabled: bool) -> bool:
         """FREEZE or HOT_CACHE: whether the sidecar could be reached.

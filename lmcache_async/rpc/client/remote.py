@@ -395,6 +395,10 @@ class RemoteCacheEngine:
         returns how many chunks were dropped (0 when unreachable)."""
         return await self._admin.clear(locations)
 
+    async def erase(self, tenant: str | None = None) -> dict[str, int]:
+        """As ``CacheEngine.erase``, in the sidecar; TierUnavailableError when unreachable."""
+        return await self._admin.erase(tenant)
+
     async def freeze(self, enabled: bool) -> bool:
         """Switch the sidecar's freeze mode; False when it could not be reached."""
         return await self._admin.switch(MessageType.FREEZE, enabled)

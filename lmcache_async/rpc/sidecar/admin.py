@@ -1,8 +1,12 @@
-"""CLEAR, FREEZE, HOT_CACHE, STATS, HEALTH and SHUTDOWN: the sidecar's administration.
+"""CLEAR, ERASE, FREEZE, HOT_CACHE, STATS, HEALTH and SHUTDOWN: the sidecar's
+administration.
 
 None of them needs a session: :class:`~lmcache_async.rpc.admin.AdminClient` (behind
 ``lmcache-async ctl`` and ``lmcache-async stats``) sends them over a DEALER socket that
-never says HELLO.
+never says HELLO. ERASE names its tenant in ``"tenant"`` (absent: the engine's own) and
+answers ``{"removed": {tier: chunks}, "failed": {tier: why}}``: a tier that could not be
+erased is in ``failed``, not an ERROR reply, so the caller still learns what the others
+removed.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from typing import Any
 import anyio
 import structlog
 
-from lmcache_async.rpc.protocol import Message, to_wire
+from lmcache_async.errors import EraseIncompleteError
+from lmcache_async.rpc.protocol import Message, tenant_of, to_wire
 from lmcache_async.rpc.sidecar.fields import flag_field, locations_field
 from lmcache_async.rpc.sidecar.host import EngineHost
 from lmcache_async.rpc.sidecar.routes import Reply
@@ -43,6 +48,15 @@ class AdminHandlers:
         engine = self._host.need_engine()
         dropped = await engine.clear(locations_field(message.header, "locations"))
         return {"chunks": dropped}, ()
+
+    async def on_erase(self, session: Session | None, message: Message) -> Reply:
+        tenant = tenant_of(message.header)
+        engine = self._host.need_engine()
+        try:
+            removed = await engine.erase(tenant)
+        except EraseIncompleteError as exc:
+            return {"removed": exc.removed, "failed": exc.failed}, ()
+        return {"removed": removed, "failed": {}}, ()
 
     async def on_freeze(self, session: Session | None, message: Message) -> Reply:
         enabled = flag_field(message.header, "enabled", required=True)

@@ -120,6 +120,7 @@ class SidecarServer:
             MessageType.RETRIEVE: Route(data.on_retrieve, True, True),
             MessageType.RELEASE: Route(data.on_release, True, True),
             MessageType.CLEAR: Route(admin.on_clear, False, True),
+            MessageType.ERASE: Route(admin.on_erase, False, True),
             MessageType.FREEZE: Route(admin.on_freeze, False, True),
             MessageType.HOT_CACHE: Route(admin.on_hot_cache, False, True),
             MessageType.STATS: Route(admin.on_stats, False, False),
