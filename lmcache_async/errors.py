@@ -83,6 +83,12 @@ class IntegrityError(LMCacheAsyncError):
     """Stored bytes do not match their checksum or header."""
 
 
+class ForeignRecordError(IntegrityError):
+    """A record sealed under another key, or stored in the clear where this tier encrypts
+    (or the reverse): unreadable here, but not corrupt, so it is a miss and is left in
+    place for the engines that can read it (a shared Redis, a disk directory reused)."""
+
+
 class ProtocolError(LMCacheAsyncError):
     """A wire message is malformed, oversized, of unknown type or wrong version."""
 

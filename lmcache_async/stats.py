@@ -80,8 +80,9 @@ class TierStats:
     evictions: int
     healthy: bool
     corrupt: int = 0
-    """Entries found corrupt (checksum, truncation, header mismatch): each was a miss and
-    was deleted."""
+    """Entries found unreadable, each a miss: corrupt ones (checksum, truncation, header
+    mismatch, a GCM tag that does not verify) were deleted; those sealed under another key
+    (or in the clear where this tier encrypts, or the reverse) were left in place."""
     errors: int = 0
     """Operations that failed against the tier (I/O or connection errors)."""
     tenants: Mapping[str, TenantUsage] = field(default_factory=lambda: MappingProxyType({}))

@@ -33,7 +33,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ..errors import IntegrityError
+from ..errors import ForeignRecordError, IntegrityError
 from ..keys import DIGEST_SIZE, ChunkKey
 from ..memory import MemoryObj
 from .cipher import PIECE_BYTES, SealedReader, SealedWriter
@@ -247,7 +247,8 @@ def _read_one(spec: RecordSpec, path: Path, key: bytes, out: torch.Tensor) -> Re
             try:
                 _read_record(spec, f, st.st_size, key, out)
             except IntegrityError as exc:
-                unlink_if_same(path, st)
+                if not isinstance(exc, ForeignRecordError):  # another key's: left in place
+                    unlink_if_same(path, st)
                 return ReadOutcome(ReadStatus.CORRUPT, str(exc))
             if time.time() - st.st_mtime > _TOUCH_AFTER_SECONDS:
                 # A hit: most recently used, also in the order rebuilt after a restart.

@@ -27,7 +27,7 @@ from typing import Final
 import anyio
 import anyio.to_thread
 
-from ..errors import ConfigError, IntegrityError, InvalidInputError
+from ..errors import ConfigError, ForeignRecordError, IntegrityError, InvalidInputError
 from ..keys import ChunkKey
 from ..tenants import TAG_BYTES, TenantLimits, tag_hex
 from .disk_file import (
@@ -358,6 +358,9 @@ def _scan_record(
                     raise IntegrityError(
                         f"file is {st.st_size} bytes, its record {offset + header.length} bytes"
                     )
+            except ForeignRecordError:
+                scan.foreign += 1  # sealed under another key: another engine's to read
+                return
             except IntegrityError as exc:
                 unlink_if_same(Path(item.path), st)
                 scan.corrupt.append((item.name, str(exc)))

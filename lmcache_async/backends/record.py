@@ -36,7 +36,7 @@ import msgpack
 import torch
 import xxhash
 
-from ..errors import IntegrityError
+from ..errors import ForeignRecordError, IntegrityError
 from ..keys import DIGEST_SIZE
 from ..memory import MemoryObj
 from .cipher import (
@@ -306,14 +306,14 @@ class RecordSpec:
         cipher = self.cipher
         if cipher is None:
             if header.sealed:
-                raise IntegrityError("record is encrypted and this tier has no key")
+                raise ForeignRecordError("record is encrypted and this tier has no key")
             return None
         if not header.sealed:
-            raise IntegrityError("record is stored in the clear and this tier encrypts")
+            raise ForeignRecordError("record is stored in the clear and this tier encrypts")
         if header.cipher != cipher.name:
             raise IntegrityError(f"record uses an unknown cipher {header.cipher!r}")
         if header.key_id != cipher.key_id:
-            raise IntegrityError("record was encrypted under another key")
+            raise ForeignRecordError("record was encrypted under another key")
         return cipher
 
     def _shape_ok(self, shape: tuple[int, ...], shape_of: Callable[[int], tuple[int, ...]]) -> bool:

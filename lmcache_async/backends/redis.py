@@ -271,7 +271,7 @@ class RedisBackend(StorageBackend):
                 batch, values = batch[:stop], values[:stop]
             exhausted, bad = await self._loader.load(keys, batch, values, out)
             if bad:
-                await self._drop_corrupt([(keys[i], reason) for i, reason in bad])
+                await self._drop_corrupt([(keys[i], reason, foreign) for i, reason, foreign in bad])
             return exhausted or (prefix and (bool(bad) or len(batch) < len(batches[n])))
 
         try:
@@ -283,13 +283,18 @@ class RedisBackend(StorageBackend):
             raise
         return out
 
-    async def _drop_corrupt(self, entries: Sequence[tuple[ChunkKey, str]]) -> None:
-        for key, reason in entries:
+    async def _drop_corrupt(self, entries: Sequence[tuple[ChunkKey, str, bool]]) -> None:
+        """Count unreadable entries and delete the corrupt ones; a record sealed under
+        another key (``foreign``) stays, for the engines that hold that key."""
+        for key, reason, _ in entries:
             log.warning("tier_entry_corrupt", tier=self.name, key=key.to_str(), reason=reason)
         self._counts.corrupt += len(entries)
+        corrupt = [key for key, _, foreign in entries if not foreign]
+        if not corrupt:
+            return
         try:
-            gone = await self._conn.unlink_each([self._key(key) for key, _ in entries])
-            await self._tenants.removed([key for key, _ in entries], gone)
+            gone = await self._conn.unlink_each([self._key(key) for key in corrupt])
+            await self._tenants.removed(corrupt, gone)
         except TierError as exc:
             # The read already missed; a later read finds the entry corrupt again.
             log.warning("redis_corrupt_delete_failed", chunks=len(entries), error=str(exc))

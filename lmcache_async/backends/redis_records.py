@@ -23,7 +23,7 @@ import anyio.to_thread
 import numpy as np
 import structlog
 
-from ..errors import AllocationTimeoutError, IntegrityError
+from ..errors import AllocationTimeoutError, ForeignRecordError, IntegrityError
 from ..keys import ChunkKey
 from ..memory import MemoryObj, MemoryPool
 from .record import RecordHeader, RecordSpec
@@ -206,16 +206,17 @@ class RecordLoader:
         batch: range,
         values: Sequence[bytes | None],
         out: list[MemoryObj | None],
-    ) -> tuple[bool, list[tuple[int, str]]]:
+    ) -> tuple[bool, list[tuple[int, str, bool]]]:
         """Check one fetched batch (``values`` of ``keys[i]`` for ``i`` in ``batch``) and
         decode it into ``out``, each object with one reference for the caller.
 
         Returns:
             Whether memory ran out (the batch's later values were not loaded), and the
-            corrupt values: ``(index, reason)`` each.
+            unreadable values: ``(index, reason, foreign)`` each (``foreign``: sealed under
+            another key, to be left in place).
         """
         loaded: list[_Loaded] = []
-        bad: list[tuple[int, str]] = []
+        bad: list[tuple[int, str, bool]] = []
         exhausted = False
         try:
             for index, value in zip(batch, values, strict=True):
@@ -225,7 +226,7 @@ class RecordLoader:
                     header, offset = RecordHeader.from_bytes(value)
                     self._spec.check_header(header, keys[index])
                 except IntegrityError as exc:
-                    bad.append((index, str(exc)))
+                    bad.append((index, str(exc), isinstance(exc, ForeignRecordError)))
                     continue
                 try:
                     obj = await self._pool.allocate(
@@ -257,7 +258,7 @@ class RecordLoader:
                 out[item.index] = item.obj
             else:
                 item.obj.unref()
-                bad.append((item.index, reason))
+                bad.append((item.index, reason, False))
         return exhausted, bad
 
     def _decode(self, loaded: Sequence[_Loaded]) -> dict[int, str]:
