@@ -65,12 +65,12 @@ class StorageBackend(abc.ABC):
     async def clear(self) -> int:
         """Forget everything; returns how many chunks were held."""
 
+    @abc.abstractmethod
     async def erase_tenant(self, tag: bytes) -> int:
         """Remove every chunk of the tenant with ``tag`` (the first
         :data:`~lmcache_async.tenants.TAG_BYTES` bytes of its keys), found by a key prefix
         or an index, never by a scan of what is not this tier's; returns how many were
         removed. A chunk pinned now is removed when its pins end (and counted)."""
-        raise NotImplementedError(f"the {self.name} tier cannot erase a tenant")
 
     @abc.abstractmethod
     def healthy(self) -> bool:
