@@ -33,6 +33,7 @@ from lmcache_async import (
     InvalidInputError,
     KVCacheClient,
     RemoteCacheEngine,
+    SyncCacheEngine,
 )
 from lmcache_async.errors import EraseIncompleteError
 from lmcache_async.tenants import tag_hex, tenant_tag
@@ -290,6 +291,22 @@ async def test_writes_queued_for_disk_when_the_tenant_is_erased_never_land(
             assert len(with_tag(files, "b")) >= CHUNKS["b"]
             await engine.clear(["cpu"])
             await assert_a_misses_and_b_hits(engine)
+
+
+def test_a_sync_engine_erases_on_its_loop_thread(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    with SyncCacheEngine.open(erase_config(disk, None), layout(), model_name=MODEL) as engine:
+        for tenant, seeds in SEEDS.items():
+            for seed in seeds:
+                tokens = tokens_of(PROMPT, seed)
+                kv, slots = source_caches(seed), slots_of(PROMPT, seed)
+                assert engine.store(tokens, kv_caches=kv, slot_mapping=slots, tenant=tenant)
+        assert engine.erase("a") == {"cpu": CHUNKS["a"], "disk": CHUNKS["a"]}
+        assert engine.lookup(tokens_of(PROMPT, SEEDS["a"][0]), tenant="a") == 0
+        assert engine.lookup(tokens_of(PROMPT, SEEDS["b"][0]), tenant="b") == PROMPT
+        with pytest.raises(InvalidInputError):
+            engine.erase(b"a")  # type: ignore[arg-type]
+    assert with_tag(disk_names(disk), "a") == []
 
 
 # -- figures by tenant ------------------------------------------------------------------------
