@@ -252,6 +252,27 @@ class RecordSpec:
 
     def _clear_header(self, key: bytes, obj: MemoryObj, payload: bytes | memoryview) -> bytes:
         checksum = object_checksum(obj) if self.codec is Codec.NONE else payload_checksum(payload)
+        return self._header(key, obj, len(payload), checksum=checksum).to_bytes()
+
+    def _sealed_header(
+        self, cipher: RecordCipher, key: bytes, obj: MemoryObj, payload: bytes | memoryview
+    ) -> tuple[bytes, bytes]:
+        """A sealed record's header bytes, and its fresh nonce."""
+        nonce = cipher.new_nonce()
+        head = self._header(
+            key,
+            obj,
+            len(payload) + AUTH_TAG_BYTES,
+            checksum=0,
+            cipher=cipher.name,
+            key_id=cipher.key_id,
+            nonce=nonce,
+        )
+        return head.to_bytes(), nonce
+
+    def _header(self, key: bytes, obj: MemoryObj, length: int, **fields: Any) -> RecordHeader:
+        """The header of ``obj``'s record under ``key``: ``length`` payload bytes, and
+        ``fields`` (checksum, or the seal's cipher, key id and nonce)."""
         return RecordHeader(
             key=bytes(key),
             fingerprint=self.fingerprint,
@@ -259,29 +280,9 @@ class RecordSpec:
             shape=tuple(obj.shape),
             dtype=_dtype_name(obj.dtype),
             codec=str(self.codec),
-            length=len(payload),
-            checksum=checksum,
-        ).to_bytes()
-
-    def _sealed_header(
-        self, cipher: RecordCipher, key: bytes, obj: MemoryObj, payload: bytes | memoryview
-    ) -> tuple[bytes, bytes]:
-        """A sealed record's header bytes, and its fresh nonce."""
-        nonce = cipher.new_nonce()
-        head = RecordHeader(
-            key=bytes(key),
-            fingerprint=self.fingerprint,
-            fmt=self._expected(key)[0],
-            shape=tuple(obj.shape),
-            dtype=_dtype_name(obj.dtype),
-            codec=str(self.codec),
-            length=len(payload) + AUTH_TAG_BYTES,
-            checksum=0,
-            cipher=cipher.name,
-            key_id=cipher.key_id,
-            nonce=nonce,
-        ).to_bytes()
-        return head, nonce
+            length=length,
+            **fields,
+        )
 
     def check_header(self, header: RecordHeader, key: bytes) -> None:
         """Raise IntegrityError unless ``header`` describes a chunk of ``key`` for this spec."""
