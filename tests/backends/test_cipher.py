@@ -55,15 +55,19 @@ PAGE = 4096
 MASTER = bytes(range(7, 7 + 32))
 OTHER = bytes(range(100, 132))
 PATTERN = b"\xa5KV-PLAINTEXT-\x5a"  # 16 bytes, repeated through every payload
-# A payload inside the disk tier's first read (2 KiB), and one read in several pieces.
+# A payload inside the disk tier's first read (2 KiB), one read in several pieces, and one
+# decrypted from the mapped file (from 1 MiB on).
 SMALL = KVLayout.vllm_flash_attn(
     num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16
 )
 LARGE = KVLayout.vllm_flash_attn(
     num_layers=2, block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
 )
-TOKENS = {SMALL: 16, LARGE: 96}  # LARGE: 768 KiB chunks
-LAYOUTS = {"small": SMALL, "large": LARGE}
+HUGE = KVLayout.vllm_flash_attn(
+    num_layers=4, block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+)
+TOKENS = {SMALL: 16, LARGE: 96, HUGE: 96}  # LARGE: 768 KiB chunks, HUGE: 1.5 MiB
+LAYOUTS = {"small": SMALL, "large": LARGE, "huge": HUGE}
 
 
 def make_spec(
