@@ -284,11 +284,10 @@ def _read_record(
             f"file is {file_size} bytes, its record {offset + header.length} bytes"
         )
     if header.sealed and Codec(header.codec) is Codec.NONE:
-        reader = spec.sealed_reader(header, out)
         if header.length >= _MAP_SEALED_BYTES:
-            _decrypt_mapped(f, file_size - header.length, reader)
+            _decrypt_mapped(spec, f, header, out)
         else:
-            _read_sealed(f, head[offset:], reader)
+            _read_sealed(f, head[offset:], spec.sealed_reader(header, out))
         return
     if Codec(header.codec) is Codec.NONE:
         # Straight into pool memory, verified there: no intermediate copy.
@@ -319,18 +318,23 @@ def read_header(f: io.FileIO, file_size: int) -> tuple[bytes, RecordHeader, int]
     return head, header, offset
 
 
-def _decrypt_mapped(f: io.FileIO, at: int, reader: SealedReader) -> None:
-    """Decrypt the payload at ``at`` of the file straight from the page cache (the file
-    mapped, its pages populated at once), then check its tag: one pass over the bytes
-    instead of a read into a buffer and a decryption from it."""
+def _decrypt_mapped(
+    spec: RecordSpec, f: io.FileIO, header: RecordHeader, out: torch.Tensor
+) -> None:
+    """Authenticate and decrypt the file's payload (its last ``header.length`` bytes)
+    into ``out`` in one call, straight from the page cache through a read-only mapping
+    with its pages populated at once: one pass over the bytes, and the decryption runs
+    with the GIL released, so a get's reading threads decrypt side by side. (Record
+    files are replaced by a rename or deleted, never truncated in place, so the mapped
+    bytes stay valid while they are read.)"""
     with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ, flags=_MAP_FLAGS) as mapped:
         view = memoryview(mapped)
+        payload = view[len(view) - header.length :]
         try:
-            for piece in range(at, len(view), PIECE_BYTES):
-                reader.feed(view[piece : piece + PIECE_BYTES])
-        finally:
+            spec.decode_into(header, payload, out)
+        finally:  # released even while a traceback holds them: the mapping can close
+            payload.release()
             view.release()
-    reader.finish()
 
 
 def _read_sealed(f: io.FileIO, first: bytes, reader: SealedReader) -> None:
