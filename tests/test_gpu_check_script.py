@@ -263,6 +263,7 @@ def test_past_the_device_check_the_summary_and_figures_land_in_out(tmp_path: Pat
     figures = json.loads((out / "gpu_bench.json").read_text())
     assert figures["copy"]["verified_bit_exact"] is True
     assert figures["layerwise"]["verified_bit_exact"] is True
-    assert log.count("gpu_bench_part_done") == 2
+    assert figures["staged"]["verified_bit_exact"] is True
+    assert log.count("gpu_bench_part_done") == 3
     assert "CUDA tests: passed; bench: passed;" in log
     assert set(calls.read_text().splitlines()) == {"1 1|-u -X faulthandler"}

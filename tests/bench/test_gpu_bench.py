@@ -76,6 +76,22 @@ def test_cpu_path_prints_consistent_figures(
     assert lw["ok"] == (hidden >= 0.7)
     assert lw["verified_bit_exact"] is True
 
+    staged = results["staged"]
+    assert (staged["tokens"], staged["bytes"], staged["runs"]) == (512, 512 * 256, 2)
+    assert (staged["chunks"], staged["chunk_size"]) == (8, 64)
+    for key in ("gather", "scatter"):
+        entry = staged[key]
+        for name in ("per_chunk_gbps", "staged_gbps", "staged_apart_gbps"):
+            assert _positive(entry[name]), (key, name)
+        assert math.isclose(entry["speedup"], entry["staged_gbps"] / entry["per_chunk_gbps"])
+        assert math.isclose(
+            entry["apart_speedup"], entry["staged_apart_gbps"] / entry["per_chunk_gbps"]
+        )
+    # The payloads back to back go in one copy, apart in one copy each.
+    assert staged["host_copies"] == {"together": 1, "apart": 8}
+    assert staged["staging_bytes"] >= staged["bytes"]
+    assert staged["verified_bit_exact"] is True
+
     # The table prints the same numbers, and says the targets do not apply on the CPU.
     table = capsys.readouterr().out
     assert "NOTE: no CUDA device" in table
@@ -104,7 +120,22 @@ def test_cpu_path_prints_consistent_figures(
         f"{lw['serial_ms']:.2f}",
         f"{lw['overlap_ms']:.2f}",
     )
-    assert "bit-exact: retrieve yes, layerwise retrieve yes" in table
+    for key in ("gather", "scatter"):
+        entry = staged[key]
+        match = re.search(
+            rf"staged {key} 8 chunks\s+{NUMBER} GB/s\s+per chunk {NUMBER} GB/s\s+{NUMBER}x"
+            r"\s+\(info\)",
+            table,
+        )
+        assert match is not None, table
+        assert match.groups() == (
+            f"{entry['staged_gbps']:.2f}",
+            f"{entry['per_chunk_gbps']:.2f}",
+            f"{entry['speedup']:.2f}",
+        )
+        assert re.search(rf"staged {key} 8 chunks, payloads apart\s+{NUMBER} GB/s", table)
+    assert "host copies per batch 1 (payloads back to back), 8 (apart)" in table
+    assert "bit-exact: retrieve yes, layerwise retrieve yes, staged yes" in table
 
 
 def _fake_results(*, cuda: bool, d2h_ratio: float, hidden: float) -> dict[str, Any]:
@@ -176,7 +207,8 @@ def test_table_judges_cuda_figures_against_the_targets() -> None:
     assert re.search(r"38\.00 GB/s\s+pinned copy_ 40\.00 GB/s\s+0\.95x\s+>= 0\.8x\s+ok$", h2d)
     overlap = next(line for line in lines if line.startswith("layerwise retrieve 32 layers"))
     assert re.search(r"75\.0% hidden\s+serial 40\.00 ms, overlap 25\.00 ms\s+>= 70%\s+ok$", overlap)
-    assert "bit-exact: retrieve yes, layerwise retrieve NO" in lines
+    assert "bit-exact: retrieve yes, layerwise retrieve NO, staged n/a" in lines
+    assert any(re.match(r"staged gather / scatter\s+not run$", line) for line in lines)
     assert "problems: layerwise retrieved KV differs from the stored KV" in lines
 
 
@@ -234,7 +266,12 @@ async def test_cuda_path_at_small_sizes() -> None:
     assert results["problems"] == []
     assert results["copy"]["verified_bit_exact"] is True
     assert results["layerwise"]["verified_bit_exact"] is True
+    assert results["staged"]["verified_bit_exact"] is True
     for key in ("d2h", "h2d"):
         assert _positive(results["copy"][key]["engine_gbps"])
         assert _positive(results["copy"][key]["raw_gbps"])
+    for key in ("gather", "scatter"):
+        assert _positive(results["staged"][key]["staged_gbps"])
+        assert _positive(results["staged"][key]["per_chunk_gbps"])
+    assert results["staged"]["host_copies"] == {"together": 1, "apart": 4}
     assert _positive(results["layerwise"]["overlap_ms"])

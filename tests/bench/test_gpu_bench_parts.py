@@ -1,5 +1,5 @@
 """The GPU benchmark keeps each part's figures when another part fails: a part that raises
-is recorded with its error, the other still runs, and each part's figures are logged and
+is recorded with its error, the others still run, and each part's figures are logged and
 handed to the checkpoint as soon as it ends (on the CPU path, at tiny sizes)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ async def _boom(*args: object) -> dict[str, Any]:
 
 
 @pytest.mark.anyio
-async def test_both_parts_reach_the_checkpoint_in_order() -> None:
+async def test_every_part_reaches_the_checkpoint_in_order() -> None:
     seen: list[dict[str, Any]] = []
 
     def checkpoint(results: Mapping[str, Any]) -> None:
@@ -35,12 +35,15 @@ async def test_both_parts_reach_the_checkpoint_in_order() -> None:
 
     results = await run_gpu_bench_async(TINY, EngineConfig(chunk_size=64), checkpoint=checkpoint)
 
-    assert gpu_run.PARTS == ("copy", "layerwise")
-    assert len(seen) == 2
+    assert gpu_run.PARTS == ("copy", "layerwise", "staged")
+    assert len(seen) == 3
     assert seen[0]["copy"]["verified_bit_exact"] is True
     assert seen[0]["layerwise"] is None
     assert seen[1]["copy"] == results["copy"]
     assert seen[1]["layerwise"] == results["layerwise"]
+    assert seen[1]["staged"] is None
+    assert seen[2]["staged"] == results["staged"]
+    assert results["staged"]["verified_bit_exact"] is True
     assert results["problems"] == []
 
 
@@ -63,16 +66,21 @@ async def test_a_failed_layerwise_part_keeps_the_copy_figures(
         "problems": ["layerwise failed: RuntimeError: boom"],
     }
     assert results["problems"] == ["layerwise failed: RuntimeError: boom"]
-    assert [r["layerwise"] is None for r in seen] == [True, False]
+    assert [r["layerwise"] is None for r in seen] == [True, False, False]
+    assert results["staged"]["verified_bit_exact"] is True
     events = [(e["event"], e["part"]) for e in logs if e["event"].startswith("gpu_bench_part")]
-    assert events == [("gpu_bench_part_done", "copy"), ("gpu_bench_part_failed", "layerwise")]
+    assert events == [
+        ("gpu_bench_part_done", "copy"),
+        ("gpu_bench_part_failed", "layerwise"),
+        ("gpu_bench_part_done", "staged"),
+    ]
     done = next(e for e in logs if e["event"] == "gpu_bench_part_done")
     assert done["figures"] == results["copy"]
 
     text = format_gpu(results)
     assert "D2H store 128 tok" in text
     assert re.search(r"^layerwise retrieve\s+FAILED: RuntimeError: boom\s*$", text, re.M), text
-    assert "bit-exact: retrieve yes, layerwise retrieve n/a" in text
+    assert "bit-exact: retrieve yes, layerwise retrieve n/a, staged yes" in text
     assert "problems: layerwise failed: RuntimeError: boom" in text
 
 
@@ -90,7 +98,7 @@ async def test_a_failed_copy_part_still_runs_the_layerwise_part(
     text = format_gpu(results)
     assert re.search(r"^D2H store / H2D retrieve\s+FAILED: RuntimeError: boom\s*$", text, re.M)
     assert "layerwise retrieve 2 layers" in text
-    assert "bit-exact: retrieve n/a, layerwise retrieve yes" in text
+    assert "bit-exact: retrieve n/a, layerwise retrieve yes, staged yes" in text
 
 
 @pytest.mark.usefixtures("restore_logging")
@@ -107,3 +115,20 @@ def test_the_command_writes_the_figures_of_the_part_that_ran(
     assert results["copy"]["verified_bit_exact"] is True
     assert results["layerwise"]["error"] == "RuntimeError: boom"
     assert "FAILED: RuntimeError: boom" in capsys.readouterr().out
+
+
+@pytest.mark.anyio
+async def test_a_failed_staged_part_keeps_the_other_figures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(gpu_run, "staged_bench", _boom)
+
+    results = await run_gpu_bench_async(TINY, EngineConfig(chunk_size=64))
+
+    assert results["copy"]["verified_bit_exact"] is True
+    assert results["layerwise"]["verified_bit_exact"] is True
+    assert results["staged"]["error"] == "RuntimeError: boom"
+    assert results["problems"] == ["staged failed: RuntimeError: boom"]
+    text = format_gpu(results)
+    assert re.search(r"^staged gather / scatter\s+FAILED: RuntimeError: boom\s*$", text, re.M)
+    assert "bit-exact: retrieve yes, layerwise retrieve yes, staged n/a" in text

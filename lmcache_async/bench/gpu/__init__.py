@@ -1,4 +1,5 @@
-"""GPU benchmark: the engine's device copies next to plain pinned copies, and layerwise overlap.
+"""GPU benchmark: the engine's device copies next to plain pinned copies, layerwise overlap,
+and staged transfers next to the per-chunk path.
 
 Every figure is measured in the same run, on the same tensors, as its baseline:
 
@@ -13,7 +14,13 @@ Every figure is measured in the same run, on the same tensors, as its baseline:
   (await layer *i*, then queue layer *i*'s compute on the compute stream, which is the
   current stream as in vLLM), with a simulated compute per layer (square matmuls, as many as
   take about as long as one layer's transfer) against the transfer and the compute run back
-  to back. The fraction of transfer time hidden is ``(serial - overlap) / transfer``.
+  to back. The fraction of transfer time hidden is ``(serial - overlap) / transfer``;
+- **staged** gather/scatter GB/s: one request's chunks moved as one batch through a device
+  staging buffer (:mod:`lmcache_async.transfer_staged`: a few launches per layer and K/V,
+  one host copy per run of payloads back to back) against
+  :meth:`~lmcache_async.transfer.TransferPlan.gather_chunks` / ``scatter_chunks`` (one
+  launch per chunk, layer and K/V), with the payloads back to back and apart (informative:
+  no target).
 
 Times are wall clock around each call with the device synchronized before and after, so the
 engine (which returns once its copies have completed) and the baselines are timed alike;
@@ -24,8 +31,9 @@ at whatever sizes are given: it checks that the benchmark works, but its figures
 about a GPU and the targets do not apply to them.
 
 The package: :mod:`~.options` (sizes, device and targets), :mod:`~.scene` (the shared
-tensors), :mod:`~.copies` (D2H and H2D), :mod:`~.layerwise` (the overlap), :mod:`~.run` (a
-whole run) and :mod:`~.report` (the text table); this module re-exports the public names.
+tensors), :mod:`~.copies` (D2H and H2D), :mod:`~.layerwise` (the overlap), :mod:`~.staged`
+(staged against per-chunk), :mod:`~.run` (a whole run) and :mod:`~.report` (the text
+table); this module re-exports the public names.
 The plain copies are :mod:`lmcache_async.bench.baselines`.
 """
 

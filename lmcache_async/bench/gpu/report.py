@@ -79,6 +79,24 @@ def format_gpu(results: Mapping[str, Any]) -> str:
                 status(lw["ok"]),
             ]
         )
+    staged = _done(results.get("staged"))
+    if staged is None:
+        rows.append(["staged gather / scatter", _missing(results.get("staged")), "", "", "", ""])
+    else:
+        for key in ("gather", "scatter"):
+            e = staged[key]
+            for way, label in (("staged", ""), ("staged_apart", ", payloads apart")):
+                ratio = e["speedup"] if way == "staged" else e["apart_speedup"]
+                rows.append(
+                    [
+                        f"staged {key} {staged['chunks']} chunks{label}",
+                        f"{format_finite(e[f'{way}_gbps'], '.2f')} GB/s",
+                        f"per chunk {format_finite(e['per_chunk_gbps'], '.2f')} GB/s",
+                        f"{format_finite(ratio, '.2f')}x",
+                        "(info)",
+                        "",
+                    ]
+                )
     opts = results["options"]
     lines = ["lmcache-async GPU bench"]
     if results["note"]:
@@ -103,7 +121,21 @@ def format_gpu(results: Mapping[str, Any]) -> str:
             f"layer), hidden = (serial - overlap) / transfer; at most "
             f"{format_finite(lw['hideable_fraction'] * 100, '.0f')}% can hide behind this compute"
         )
-    lines.append("bit-exact: retrieve " + _exact(copy) + ", layerwise retrieve " + _exact(lw))
+    if staged is not None:
+        copies = staged["host_copies"]
+        lines.append(
+            f"staged: {staged['chunks']} chunks of {staged['chunk_size']} tokens in one batch, "
+            f"a staging buffer of {staged['staging_bytes'] / 1024**2:.0f} MiB; host copies "
+            f"per batch {copies['together']} (payloads back to back), {copies['apart']} (apart)"
+        )
+    lines.append(
+        "bit-exact: retrieve "
+        + _exact(copy)
+        + ", layerwise retrieve "
+        + _exact(lw)
+        + ", staged "
+        + _exact(staged)
+    )
     problems = results["problems"]
     if problems:
         lines.append("problems: " + "; ".join(problems))

@@ -1,4 +1,5 @@
-"""A whole GPU benchmark run: the copies, then the layerwise overlap, on one engine.
+"""A whole GPU benchmark run: the copies, the layerwise overlap (on one engine), then the
+staged gather/scatter against the per-chunk path.
 
 Each part is kept apart from the other: a part that raises is recorded as
 ``{"error": ...}`` with a problem and the next part still runs, and the figures of each
@@ -23,12 +24,13 @@ from lmcache_async.bench.gpu.copies import copy_bench
 from lmcache_async.bench.gpu.layerwise import layerwise_bench
 from lmcache_async.bench.gpu.options import CPU_NOTE, WARMUP, GpuOptions
 from lmcache_async.bench.gpu.scene import Scene, make_scene
+from lmcache_async.bench.gpu.staged import staged_bench
 
 __all__ = ["PARTS", "Checkpoint", "run_gpu_bench", "run_gpu_bench_async"]
 
 log = structlog.get_logger(__name__)
 
-PARTS: Final = ("copy", "layerwise")
+PARTS: Final = ("copy", "layerwise", "staged")
 """The parts of a run, in the order they run; each is a key of the results."""
 
 Checkpoint = Callable[[Mapping[str, Any]], None]
@@ -89,7 +91,7 @@ async def _part(name: str, bench: Callable[[], Awaitable[dict[str, Any]]]) -> di
 async def run_gpu_bench_async(
     options: GpuOptions, config: EngineConfig, *, checkpoint: Checkpoint | None = None
 ) -> dict[str, Any]:
-    """Run the copy and layerwise benchmarks and return the figures as plain data.
+    """Run the copy, layerwise and staged benchmarks and return the figures as plain data.
 
     The engine configuration is used as given except for ``local_cpu`` (on) and
     ``max_local_cpu_size`` (sized to the benchmark). A part that raises is recorded under
@@ -110,6 +112,7 @@ async def run_gpu_bench_async(
         benches: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
             "copy": lambda: copy_bench(engine, scene, options.repeat),
             "layerwise": lambda: layerwise_bench(engine, scene, options),
+            "staged": lambda: staged_bench(scene, cfg.chunk_size, options.repeat),
         }
         for name in PARTS:
             parts[name] = await _part(name, benches[name])
