@@ -3,8 +3,10 @@
 A baseline moves the same bytes the engine moves, the plain way: per layer and K/V one
 ``index_select`` of the slots' rows into a preallocated ``[2, L, T, H*D]`` buffer (a
 store's gather) or one ``index_copy_`` back (a retrieve's scatter), on the rows of an NHD
-flash-attention cache viewed as ``[num_blocks * block_size, H*D]``. :func:`copy_entry`
-turns the engine's and the baseline's times into the figures both benchmarks report.
+flash-attention cache viewed as ``[num_blocks * block_size, H*D]``. Above both stands the
+memory's limit: one contiguous ``copy_`` of as many bytes (:func:`plain_copy`).
+:func:`copy_entry` turns the engine's and the baseline's times into the figures both
+benchmarks report; :func:`plain_entry` adds the plain copy beside them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ __all__ = [
     "cache_gb",
     "copy_entry",
     "gather_rows",
+    "plain_copy",
+    "plain_entry",
     "row_views",
     "scatter_rows",
     "slots_over",
@@ -59,6 +63,12 @@ def scatter_rows(views: list[list[torch.Tensor]], rows: torch.Tensor, src: torch
     for layer, pair in enumerate(views):
         for k, dst in enumerate(pair):
             dst.index_copy_(0, rows, src[k, layer])
+
+
+def plain_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """The memory's limit for a copy of ``src``'s bytes: one contiguous ``dst.copy_(src)``
+    (both contiguous, of one shape and dtype), on torch's threads."""
+    dst.copy_(src)
 
 
 def synchronize(device: torch.device | None) -> None:
@@ -98,4 +108,22 @@ def copy_entry(
         "raw_best_gbps": gbps(nbytes, min(raw_times)),
         "target_ratio": target_ratio,
         "ok": ratio >= target_ratio,
+    }
+
+
+def plain_entry(
+    nbytes: int, engine_times: list[float], plain_times: list[float], *, target_ratio: float
+) -> dict[str, Any]:
+    """The plain contiguous copy's GB/s for ``nbytes`` beside the engine's (medians and
+    best), their ratio and whether it reaches ``target_ratio``: the ``plain_*`` keys that
+    complete a :func:`copy_entry`."""
+    engine = gbps(nbytes, statistics.median(engine_times))
+    plain = gbps(nbytes, statistics.median(plain_times))
+    ratio = engine / plain
+    return {
+        "plain_gbps": plain,
+        "plain_best_gbps": gbps(nbytes, min(plain_times)),
+        "plain_ratio": ratio,
+        "plain_target_ratio": target_ratio,
+        "plain_ok": ratio >= target_ratio,
     }

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ import torch
 from lmcache_async import KVLayout
 from lmcache_async.bench import Progress, format_table, parse_dtype, percentiles, write_json
 from lmcache_async.bench.workloads import KVSource, Segment, same_bytes, token_dim
-from lmcache_async.cli import main
 from lmcache_async.errors import InvalidInputError
 
 TINY_SHAPE = ["--layers", "2", "--kv-heads", "2", "--head-size", "16", "--chunk-size", "64"]
@@ -74,93 +72,6 @@ def test_token_dim_of_payloads() -> None:
     mla = KVLayout.mla(num_layers=3, block_size=16, latent_dim=32, dtype=torch.bfloat16)
     assert token_dim(flash) == 2
     assert token_dim(mla) == 2
-
-
-def _figures(results: dict[str, Any]) -> dict[str, Any]:
-    copy, lookup, hashing = results["copy"], results["lookup"], results["hashing"]
-    return {
-        "store.engine_gbps": copy["store"]["engine_gbps"],
-        "store.raw_gbps": copy["store"]["raw_gbps"],
-        "store.ratio": copy["store"]["ratio"],
-        "retrieve.engine_gbps": copy["retrieve"]["engine_gbps"],
-        "retrieve.raw_gbps": copy["retrieve"]["raw_gbps"],
-        "retrieve.ratio": copy["retrieve"]["ratio"],
-        "lookup.tensor.p50_ms": lookup["tensor"]["p50_ms"],
-        "lookup.tensor.p99_ms": lookup["tensor"]["p99_ms"],
-        "lookup.list.p50_ms": lookup["list"]["p50_ms"],
-        "lookup.list.p99_ms": lookup["list"]["p99_ms"],
-        "hash.blake3.list": hashing["blake3"]["list_mtps"],
-        "hash.blake3.tensor": hashing["blake3"]["tensor_mtps"],
-        "hash.xxh3_128.list": hashing["xxh3_128"]["list_mtps"],
-        "hash.xxh3_128.tensor": hashing["xxh3_128"]["tensor_mtps"],
-        "hash.blake3.tensor_plain": hashing["blake3"]["tensor_plain_mtps"],
-        "hash.xxh3_128.tensor_plain": hashing["xxh3_128"]["tensor_plain_mtps"],
-        "overhead.store_engine_us": copy["overhead"]["store_engine_us"],
-        "overhead.store_raw_us": copy["overhead"]["store_raw_us"],
-        "overhead.retrieve_engine_us": copy["overhead"]["retrieve_engine_us"],
-        "overhead.retrieve_raw_us": copy["overhead"]["retrieve_raw_us"],
-        "overhead.store_raw_whole_us": copy["overhead"]["store_raw_whole_us"],
-        "overhead.retrieve_raw_whole_us": copy["overhead"]["retrieve_raw_whole_us"],
-    }
-
-
-def test_micro_produces_every_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out_path = tmp_path / "micro.json"
-    argv = [
-        "bench",
-        "--micro",
-        *TINY_SHAPE,
-        "--tokens",
-        "512",
-        "--lookup-tokens",
-        "4096",
-        "--repeat",
-        "1",
-        "--json",
-        str(out_path),
-    ]
-
-    assert main(argv) == 0
-
-    results: dict[str, Any] = json.loads(out_path.read_text())
-    for name, value in _figures(results).items():
-        assert isinstance(value, float), name
-        assert math.isfinite(value), name
-        assert value > 0, name
-    copy = results["copy"]
-    assert copy["tokens"] == 512
-    assert results["token_bytes"] == 2 * 2 * 2 * 16 * 2
-    assert copy["bytes"] == 512 * results["token_bytes"]
-    assert copy["runs"] == 1
-    for name in ("store", "retrieve"):
-        entry = copy[name]
-        assert math.isclose(entry["ratio"], entry["engine_gbps"] / entry["raw_gbps"])
-        assert entry["ok"] == (entry["ratio"] >= entry["target_ratio"])
-    over = copy["overhead"]
-    assert math.isclose(over["store_overhead_us"], over["store_engine_us"] - over["store_raw_us"])
-    assert math.isclose(
-        over["retrieve_overhead_us"], over["retrieve_engine_us"] - over["retrieve_raw_us"]
-    )
-    assert over["tokens"] == 512
-    # The raw per-chunk baseline copies the engine's chunks, chunk_size tokens at a time.
-    assert over["chunks"] == math.ceil(512 / results["engine_config"]["chunk_size"])
-    assert copy["verified_bit_exact"] is True
-    assert results["lookup"]["tokens"] == 4096
-    hashing = results["hashing"]
-    assert hashing["tokens"] == 4096
-    for algorithm in ("blake3", "xxh3_128"):
-        entry = hashing[algorithm]
-        assert math.isclose(
-            entry["tensor_ratio"], entry["tensor_mtps"] / entry["tensor_plain_mtps"]
-        )
-    assert hashing["problems"] == []  # the plain chains gave the hasher's digests
-    assert results["problems"] == []
-
-    table = capsys.readouterr().out
-    needles = ("store 512 tok", "raw gather", "raw scatter", "lookup 4096 tok", "blake3")
-    for needle in (*needles, "plain chain", f"{over['chunks']} chunks vs 1 buffer (store)"):
-        assert needle in table
-    assert "retrieve bit-exact: yes" in table
 
 
 def _console_script() -> str:

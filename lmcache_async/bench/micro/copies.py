@@ -1,28 +1,29 @@
-"""Store and retrieve GB/s, and a short request's overhead, next to the plain copies."""
+"""Store and retrieve GB/s of a long request next to the plain copies of the same bytes."""
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
 
-from lmcache_async import CacheEngine, EngineConfig, KVLayout
+from lmcache_async import CacheEngine, EngineConfig
 from lmcache_async.bench.baselines import (
     cache_gb,
     copy_entry,
     gather_rows,
+    plain_copy,
+    plain_entry,
     row_views,
     scatter_rows,
     slots_over,
     timed,
 )
-from lmcache_async.bench.micro.options import TARGETS, VOCAB, WARMUP, MicroOptions
+from lmcache_async.bench.micro.options import TARGETS, VOCAB, WARMUP, MicroOptions, Shape
 
-__all__ = ["copy_bench"]
+__all__ = ["atimed", "copy_bench"]
 
 
 async def _engine_warmup(
@@ -50,16 +51,21 @@ async def _engine_warmup(
     await engine.clear()
 
 
-async def _atimed(fn: Callable[[], Awaitable[object]]) -> tuple[float, object]:
+async def atimed(fn: Callable[[], Awaitable[object]]) -> tuple[float, object]:
+    """Seconds of ``await fn()``, and what it returned."""
     t0 = time.perf_counter()
     result = await fn()
     return time.perf_counter() - t0, result
 
 
 async def copy_bench(
-    options: MicroOptions, config: EngineConfig, layout: KVLayout, gen: torch.Generator
+    options: MicroOptions, config: EngineConfig, shape: Shape, gen: torch.Generator
 ) -> dict[str, Any]:
-    """Store/retrieve throughput and per-request overhead against the raw copies."""
+    """GB/s of a store and a retrieve of ``options.tokens`` tokens of ``shape``, the KV
+    caches the same from request to request, beside the raw ``index_select`` gather and
+    ``index_copy_`` scatter of the same rows and a plain contiguous ``copy_`` of as many
+    bytes; then the retrieved KV checked bit for bit."""
+    layout = shape.layout(options.block_size)
     num_tokens = options.tokens
     bs = options.block_size
     blocks_needed = math.ceil(num_tokens / bs)
@@ -72,140 +78,68 @@ async def copy_bench(
     tokens = torch.randint(0, VOCAB, (num_tokens,), generator=gen, dtype=torch.int64)
     views = row_views(layout, kv)
     buf = torch.empty(layout.payload_shape(num_tokens), dtype=layout.dtype)
+    plain_dst = torch.empty_like(buf)
     nbytes = num_tokens * layout.token_bytes
     cfg = config.replace(local_cpu=True, max_local_cpu_size=cache_gb(nbytes))
 
-    times: dict[str, list[float]] = {
-        "store": [],
-        "raw_gather": [],
-        "retrieve": [],
-        "raw_scatter": [],
-    }
+    names = ("store", "retrieve", "raw_gather", "raw_scatter", "plain_copy")
+    times: dict[str, list[float]] = {name: [] for name in names}
     problems: list[str] = []
     async with CacheEngine.open(cfg, layout, model_name="lmcache-async-micro") as engine:
         # Engine and raw runs alternate, so a change in the machine's speed during the
         # measurement weighs on both alike (see _engine_warmup for what comes between).
         for run in range(WARMUP + options.repeat):
-            measured = run >= WARMUP
             await _engine_warmup(engine, tokens, kv, src_slots, dst_slots)
-            t_store, stored = await _atimed(
+            t_store, stored = await atimed(
                 lambda: engine.store(tokens, kv_caches=kv, slot_mapping=src_slots)
             )
             if stored != num_tokens:
-                problems.append(f"store returned {stored} of {num_tokens} tokens")
-            t_retrieve, mask = await _atimed(
+                problems.append(f"{shape.label}: store returned {stored} of {num_tokens} tokens")
+            t_retrieve, mask = await atimed(
                 lambda: engine.retrieve(tokens, kv_caches=kv, slot_mapping=dst_slots)
             )
             if not isinstance(mask, torch.Tensor) or not bool(mask.all()):
-                problems.append("retrieve did not load every token")
-            t_gather = timed(lambda: gather_rows(views, src_slots, buf))
-            t_scatter = timed(lambda: scatter_rows(views, dst_slots, buf))
-            if measured:
-                times["store"].append(t_store)
-                times["retrieve"].append(t_retrieve)
-                times["raw_gather"].append(t_gather)
-                times["raw_scatter"].append(t_scatter)
+                problems.append(f"{shape.label}: retrieve did not load every token")
+            measured = {
+                "store": t_store,
+                "retrieve": t_retrieve,
+                "raw_gather": timed(lambda: gather_rows(views, src_slots, buf)),
+                "raw_scatter": timed(lambda: scatter_rows(views, dst_slots, buf)),
+                "plain_copy": timed(lambda: plain_copy(buf, plain_dst)),
+            }
+            if run >= WARMUP:
+                for name, seconds in measured.items():
+                    times[name].append(seconds)
 
         # Bit-exactness, outside the timings: blank the destination, load it, compare.
         for layer in kv:
             layer.index_fill_(1, dst_blocks, 0)
         await engine.retrieve(tokens, kv_caches=kv, slot_mapping=dst_slots)
-        expected = torch.empty_like(buf)
+        expected = plain_dst  # free again: the copy's destination holds what is expected
         gather_rows(views, src_slots, expected)
         gather_rows(views, dst_slots, buf)
         verified = torch.equal(expected.view(torch.uint8), buf.view(torch.uint8))
         if not verified:
-            problems.append("retrieved KV differs from the stored KV")
-        del expected
+            problems.append(f"{shape.label}: retrieved KV differs from the stored KV")
 
-        overhead = await _overhead_bench(
-            options,
-            engine=engine,
-            layout=layout,
-            kv=kv,
-            tokens=tokens,
-            src_slots=src_slots,
-            dst_slots=dst_slots,
-        )
-
-    ratio = TARGETS["copy_ratio"]
+    raw_ratio, plain_ratio = TARGETS["copy_raw_ratio"], TARGETS["copy_plain_ratio"]
+    entries: dict[str, dict[str, Any]] = {}
+    for name, raw in (("store", "raw_gather"), ("retrieve", "raw_scatter")):
+        entry = copy_entry(nbytes, times[name], times[raw], target_ratio=raw_ratio)
+        plain = plain_entry(nbytes, times[name], times["plain_copy"], target_ratio=plain_ratio)
+        entries[name] = {**entry, **plain}
     return {
+        "shape": shape.label,
+        "num_layers": shape.num_layers,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_size": shape.head_size,
+        "dtype": shape.dtype,
+        "token_bytes": layout.token_bytes,
         "tokens": num_tokens,
         "bytes": nbytes,
         "runs": options.repeat,
-        "store": copy_entry(nbytes, times["store"], times["raw_gather"], target_ratio=ratio),
-        "retrieve": copy_entry(nbytes, times["retrieve"], times["raw_scatter"], target_ratio=ratio),
+        "times_s": times,
+        **entries,
         "verified_bit_exact": verified,
-        "overhead": overhead,
         "problems": problems,
-    }
-
-
-async def _overhead_bench(
-    options: MicroOptions,
-    *,
-    engine: CacheEngine,
-    layout: KVLayout,
-    kv: list[torch.Tensor],
-    tokens: torch.Tensor,
-    src_slots: torch.Tensor,
-    dst_slots: torch.Tensor,
-) -> dict[str, Any]:
-    """Engine time minus raw copy time of one short store and retrieve, in microseconds."""
-    n = options.overhead_tokens
-    toks, src, dst = tokens[:n].clone(), src_slots[:n].clone(), dst_slots[:n].clone()
-    views = row_views(layout, kv)
-    buf = torch.empty(layout.payload_shape(n), dtype=layout.dtype)
-    chunk = engine.config.chunk_size
-    bounds = [(start, min(start + chunk, n)) for start in range(0, n, chunk)]
-    chunk_bufs = [torch.empty(layout.payload_shape(e - s), dtype=layout.dtype) for s, e in bounds]
-    src_parts = [src[s:e].clone() for s, e in bounds]
-    dst_parts = [dst[s:e].clone() for s, e in bounds]
-
-    def chunk_gather() -> None:
-        for rows, out in zip(src_parts, chunk_bufs, strict=True):
-            gather_rows(views, rows, out)
-
-    def chunk_scatter() -> None:
-        for rows, payload in zip(dst_parts, chunk_bufs, strict=True):
-            scatter_rows(views, rows, payload)
-
-    times: dict[str, list[float]] = {
-        "store": [],
-        "raw_gather": [],
-        "raw_chunk_gather": [],
-        "retrieve": [],
-        "raw_scatter": [],
-        "raw_chunk_scatter": [],
-    }
-    # Engine and raw runs alternate, as in copy_bench.
-    for run in range(2 + options.overhead_iterations):
-        await _engine_warmup(engine, toks, kv, src, dst)
-        t_store, _ = await _atimed(lambda: engine.store(toks, kv_caches=kv, slot_mapping=src))
-        t_retrieve, _ = await _atimed(lambda: engine.retrieve(toks, kv_caches=kv, slot_mapping=dst))
-        measured = {
-            "store": t_store,
-            "retrieve": t_retrieve,
-            "raw_chunk_gather": timed(chunk_gather),
-            "raw_chunk_scatter": timed(chunk_scatter),
-            "raw_gather": timed(lambda: gather_rows(views, src, buf)),
-            "raw_scatter": timed(lambda: scatter_rows(views, dst, buf)),
-        }
-        if run >= 2:
-            for name, seconds in measured.items():
-                times[name].append(seconds)
-    med = {name: statistics.median(values) * 1e6 for name, values in times.items()}
-    return {
-        "tokens": n,
-        "chunks": len(bounds),
-        "iterations": options.overhead_iterations,
-        "store_engine_us": med["store"],
-        "store_raw_us": med["raw_chunk_gather"],
-        "store_overhead_us": med["store"] - med["raw_chunk_gather"],
-        "store_raw_whole_us": med["raw_gather"],
-        "retrieve_engine_us": med["retrieve"],
-        "retrieve_raw_us": med["raw_chunk_scatter"],
-        "retrieve_overhead_us": med["retrieve"] - med["raw_chunk_scatter"],
-        "retrieve_raw_whole_us": med["raw_scatter"],
-        "target_us": TARGETS["overhead_us"],
     }
