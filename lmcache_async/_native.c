@@ -1,5 +1,6 @@
-/* The chain of chunk keys with BLAKE3, in C: lmcache_async._native.blake3_chain; and the
- * CPU tier's walk over a lookup's leading keys (held_prefix_count, held_prefix_values).
+/* The chain of chunk keys with BLAKE3, in C: lmcache_async._native.blake3_chain; the
+ * CPU tier's walk over a lookup's leading keys (held_prefix_count, held_prefix_values); and
+ * the row copies of transfer plans (gather_rows, scatter_rows, in _rows.c).
  *
  * blake3_chain(seed, data, step) returns h_1..h_n for the pieces p_i = data[(i-1)*step :
  * i*step] (the last one may be short): h_0 = seed (16 bytes), h_i = the first 16 bytes of
@@ -396,6 +397,10 @@ static PyObject *held_prefix_values(PyObject *module, PyObject *const *args, Py_
     return held_prefix(args, nargs, 1, "held_prefix_values");
 }
 
+/* _rows.c */
+PyObject *native_gather_rows(PyObject *module, PyObject *args);
+PyObject *native_scatter_rows(PyObject *module, PyObject *args);
+
 static PyMethodDef methods[] = {
     {"blake3_chain", blake3_chain, METH_VARARGS,
      "blake3_chain(seed, data, step) -> list[bytes]\n\n"
@@ -406,12 +411,19 @@ static PyMethodDef methods[] = {
     {"held_prefix_values", (PyCFunction)(void (*)(void))held_prefix_values, METH_FASTCALL,
      "held_prefix_values(index, keys) -> list\n\n"
      "The values of the leading keys the OrderedDict index holds; each is moved to its end."},
+    {"gather_rows", native_gather_rows, METH_VARARGS,
+     "gather_rows(table, index, jobs, layer, skip, threads, thread_bytes, stream_bytes)\n\n"
+     "Copy every job's rows of every part and layer out of the views into its payload."},
+    {"scatter_rows", native_scatter_rows, METH_VARARGS,
+     "scatter_rows(table, index, jobs, layer, skip, threads, thread_bytes, stream_bytes)\n\n"
+     "Copy every job's payload into its rows of every part and layer; skipped tokens are "
+     "not written."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "lmcache_async._native",
-    "The chain of chunk keys with BLAKE3, and the CPU tier's prefix walk, in C.",
+    "The chain of chunk keys with BLAKE3, the CPU tier's prefix walk, and row copies, in C.",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -2,8 +2,36 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TypeVar
 
+from _typeshed import ReadableBuffer
+
 _V = TypeVar("_V")
 
 def blake3_chain(seed: bytes, data: bytes | memoryview, step: int, /) -> list[bytes]: ...
 def held_prefix_count(index: OrderedDict[bytes, _V], keys: Sequence[bytes], /) -> int: ...
 def held_prefix_values(index: OrderedDict[bytes, _V], keys: Sequence[bytes], /) -> list[_V]: ...
+
+# One job: (start, end, payload address, payload nbytes) of a chunk of the plan.
+_RowJob = tuple[int, int, int, int]
+
+def gather_rows(
+    table: ReadableBuffer,
+    index: Sequence[ReadableBuffer],
+    jobs: Sequence[_RowJob],
+    layer: int,
+    skip: ReadableBuffer | None,
+    threads: int,
+    thread_bytes: int,
+    stream_bytes: int,
+    /,
+) -> None: ...
+def scatter_rows(
+    table: ReadableBuffer,
+    index: Sequence[ReadableBuffer],
+    jobs: Sequence[_RowJob],
+    layer: int,
+    skip: ReadableBuffer | None,
+    threads: int,
+    thread_bytes: int,
+    stream_bytes: int,
+    /,
+) -> None: ...

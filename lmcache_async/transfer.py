@@ -3,8 +3,10 @@
 :meth:`KVLayout.plan <lmcache_async.layouts.KVLayout.plan>` validates the caches and slots
 once and computes, for each payload part (K, V or the MLA latent), a row view of every layer
 and the rows of every token (:class:`PlanPart`); a :class:`TransferPlan` then moves any
-chunk's tokens with one ``index_select`` / ``index_copy_`` per layer and part and no further
-checks.
+chunks' tokens with no further checks: on the CPU with one call of the C row copies for
+every chunk, layer and part (:mod:`lmcache_async.transfer_native`), else (no C compiler,
+CUDA caches, a payload the C copies do not take) with one ``index_select`` /
+``index_copy_`` per chunk, layer and part. Both move the same bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Protocol
 import torch
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.transfer_native import NativeRows, native_rows
 
 __all__ = ["PlanLayout", "PlanPart", "TransferPlan"]
 
@@ -53,8 +56,8 @@ class TransferPlan:
 
     Built by :meth:`KVLayout.plan`, which validates and computes everything that does not
     depend on the chunk; :meth:`gather` and :meth:`scatter` move the tokens
-    ``[start, end)`` of the request with one ``index_select`` / ``index_copy_`` per layer
-    and K/V part, and no further checks.
+    ``[start, end)`` of the request with no further checks: on the CPU in one call of the C
+    row copies, else with one ``index_select`` / ``index_copy_`` per layer and K/V part.
     """
 
     __slots__ = (
@@ -63,6 +66,7 @@ class TransferPlan:
         "_fused",
         "_layer_index",
         "_layout",
+        "_native",
         "_negative",
         "_parts",
         "_rpt",
@@ -92,6 +96,14 @@ class TransferPlan:
         same_shape = all(p.row_shape == first.row_shape for p in parts)
         self._common_shape = first.row_shape if same_shape else None
         self._layer_index: torch.Tensor | None = None  # built on first per-layer transfer
+        self._native: NativeRows | None = None
+        if device.type == "cpu" and first.views:
+            self._native = native_rows(
+                [(part.views, part.index) for part in parts],
+                rows_per_token=rows_per_token,
+                token_part_bytes=self._width * first.views[0].element_size(),
+                negative=negative,
+            )
 
     @property
     def device(self) -> torch.device:
@@ -144,15 +156,21 @@ class TransferPlan:
         caller may then hand the payloads back.
 
         Raises:
-            InvalidInputError: a token in one of the ranges has a negative slot.
+            InvalidInputError: a token in one of the ranges has a negative slot, or (C row
+                copies) a payload has the wrong size or a range is out of the plan's.
         """
+        if self._negative:
+            for start, end, _ in jobs:
+                if self._negatives_in(start, end):
+                    raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
+        native = self._native
+        if native is not None and native.gather(jobs):
+            return
         num_layers = self._layout.num_layers
         parts = self._parts
         staged: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for start, end, out in jobs:
-            if self._negatives_in(start, end):
-                raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
             dst = out
             if out.device != self._device:
                 dst = torch.empty_like(out, device=self._device)
@@ -188,7 +206,14 @@ class TransferPlan:
 
         On a failure the copies already queued (payloads read with ``non_blocking``) are
         waited for before it is raised: the caller may then hand the payloads back.
+
+        Raises:
+            InvalidInputError: (C row copies) a payload has the wrong size or a range is out
+                of the plan's; nothing was written.
         """
+        native = self._native
+        if native is not None and native.scatter(jobs):
+            return
         num_layers = self._layout.num_layers
         parts = self._parts
         staged: list[tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
@@ -294,11 +319,16 @@ class TransferPlan:
         on a failure those already queued are waited for before it is raised.
 
         Raises:
-            InvalidInputError: a token in one of the ranges has a negative slot.
+            InvalidInputError: a token in one of the ranges has a negative slot, or (C row
+                copies) a payload has the wrong size or a range is out of the plan's.
         """
-        for start, end, _ in jobs:
-            if self._negatives_in(start, end):
-                raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
+        if self._negative:
+            for start, end, _ in jobs:
+                if self._negatives_in(start, end):
+                    raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
+        native = self._native
+        if native is not None and native.gather(jobs, layer):
+            return
         try:
             if self._fused:
                 self._gather_layer_fused(layer, jobs)
@@ -362,7 +392,10 @@ class TransferPlan:
     ) -> None:
         """Scatter one layer of several chunks ``(start, end, payload)`` (see
         :meth:`scatter_layer`). On a failure the copies already queued are waited for
-        before it is raised (see :meth:`scatter_chunks`)."""
+        before it is raised (see :meth:`scatter_chunks`, which says what is raised)."""
+        native = self._native
+        if native is not None and native.scatter(jobs, layer):
+            return
         try:
             if self._fused:
                 self._scatter_layer_fused(layer, jobs)

@@ -1,11 +1,14 @@
 """Tests for lmcache_async._native: the blake3 key chain in C gives the blake3 package's keys,
-and the CPU tier's prefix walk in C does what its Python fallback does."""
+the CPU tier's prefix walk in C does what its Python fallback does, and the row copies of
+transfer plans run from several threads at once and let other threads run meanwhile (their
+bytes: tests/test_transfer_native.py)."""
 
 from __future__ import annotations
 
 import collections
 import os
 import shutil
+import sys
 import sysconfig
 import threading
 from pathlib import Path
@@ -14,10 +17,11 @@ from typing import Any
 import blake3
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache_async import hashing
+from lmcache_async import hashing, transfer_native
 from lmcache_async.backends import lru
 from lmcache_async.keys import (
     DIGEST_SIZE,
@@ -27,6 +31,8 @@ from lmcache_async.keys import (
     HashAlgorithm,
     Namespace,
 )
+from lmcache_async.layouts import KVLayout
+from lmcache_async.transfer import TransferPlan
 
 native = pytest.mark.skipif(not NATIVE_CHAIN, reason="lmcache_async._native was not built")
 
@@ -190,3 +196,80 @@ def test_the_prefix_walk_refuses_what_is_not_an_index_or_keys() -> None:
             walk(index)  # type: ignore[call-arg]
         assert walk(index, []) in (0, [])
     assert list(index.values()) == [1]
+
+
+# -- the row copies of transfer plans ---------------------------------------------------------
+
+
+def test_the_row_copies_come_with_the_chain() -> None:
+    assert transfer_native.NATIVE_ROWS == NATIVE_CHAIN
+
+
+def _large_plan() -> tuple[KVLayout, TransferPlan, list[tuple[int, int]]]:
+    """A plan of 2048 tokens, 16 MiB of payload, in chunks of 256 tokens."""
+    layout = KVLayout.vllm_flash_attn(
+        num_layers=4, block_size=16, num_kv_heads=8, head_size=64, dtype=torch.bfloat16
+    )
+    gen = torch.Generator().manual_seed(5)
+    kv = layout.allocate_kv_caches(256, generator=gen)
+    plan = layout.plan(kv, torch.randperm(256 * 16, generator=gen)[:2048])
+    return layout, plan, [(start, start + 256) for start in range(0, 2048, 256)]
+
+
+@native
+def test_threads_copy_rows_at_once_and_agree() -> None:
+    layout, plan, bounds = _large_plan()
+    assert plan._native is not None
+
+    def gathered() -> list[torch.Tensor]:
+        outs = [torch.empty(layout.payload_shape(e - s), dtype=layout.dtype) for s, e in bounds]
+        plan.gather_chunks([(s, e, out) for (s, e), out in zip(bounds, outs, strict=True)])
+        return outs
+
+    results: list[list[torch.Tensor]] = []
+    threads = [threading.Thread(target=lambda: results.append(gathered())) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    native = plan._native
+    plan._native = None  # the torch path's bytes
+    expected = gathered()
+    plan._native = native
+    assert len(results) == 4
+    for outs in results:
+        for a, b in zip(outs, expected, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@native
+def test_a_large_copy_lets_other_threads_run() -> None:
+    """A thread woken while the copy starts runs before it ends: the copy let go of the
+    GIL (with a switch interval of minutes, nothing else would make this thread give it up)."""
+    layout, plan, bounds = _large_plan()
+    outs = [(s, e, torch.empty(layout.payload_shape(e - s), dtype=layout.dtype)) for s, e in bounds]
+    ready, go, done = threading.Event(), threading.Event(), threading.Event()
+    ran: list[bool] = []
+
+    def other() -> None:
+        ready.set()
+        go.wait(timeout=60)
+        ran.append(True)
+        done.wait(timeout=60)
+
+    thread = threading.Thread(target=other)
+    interval = sys.getswitchinterval()
+    thread.start()
+    try:
+        assert ready.wait(timeout=60)
+        sys.setswitchinterval(300.0)
+        go.set()
+        for _ in range(100):  # each copy hands the GIL over; the thread needs one of them
+            plan.gather_chunks(outs)
+            if ran:
+                break
+        assert ran
+    finally:
+        sys.setswitchinterval(interval)
+        done.set()
+        thread.join(timeout=60)

@@ -1,5 +1,7 @@
-"""A :class:`~lmcache_async.transfer.TransferPlan` that fails mid-transfer waits for the
-copies it queued before its error reaches the caller, who hands the payloads back then."""
+"""A :class:`~lmcache_async.transfer.TransferPlan` moves chunks there and back bit for bit,
+and one that fails mid-transfer waits for the copies it queued before its error reaches the
+caller, who hands the payloads back then. Every test runs on the C row copies and on the
+torch path (the fallback where the C extension is not built)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,25 @@ from typing import Any
 import pytest
 import torch
 
+from lmcache_async import transfer_native
 from lmcache_async.layouts import KVLayout
 from lmcache_async.transfer import TransferPlan
 from tests.fake_cuda import CUDA, install
+from tests.test_transfer_native import KINDS
+from tests.test_transfer_native import make_layout as layout_of
 
 CHUNK = 4
+
+
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which copies the plans made in a test use: the C row copies, or torch's."""
+    if request.param == "torch":
+        monkeypatch.setattr(transfer_native, "NATIVE_ROWS", False)
+    elif not transfer_native.NATIVE_ROWS:
+        pytest.skip("lmcache_async._native was not built")
+    path: str = request.param
+    return path
 
 
 def make_layout(kind: str) -> KVLayout:
@@ -107,3 +123,54 @@ def test_settling_makes_no_cuda_call_for_cpu_caches(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(torch.cuda, "current_stream", no_cuda)
     plan_of(make_layout("flash_nhd"))._settle(RuntimeError("copy failed"))
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["whole", "per_layer"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunks_go_there_and_back_bit_for_bit(kind: str, per_layer: bool, copy_path: str) -> None:
+    """Chunks gathered from one request's slots and scattered at another's: the second
+    request's slots then hold the first's bytes, and its skipped token's slot nothing new."""
+    layout = layout_of(kind, torch.bfloat16)
+    gen = torch.Generator().manual_seed(KINDS.index(kind))
+    source = layout.allocate_kv_caches(8, generator=gen)
+    target = layout.allocate_kv_caches(8, generator=gen)
+    slots = torch.randperm(8 * layout.block_size, generator=gen)[: 4 * CHUNK + 3]
+    src_slots, dst_slots = slots[: 2 * CHUNK + 1], slots[2 * CHUNK + 1 :].clone()
+    dst_slots[CHUNK + 1] = -1
+    n = int(src_slots.shape[0])
+    src, dst = layout.plan(source, src_slots), layout.plan(target, dst_slots)
+    assert (src._native is not None) == (copy_path == "native")
+    bounds = [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]  # the last one short
+    shape = layout.layer_payload_shape if per_layer else layout.payload_shape
+    jobs = [(s, e, torch.empty(shape(e - s), dtype=layout.dtype)) for s, e in bounds]
+    untouched = layout.plan(target, dst_slots[CHUNK + 1 : CHUNK + 2].clamp(min=0))
+    before = torch.empty(shape(1), dtype=layout.dtype)
+    if per_layer:
+        untouched.gather_layer(1, 0, 1, before)
+        src.gather_layer_chunks(1, jobs)
+        dst.scatter_layer_chunks(1, jobs)
+    else:
+        untouched.gather(0, 1, before)
+        src.gather_chunks(jobs)
+        dst.scatter_chunks(jobs)
+    after = torch.empty_like(before)
+    if per_layer:
+        untouched.gather_layer(1, 0, 1, after)
+    else:
+        untouched.gather(0, 1, after)
+    assert raw(after) == raw(before)
+    kept = [(0, CHUNK), (CHUNK, CHUNK + 1), (CHUNK + 2, n)]
+    for start, end in kept:
+        there = torch.empty(shape(end - start), dtype=layout.dtype)
+        back = torch.empty_like(there)
+        if per_layer:
+            src.gather_layer(1, start, end, there)
+            dst.gather_layer(1, start, end, back)
+        else:
+            src.gather(start, end, there)
+            dst.gather(start, end, back)
+        assert raw(back) == raw(there)
