@@ -139,8 +139,11 @@ class Transfers:
         nbytes: int,
         timeout: float,
         caller: CallerStream | None = None,
+        split: bool = True,
     ) -> None:
-        """Run ``work(jobs)`` and return when the copies have completed.
+        """Run ``work(jobs)`` and return when the copies have completed. A large CPU copy
+        is split by job over the copy threads, or with ``split`` False (a ``work`` that
+        spreads its copies over threads itself) run whole in one of them.
 
         CPU copies are not interrupted once started, even if the caller is cancelled: the
         memory they write to must not be handed back before they finish. On CUDA the
@@ -158,7 +161,7 @@ class Transfers:
         elif nbytes < self._inline_bytes:
             work(jobs)
         else:
-            await self._run_threads(work, jobs)
+            await self._run_threads(work, jobs, split=split)
 
     def _executor_now(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
@@ -170,13 +173,15 @@ class Transfers:
             )
         return self._executor
 
-    async def _run_threads(self, work: Callable[[list[J]], None], jobs: list[J]) -> None:
+    async def _run_threads(
+        self, work: Callable[[list[J]], None], jobs: list[J], *, split: bool = True
+    ) -> None:
         executor = self._executor_now()
-        split = min(self._workers, len(jobs))
-        countdown = _Countdown(asyncio.get_running_loop(), split)
-        for i in range(split):
+        parts = min(self._workers, len(jobs)) if split else 1
+        countdown = _Countdown(asyncio.get_running_loop(), parts)
+        for i in range(parts):
             try:
-                executor.submit(countdown.run, work, jobs[i::split])
+                executor.submit(countdown.run, work, jobs[i::parts])
             except RuntimeError as exc:  # the executor was shut down meanwhile
                 countdown.fail(exc)
         await countdown.wait()

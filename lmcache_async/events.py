@@ -1,7 +1,9 @@
 """KV events: what a KV-aware router needs to know about the cache's contents.
 
 The engine records one event per stored or removed run of chunks in a bounded buffer;
-``CacheEngine.take_events()`` drains it. When the buffer is full the oldest events are
+``CacheEngine.take_events()`` drains it. A stored event may be recorded as a
+:data:`PendingEvent`, built only when it is taken: a store pays for the event's tuples of
+token ids only when somebody reads them. When the buffer is full the oldest events are
 dropped and counted, so a caller that never drains cannot grow memory without bound.
 """
 
@@ -10,12 +12,13 @@ from __future__ import annotations
 import collections
 import enum
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import anyio
 
-__all__ = ["EventBuffer", "EventKind", "KVEvent"]
+__all__ = ["EventBuffer", "EventKind", "KVEvent", "PendingEvent"]
 
 
 class EventKind(enum.StrEnum):
@@ -43,6 +46,11 @@ class KVEvent:
     ts: float = field(default_factory=time.time, compare=False)
 
 
+PendingEvent: TypeAlias = Callable[[], KVEvent]
+"""An event recorded now and built when taken (from what it was recorded with, its
+``ts`` the recording's)."""
+
+
 class EventBuffer:
     """A bounded FIFO of :class:`KVEvent`; when full, the oldest event is dropped.
 
@@ -53,7 +61,7 @@ class EventBuffer:
     def __init__(self, capacity: int, *, enabled: bool = True) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self._events: collections.deque[KVEvent] = collections.deque(maxlen=capacity)
+        self._events: collections.deque[KVEvent | PendingEvent] = collections.deque(maxlen=capacity)
         self._enabled = enabled
         self._waiter: anyio.Event | None = None
         self.dropped = 0
@@ -62,7 +70,7 @@ class EventBuffer:
     def enabled(self) -> bool:
         return self._enabled
 
-    def add(self, event: KVEvent) -> None:
+    def add(self, event: KVEvent | PendingEvent) -> None:
         if not self._enabled:
             return
         if len(self._events) == self._events.maxlen:
@@ -72,13 +80,13 @@ class EventBuffer:
         if waiter is not None:
             waiter.set()
 
-    def extend(self, events: Iterable[KVEvent]) -> None:
+    def extend(self, events: Iterable[KVEvent | PendingEvent]) -> None:
         for event in events:
             self.add(event)
 
     def take(self) -> list[KVEvent]:
-        """Return and forget every buffered event, oldest first."""
-        events = list(self._events)
+        """Return and forget every buffered event, oldest first (pending ones built)."""
+        events = [event if isinstance(event, KVEvent) else event() for event in self._events]
         self._events.clear()
         return events
 

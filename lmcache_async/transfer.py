@@ -110,6 +110,12 @@ class TransferPlan:
         """Where the serving engine's KV memory lives."""
         return self._device
 
+    @property
+    def threads_inside(self) -> bool:
+        """Whether a transfer spreads its copies over threads itself (the native path):
+        then it is called once per batch, not split by chunk over copy threads."""
+        return self._native is not None
+
     def first_skipped(self, start: int) -> int | None:
         """The first token at or after ``start`` whose slot is negative, if any."""
         negative = self._negative

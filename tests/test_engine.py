@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -896,6 +897,26 @@ async def test_store_and_clear_emit_kv_events() -> None:
             assert removed
             assert all(e.kind == "removed" for e in removed)
             assert {h for e in removed for h in e.block_hashes} == set(hashes) | set(more_hashes)
+
+
+@pytest.mark.anyio
+async def test_a_stored_event_built_when_taken_holds_the_tokens_and_time_of_the_store() -> None:
+    """Stored events are built when taken: they must say what was stored then, however
+    the caller's token tensor changed since."""
+    scene = Scene.build("flash_nhd", torch.float16, 2 * CHUNK, seed=157)
+    tokens = torch.tensor(scene.tokens, dtype=torch.int32)
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(scene.layout) as engine:
+            before = time.time()
+            assert (
+                await engine.store(tokens, kv_caches=scene.source, slot_mapping=scene.src_slots)
+                == 2 * CHUNK
+            )
+            after = time.time()
+            tokens.fill_(7)  # the serving engine reuses its buffer
+            events = engine.take_events()
+            assert [t for e in events for t in e.token_ids] == scene.tokens
+            assert all(before <= e.ts <= after for e in events)
 
 
 @pytest.mark.anyio

@@ -8,11 +8,13 @@ One event names one tier (its ``medium``); events go to the engine's bounded
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from ..events import EventBuffer, EventKind, KVEvent
+from ..events import EventBuffer, EventKind, KVEvent, PendingEvent
 from ..keys import ChunkKey, ChunkSpan
 
 __all__ = ["StoredEvent", "TierEvents"]
@@ -39,7 +41,7 @@ class TierEvents:
         """
         return StoredEvent(self, spans, tokens)
 
-    def add(self, event: KVEvent) -> None:
+    def add(self, event: KVEvent | PendingEvent) -> None:
         """Record ``event``."""
         self.buffer.add(event)
 
@@ -59,38 +61,45 @@ class TierEvents:
 
 
 class StoredEvent:
-    """The stored event of one put, built once and shared by the tiers it goes to.
+    """The stored event of one put, shared by the tiers it goes to, and built only when
+    somebody takes it.
 
-    The first tier's event is built from the spans (the tokens copied out of the array
-    once); every other tier's is that event with its own ``medium``, sharing the same
-    hashes and token ids.
+    The put's spans and a copy of its tokens are kept (the caller's array may change
+    later); the first event taken builds the hashes and token ids once, and every other
+    tier's event is that one with its own ``medium`` and time, sharing them.
     """
 
     def __init__(
         self, events: TierEvents, spans: Sequence[ChunkSpan], tokens: np.ndarray | None
     ) -> None:
         self._events = events
-        self._spans = spans
-        self._tokens = tokens
+        self._spans = tuple(spans) if events.enabled else ()
+        self._tokens = None
+        if tokens is not None and spans and events.enabled:
+            self._tokens = tokens[spans[0].start : spans[-1].end].copy()
         self._first: KVEvent | None = None
 
-    def to(self, medium: str) -> KVEvent | None:
-        """The event of these chunks entering ``medium`` (not recorded yet: a write behind
-        records it once the tier took the chunks); None when events are off."""
+    def to(self, medium: str) -> PendingEvent | None:
+        """The event of these chunks entering ``medium``, to be built when taken (not
+        recorded yet: a write behind records it once the tier took the chunks); None when
+        events are off."""
         if not self._events.enabled:
             return None
-        if self._first is None:
+        return functools.partial(self._event, medium, time.time())
+
+    def _event(self, medium: str, ts: float) -> KVEvent:
+        first = self._first
+        if first is None:
             spans = self._spans
-            token_ids: tuple[int, ...] = ()
-            if self._tokens is not None:
-                token_ids = tuple(self._tokens[spans[0].start : spans[-1].end].tolist())
-            self._first = KVEvent(
+            tokens = self._tokens
+            first = self._first = KVEvent(
                 kind=EventKind.STORED,
                 block_hashes=tuple(span.key.digest for span in spans),
                 parent_block_hash=spans[0].parent.digest if spans[0].parent else None,
-                token_ids=token_ids,
+                token_ids=() if tokens is None else tuple(tokens.tolist()),
                 block_size=self._events.chunk_size,
                 medium=medium,
+                ts=ts,
             )
-            return self._first
-        return dataclasses.replace(self._first, medium=medium)
+            return first
+        return dataclasses.replace(first, medium=medium, ts=ts)

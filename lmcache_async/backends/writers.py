@@ -24,7 +24,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import TierError
-from ..events import EventBuffer, KVEvent
+from ..events import EventBuffer, PendingEvent
 from ..keys import ChunkKey
 from ..memory import MemoryObj
 from ..tenants import TAG_BYTES
@@ -39,7 +39,7 @@ log = structlog.get_logger(__name__)
 class _Write:
     keys: list[ChunkKey]
     objs: list[MemoryObj]  # one reference each when queued, owned by the write
-    event: KVEvent | None
+    event: PendingEvent | None
     ended: anyio.Event | None = None
     """Set when the write is done, for an erasure waiting on it (made on demand)."""
     undo: frozenset[bytes] = frozenset()
@@ -86,7 +86,7 @@ class TierWriter:
         self._running: set[_Write] = set()
 
     def submit(
-        self, keys: list[ChunkKey], objs: Sequence[MemoryObj], event: KVEvent | None
+        self, keys: list[ChunkKey], objs: Sequence[MemoryObj], event: PendingEvent | None
     ) -> bool:
         """Queue a write (taking references); False when the queue is full or closed."""
         write = _Write(keys, [obj.ref() for obj in objs], event)
@@ -102,7 +102,7 @@ class TierWriter:
         return True
 
     async def write(
-        self, keys: list[ChunkKey], objs: Sequence[MemoryObj], event: KVEvent | None
+        self, keys: list[ChunkKey], objs: Sequence[MemoryObj], event: PendingEvent | None
     ) -> int:
         """Write now and wait for it; returns the chunks written (0 on failure)."""
         return await self._put(_Write(keys, list(objs), event))

@@ -46,6 +46,7 @@ async def gather(
         nbytes=_nbytes(jobs),
         timeout=timeout,
         caller=caller,
+        split=not plan.threads_inside,
     )
 
 
@@ -69,6 +70,7 @@ async def scatter(
         nbytes=_nbytes(jobs),
         timeout=timeout,
         caller=caller,
+        split=not plan.threads_inside,
     )
 
 
