@@ -111,6 +111,30 @@ async def test_small_copies_run_inline_and_large_ones_on_copy_threads() -> None:
         await transfers.run(work, [1], device=CPU, direction=Direction.LOAD, nbytes=1, timeout=1)
 
 
+async def test_a_copy_that_spreads_itself_runs_whole_in_one_copy_thread() -> None:
+    transfers = Transfers(inline_bytes=1000, workers=2)
+    seen: list[tuple[str, list[int]]] = []
+
+    def work(jobs: list[int]) -> None:
+        seen.append((threading.current_thread().name, list(jobs)))
+
+    try:
+        with anyio.fail_after(5):
+            await transfers.run(
+                work,
+                [1, 2, 3, 4],
+                device=CPU,
+                direction=Direction.STORE,
+                nbytes=5000,
+                timeout=5,
+                split=False,
+            )
+        assert len(seen) == 1
+        assert seen[0][0].startswith("lmcache-copy") and seen[0][1] == [1, 2, 3, 4]
+    finally:
+        transfers.close()
+
+
 async def test_copy_thread_failure_reaches_the_caller() -> None:
     transfers = Transfers(inline_bytes=0, workers=2)
 
