@@ -85,12 +85,15 @@ THREAD_BYTES: Final = 4 * 1024 * 1024
 """Bytes each copy thread gets at least: a thread's start (tens of microseconds) is then a
 small part of its share, and a small request runs on its caller's thread alone."""
 
-STREAM_BYTES: Final = 128 * 1024 * 1024
+STREAM_BYTES: Final = 32 * 1024 * 1024
 """From this many bytes on, a copy's stores go around the caches: its destination would not
-fit them, and a cached store first reads each line it writes. Measured (8 layers x 8 heads
-x 128, bf16, 2 threads): at 128 and 256 MiB 15.4 GB/s streamed against 12.2 cached; at 64
-MiB and below the cached stores are as fast or faster (15-20 against 15 GB/s), and leave
-what they wrote in the caches for its reader."""
+fit them, and a cached store first reads each line it writes. A copy alone at 64 MiB and
+below was as fast cached as streamed (and leaves what it wrote in the caches for its
+reader), but the engine copies a large request in batches of 64 MiB one after another
+(``pipeline_batch_chunks`` 8, 8,192 tokens of 8 x 8 x 128 bf16 in four), and there
+streaming from 32 MiB on took a store from 0.74-0.87x of a plain copy_ of the same bytes
+to 0.90-0.96x, and a retrieve from 0.80-0.87x to 0.97-1.01x (``bench --micro``, three
+runs each way)."""
 
 Job = tuple[int, int, torch.Tensor]
 RowJob = tuple[int, int, int, int]
