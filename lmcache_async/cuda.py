@@ -26,6 +26,7 @@ import torch
 from .cuda_bridge import EventBridge, wait_out
 from .cuda_streams import CallerStream, caller_stream
 from .errors import EngineClosedError
+from .transfer_staging import StagingBuffer
 
 __all__ = ["CallerStream", "Direction", "EventBridge", "Transfers", "caller_stream", "wait_out"]
 
@@ -122,6 +123,7 @@ class Transfers:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._streams: dict[tuple[torch.device, Direction], Any] = {}
         self._bridges: dict[tuple[torch.device, Direction], EventBridge] = {}
+        self._staging: dict[tuple[torch.device, Direction], StagingBuffer] = {}
         self._closed = False
 
     @property
@@ -162,6 +164,24 @@ class Transfers:
             work(jobs)
         else:
             await self._run_threads(work, jobs, split=split)
+
+    def staging(self, device: torch.device, direction: Direction) -> StagingBuffer | None:
+        """The staging buffer of the direction's copies on a CUDA ``device`` (made on first
+        use, freed by :meth:`close`): a request's chunks go through it with a kernel per
+        layer and part (:mod:`lmcache_async.transfer_staged`). None on the CPU.
+
+        Raises:
+            EngineClosedError: after :meth:`close`.
+        """
+        if device.type != "cuda":
+            return None
+        if self._closed:
+            raise EngineClosedError("transfers are closed")
+        key = (device, direction)
+        buffer = self._staging.get(key)
+        if buffer is None:
+            buffer = self._staging[key] = StagingBuffer(device)
+        return buffer
 
     def _executor_now(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
@@ -240,6 +260,9 @@ class Transfers:
         for bridge in list(self._bridges.values()):
             bridge.close()
         self._bridges.clear()
+        for buffer in self._staging.values():
+            buffer.close()  # after the copies: their bridges waited for them
+        self._staging.clear()
         self._streams.clear()
 
 

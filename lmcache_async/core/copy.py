@@ -8,12 +8,14 @@ with these calls: :func:`gather` (D2H, a store), :func:`scatter` (H2D, a load) a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
 from ..cuda import CallerStream, Direction, Transfers
 from ..transfer import TransferPlan
+from ..transfer_staged import StagedPlan
 
 __all__ = ["Job", "gather", "mark_loaded", "scatter"]
 
@@ -37,9 +39,14 @@ async def gather(
     """Copy each job's tokens out of the engine's KV memory into its payload; returns
     when the copies are complete (a CPU copy, once started, is not interrupted). On CUDA
     the copies read the KV as it is at ``caller``'s point on its stream (None: the
-    current stream, now)."""
+    current stream, now), through the direction's staging buffer: a kernel per layer and
+    part for the whole batch, one host copy per run of adjacent payloads."""
+    staging = transfers.staging(plan.device, Direction.STORE)
+    work = plan.gather_chunks
+    if staging is not None:
+        work = functools.partial(StagedPlan.from_plan(plan).gather_chunks, staging=staging)
     await transfers.run(
-        plan.gather_chunks,
+        work,
         jobs,
         device=plan.device,
         direction=Direction.STORE,
@@ -61,9 +68,14 @@ async def scatter(
     """Copy each job's payload into the engine's KV memory (tokens with a negative slot
     are not written); returns when the copies are complete. On CUDA they come after
     ``caller``'s point on its stream (None: the current stream, now), and what the caller
-    queues on that stream next comes after them."""
+    queues on that stream next comes after them; through a staging buffer as
+    :func:`gather`."""
+    staging = transfers.staging(plan.device, Direction.LOAD)
+    work = plan.scatter_chunks
+    if staging is not None:
+        work = functools.partial(StagedPlan.from_plan(plan).scatter_chunks, staging=staging)
     await transfers.run(
-        plan.scatter_chunks,
+        work,
         jobs,
         device=plan.device,
         direction=Direction.LOAD,
