@@ -15,7 +15,7 @@ the same work:
   its client are): what a round trip costs before the sidecar does any work.
 
 Each copy figure is the median of ``repeat`` runs after a warm-up run. Targets: the
-sidecar at least 0.6x the in-process throughput, a 32k-token lookup p50 at most 0.5 ms.
+sidecar at least 0.9x the in-process throughput, a 32k-token lookup p50 at most 0.5 ms.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ __all__ = [
     "run_sidecar_bench",
 ]
 
-TARGETS: Final[Mapping[str, float]] = {"throughput_ratio": 0.6, "lookup_p50_ms": 0.5}
-"""The sidecar at least 0.6x the in-process store and retrieve GB/s; a lookup round trip
+TARGETS: Final[Mapping[str, float]] = {"throughput_ratio": 0.9, "lookup_p50_ms": 0.5}
+"""The sidecar at least 0.9x the in-process store and retrieve GB/s; a lookup round trip
 p50 of at most 0.5 ms."""
 
 _WARMUP: Final = 1
