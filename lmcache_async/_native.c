@@ -285,9 +285,10 @@ static void run_chain(const uint8_t *seed, const uint8_t *data, size_t total, si
 
 static PyObject *blake3_chain(PyObject *module, PyObject *args) {
     (void)module;
-    Py_buffer seed, data;
+    Py_buffer seed, data, tag = {0};
     Py_ssize_t step;
-    if (!PyArg_ParseTuple(args, "y*y*n:blake3_chain", &seed, &data, &step)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*n|y*:blake3_chain", &seed, &data, &step, &tag))
+        return NULL;
     PyObject *result = NULL;
     uint8_t *digests = NULL;
     uint32_t(*values)[8] = NULL;
@@ -297,6 +298,11 @@ static PyObject *blake3_chain(PyObject *module, PyObject *args) {
     }
     if (step <= 0) {
         PyErr_Format(PyExc_ValueError, "step must be positive, got %zd", step);
+        goto done;
+    }
+    if (tag.len > DIGEST_LEN) {
+        PyErr_Format(PyExc_ValueError, "tag must be at most %d bytes, got %zd", DIGEST_LEN,
+                     tag.len);
         goto done;
     }
     size_t total = (size_t)data.len, n = (total + (size_t)step - 1) / (size_t)step;
@@ -315,6 +321,9 @@ static PyObject *blake3_chain(PyObject *module, PyObject *args) {
     } else {
         run_chain(seed.buf, data.buf, total, (size_t)step, n, values, digests);
     }
+    /* The keys: each digest with its first bytes the tag (the chain linked the digests). */
+    for (size_t i = 0; tag.len > 0 && i < n; i++)
+        memcpy(digests + i * DIGEST_LEN, tag.buf, (size_t)tag.len);
     result = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; result != NULL && i < n; i++) {
         PyObject *digest = PyBytes_FromStringAndSize((const char *)digests + i * DIGEST_LEN,
@@ -330,6 +339,7 @@ done:
     PyMem_Free(values);
     PyBuffer_Release(&seed);
     PyBuffer_Release(&data);
+    if (tag.obj != NULL) PyBuffer_Release(&tag);
     return result;
 }
 
@@ -403,8 +413,9 @@ PyObject *native_scatter_rows(PyObject *module, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"blake3_chain", blake3_chain, METH_VARARGS,
-     "blake3_chain(seed, data, step) -> list[bytes]\n\n"
-     "h_i = BLAKE3(data[(i-1)*step : i*step] || h_{i-1})[:16], h_0 = seed (16 bytes)."},
+     "blake3_chain(seed, data, step, tag=b'') -> list[bytes]\n\n"
+     "h_i = BLAKE3(data[(i-1)*step : i*step] || h_{i-1})[:16], h_0 = seed (16 bytes);\n"
+     "each returned with its first len(tag) bytes replaced by tag."},
     {"held_prefix_count", (PyCFunction)(void (*)(void))held_prefix_count, METH_FASTCALL,
      "held_prefix_count(index, keys) -> int\n\n"
      "How many leading keys the OrderedDict index holds; each is moved to its end."},

@@ -71,8 +71,9 @@ def as_algorithm(algorithm: HashAlgorithm | str) -> HashAlgorithm:
         ) from None
 
 
-def _chain_blake3_py(prev: bytes, data: memoryview, step: int) -> list[bytes]:
-    """``h_i = blake3(data[(i-1)*step : i*step] || h_{i-1})`` with the blake3 package."""
+def _chain_blake3_py(prev: bytes, data: memoryview, step: int, tag: bytes = b"") -> list[bytes]:
+    """``h_i = blake3(data[(i-1)*step : i*step] || h_{i-1})`` with the blake3 package, each
+    returned with its first ``len(tag)`` bytes replaced by ``tag``."""
     hasher = blake3.blake3()
     reset, update, digest = hasher.reset, hasher.update, hasher.digest
     out: list[bytes] = []
@@ -82,12 +83,14 @@ def _chain_blake3_py(prev: bytes, data: memoryview, step: int) -> list[bytes]:
         update(data[offset : offset + step])
         update(prev)
         prev = digest(DIGEST_SIZE)
-        append(prev)
+        append(tag + prev[len(tag) :] if tag else prev)
     return out
 
 
-ChainFunction = Callable[[bytes, memoryview, int], list[bytes]]
-"""``chain(h_0, data, step)``: the chained digests of the ``step``-byte pieces of ``data``."""
+ChainFunction = Callable[[bytes, memoryview, int, bytes], list[bytes]]
+"""``chain(h_0, data, step, tag)``: the chained digests of the ``step``-byte pieces of
+``data``, each returned with its first ``len(tag)`` bytes replaced by ``tag`` (the chain
+links the digests themselves)."""
 _native_chain: ChainFunction | None
 try:
     from lmcache_async._native import blake3_chain as _native_chain
@@ -103,14 +106,16 @@ _chain_blake3: Final[ChainFunction] = (
 """``h_i = blake3(data[(i-1)*step : i*step] || h_{i-1})`` for every piece of ``data``."""
 
 
-def _chain_xxh3(prev: bytes, data: memoryview, step: int) -> list[bytes]:
-    """``h_i = xxh3_128(data[(i-1)*step : i*step] || h_{i-1})`` for every piece of ``data``."""
+def _chain_xxh3(prev: bytes, data: memoryview, step: int, tag: bytes = b"") -> list[bytes]:
+    """``h_i = xxh3_128(data[(i-1)*step : i*step] || h_{i-1})`` for every piece of ``data``,
+    each returned with its first ``len(tag)`` bytes replaced by ``tag``."""
     xxh3, join = xxhash.xxh3_128_digest, b"".join
     out: list[bytes] = []
     append = out.append
+    cut = len(tag)
     for offset in range(0, len(data), step):
         prev = xxh3(join((data[offset : offset + step], prev)))
-        append(prev)
+        append(tag + prev[cut:] if cut else prev)
     return out
 
 

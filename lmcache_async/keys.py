@@ -442,8 +442,7 @@ class ChunkHasher:
 
     def _keys_of(self, data: memoryview) -> list[bytes]:
         """The tagged key digests of every chunk of ``data`` (int32 token bytes)."""
-        chain = self._chain(self._seed, data, self._chunk_size * TOKEN_BYTES)
-        return tag_digests(self._tag, chain)
+        return self._chain(self._seed, data, self._chunk_size * TOKEN_BYTES, self._tag)
 
     @property
     def tag(self) -> bytes:

@@ -77,6 +77,19 @@ def test_every_piece_size_gives_the_blake3_keys(step: int) -> None:
 
 
 @native
+@pytest.mark.parametrize("tag", [b"", b"\x01", b"tag!", bytes(range(16))])
+def test_a_tag_replaces_the_first_bytes_of_every_key_and_not_the_links(tag: bytes) -> None:
+    assert hashing._native_chain is not None
+    rng = np.random.default_rng(len(tag))
+    seed, data = rng.bytes(DIGEST_SIZE), rng.bytes(9 * 1024 + 17)
+    expected = [tag + digest[len(tag) :] for digest in formula(seed, data, 1024)]
+    assert hashing._native_chain(seed, data, 1024, tag) == expected
+    assert hashing._chain_blake3_py(seed, memoryview(data), 1024, tag) == expected
+    with pytest.raises(ValueError, match="tag must be at most 16 bytes"):
+        hashing._native_chain(seed, data, 1024, bytes(17))
+
+
+@native
 @settings(max_examples=150, deadline=None)
 @given(
     seed=st.binary(min_size=DIGEST_SIZE, max_size=DIGEST_SIZE),
