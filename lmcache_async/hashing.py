@@ -19,9 +19,10 @@ from collections.abc import Callable
 from typing import Final
 
 import blake3
+import numpy as np
 import xxhash
 
-from lmcache_async.digests import DIGEST_SIZE
+from lmcache_async.digests import DIGEST_SIZE, split_digests
 from lmcache_async.errors import InvalidInputError
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "as_algorithm",
     "chain_function",
     "hash_function",
+    "with_tag",
 ]
 
 
@@ -112,11 +114,21 @@ def _chain_xxh3(prev: bytes, data: memoryview, step: int, tag: bytes = b"") -> l
     xxh3, join = xxhash.xxh3_128_digest, b"".join
     out: list[bytes] = []
     append = out.append
-    cut = len(tag)
     for offset in range(0, len(data), step):
         prev = xxh3(join((data[offset : offset + step], prev)))
-        append(tag + prev[cut:] if cut else prev)
-    return out
+        append(prev)
+    return with_tag(out, tag) if tag else out
+
+
+def with_tag(digests: list[bytes], tag: bytes) -> list[bytes]:
+    """``digests``, each with its first ``len(tag)`` bytes replaced by ``tag``: written
+    into one buffer and cut again in C, half the time of a concatenation per digest."""
+    if not digests:
+        return []
+    buffer = bytearray(b"".join(digests))
+    rows = np.frombuffer(buffer, dtype=np.uint8).reshape(len(digests), DIGEST_SIZE)
+    rows[:, : len(tag)] = np.frombuffer(tag, dtype=np.uint8)
+    return split_digests(buffer)
 
 
 def chain_function(algorithm: HashAlgorithm) -> ChainFunction:

@@ -42,6 +42,7 @@ from lmcache_async.hashing import (
     as_algorithm,
     chain_function,
     hash_function,
+    with_tag,
 )
 from lmcache_async.tenants import TAG_BYTES, check_tenant, tenant_tag
 from lmcache_async.tokens import (
@@ -229,7 +230,7 @@ def _new_span(start: int, end: int, key: ChunkKey, parent: ChunkKey | None) -> C
 
 def tag_digests(tag: bytes, chain: list[bytes]) -> list[bytes]:
     """Key digests from chain digests: each with its first bytes replaced by ``tag``."""
-    return [tag + digest[TAG_BYTES:] for digest in chain]
+    return with_tag(chain, tag[:TAG_BYTES])
 
 
 def _encode_field(name: str, value: str | None) -> bytes:
