@@ -21,7 +21,7 @@ import torch
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.transfer_native import NativeRows, native_rows
 
-__all__ = ["PlanLayout", "PlanPart", "TransferPlan"]
+__all__ = ["PlanLayout", "PlanPart", "TransferPlan", "settle"]
 
 
 class PlanLayout(Protocol):
@@ -122,6 +122,13 @@ class TransferPlan:
         index = bisect.bisect_left(negative, start)
         return negative[index] if index < len(negative) else None
 
+    def _refuse_negatives(self, jobs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """InvalidInputError if a job's range holds a token with a negative slot."""
+        if self._negative:
+            for start, end, _ in jobs:
+                if self._negatives_in(start, end):
+                    raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
+
     def _negatives_in(self, start: int, end: int) -> list[int]:
         negative = self._negative
         if not negative:
@@ -165,10 +172,7 @@ class TransferPlan:
             InvalidInputError: a token in one of the ranges has a negative slot, or (C row
                 copies) a payload has the wrong size or a range is out of the plan's.
         """
-        if self._negative:
-            for start, end, _ in jobs:
-                if self._negatives_in(start, end):
-                    raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
+        self._refuse_negatives(jobs)
         native = self._native
         if native is not None and native.gather(jobs):
             return
@@ -253,15 +257,7 @@ class TransferPlan:
             raise
 
     def _settle(self, exc: BaseException) -> None:
-        """After ``exc`` ended a transfer: wait for the copies it queued on the current
-        stream, so that no copy reads or writes a payload once the caller, told of the
-        failure, hands it back. Nothing to wait for on the CPU."""
-        if self._device.type != "cuda":
-            return
-        try:
-            torch.cuda.current_stream(self._device).synchronize()
-        except Exception as error:  # the device failed: the first error is the news
-            exc.add_note(f"waiting for the copies already queued failed too: {error!r}")
+        settle(self._device, exc)
 
     def _blocks(self, payload: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A contiguous chunk payload cut into its part-major, then layer-major blocks: as
@@ -328,10 +324,7 @@ class TransferPlan:
             InvalidInputError: a token in one of the ranges has a negative slot, or (C row
                 copies) a payload has the wrong size or a range is out of the plan's.
         """
-        if self._negative:
-            for start, end, _ in jobs:
-                if self._negatives_in(start, end):
-                    raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
+        self._refuse_negatives(jobs)
         native = self._native
         if native is not None and native.gather(jobs, layer):
             return
@@ -453,3 +446,15 @@ class TransferPlan:
                 if keep is not None:
                     rows = rows.index_select(0, self._keep_rows(keep, rpt))
                 part.views[layer].index_copy_(0, rows, self._part_rows(source, p))
+
+
+def settle(device: torch.device, exc: BaseException) -> None:
+    """After ``exc`` ended a transfer on ``device``: wait for the copies it queued on the
+    current stream, so that no copy reads or writes a payload once the caller, told of the
+    failure, hands it back. Nothing to wait for on the CPU."""
+    if device.type != "cuda":
+        return
+    try:
+        torch.cuda.current_stream(device).synchronize()
+    except Exception as error:  # the device failed: the first error is the news
+        exc.add_note(f"waiting for the copies already queued failed too: {error!r}")

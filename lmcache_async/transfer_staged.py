@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.transfer import PlanPart, TransferPlan
+from lmcache_async.transfer import PlanPart, TransferPlan, settle
 from lmcache_async.transfer_staging import StagingBuffer
 
 __all__ = ["Job", "StagedPlan", "host_runs"]
@@ -289,14 +289,7 @@ class StagedPlan:
                         dst.index_copy_(0, keep.index[p], _index(grid, [keep.jobs, keep.rows]))
 
     def _settle(self, exc: BaseException) -> None:
-        """After ``exc`` ended a transfer: wait for the copies it queued (see
-        :meth:`TransferPlan._settle`). Nothing to wait for off CUDA."""
-        if self._device.type != "cuda":
-            return
-        try:
-            torch.cuda.current_stream(self._device).synchronize()
-        except Exception as error:  # the device failed: the first error is the news
-            exc.add_note(f"waiting for the copies already queued failed too: {error!r}")
+        settle(self._device, exc)
 
     # -- the batch's layout in the staging buffer ----------------------------------------
 
