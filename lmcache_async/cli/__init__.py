@@ -11,8 +11,9 @@ Subcommands:
 - ``serve --listen URL [--config FILE.yaml] [--KEY VALUE ...]`` — run the sidecar cache
   server until SIGTERM or SIGINT (flags named after configuration keys override them);
 - ``events --connect URL [--json] [--count N]`` — print a sidecar's KV events live;
-- ``ctl {freeze on|off, hot-cache on|off, clear, health} [--url URL]`` and
-  ``stats [--url URL] [--json] [--interval S]`` — administer a running sidecar.
+- ``ctl {freeze on|off, hot-cache on|off, clear, erase --tenant T, health} [--url URL]``
+  and ``stats [--url URL] [--json] [--interval S] [--by-tenant]`` — administer a running
+  sidecar.
 
 Exit codes: 0 success, 1 the run finished but found errors, 2 bad usage or configuration.
 
