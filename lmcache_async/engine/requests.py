@@ -252,8 +252,7 @@ def _check_tags(digests: bytes | bytearray | memoryview, tag: bytes) -> None:
     """InvalidInputError unless every digest of ``digests`` (their concatenation) starts
     with ``tag``: a client keys a tenant's prompt with that tenant's hasher, and one tenant
     never asks for another's chunks. One vector compare of the digests' first words (a
-    tag is one 4-byte word; a
-    set of 128 slices took four times as long)."""
+    tag is one 4-byte word; a set of 128 slices took four times as long)."""
     leads = np.frombuffer(digests, dtype=np.uint32)[:: DIGEST_SIZE // TAG_BYTES]
     if not bool((leads == np.frombuffer(tag, dtype=np.uint32)[0]).all()):
         raise InvalidInputError(
