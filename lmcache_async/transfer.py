@@ -21,7 +21,14 @@ import torch
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.transfer_native import NativeRows, native_rows
 
-__all__ = ["PlanLayout", "PlanPart", "TransferPlan", "settle"]
+__all__ = [
+    "PlanLayout",
+    "PlanPart",
+    "TransferPlan",
+    "negatives_in",
+    "refuse_negatives",
+    "settle",
+]
 
 
 class PlanLayout(Protocol):
@@ -123,17 +130,10 @@ class TransferPlan:
         return negative[index] if index < len(negative) else None
 
     def _refuse_negatives(self, jobs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
-        """InvalidInputError if a job's range holds a token with a negative slot."""
-        if self._negative:
-            for start, end, _ in jobs:
-                if self._negatives_in(start, end):
-                    raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
+        refuse_negatives(self._negative, jobs)
 
     def _negatives_in(self, start: int, end: int) -> list[int]:
-        negative = self._negative
-        if not negative:
-            return []
-        return negative[bisect.bisect_left(negative, start) : bisect.bisect_left(negative, end)]
+        return negatives_in(self._negative, start, end)
 
     def _kept(self, start: int, end: int) -> torch.Tensor | None:
         """Positions (within ``[start, end)``) of the tokens whose slot is not negative, or
@@ -446,6 +446,26 @@ class TransferPlan:
                 if keep is not None:
                     rows = rows.index_select(0, self._keep_rows(keep, rpt))
                 part.views[layer].index_copy_(0, rows, self._part_rows(source, p))
+
+
+def negatives_in(negative: Sequence[int], start: int, end: int) -> list[int]:
+    """The tokens of ``negative`` (sorted: those whose slot is negative) in
+    ``[start, end)``."""
+    if not negative:
+        return []
+    lo = bisect.bisect_left(negative, start)
+    return list(negative[lo : bisect.bisect_left(negative, end, lo)])
+
+
+def refuse_negatives(
+    negative: Sequence[int], jobs: Sequence[tuple[int, int, torch.Tensor]]
+) -> None:
+    """InvalidInputError if a job's range holds a token of ``negative`` (a gather cannot
+    read a token that has no slot)."""
+    if negative:
+        for start, end, _ in jobs:
+            if negatives_in(negative, start, end):
+                raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
 
 
 def settle(device: torch.device, exc: BaseException) -> None:

@@ -27,16 +27,21 @@ runs the same operations (the test suite checks it there against the per-chunk p
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.transfer import PlanPart, TransferPlan, settle
+from lmcache_async.transfer import (
+    PlanPart,
+    TransferPlan,
+    negatives_in,
+    refuse_negatives,
+    settle,
+)
 from lmcache_async.transfer_staging import StagingBuffer
 
 __all__ = ["Job", "StagedPlan", "host_runs"]
@@ -216,19 +221,8 @@ class StagedPlan:
                 payload is malformed, or ``staging`` is on another device (nothing queued).
             EngineClosedError: ``staging`` was closed.
         """
-        for start, end, _ in jobs:
-            if self._negatives_in(start, end):
-                raise InvalidInputError(f"tokens [{start}, {end}) include a negative slot")
-        passes = self._passes(jobs, staging)
-        if not passes:
-            return
-        with staging.use(max(p.nbytes for p in passes)) as buffer:
-            try:
-                for batch in passes:
-                    self._gather_pass(batch, buffer)
-            except BaseException as exc:
-                self._settle(exc)
-                raise
+        refuse_negatives(self._negative, jobs)
+        self._run(jobs, staging, self._gather_pass)
 
     def scatter_chunks(self, jobs: Sequence[Job], staging: StagingBuffer) -> None:
         """Write each job's payload at its tokens, through ``staging``; tokens with a
@@ -242,16 +236,29 @@ class StagedPlan:
                 another device (nothing queued).
             EngineClosedError: ``staging`` was closed.
         """
+        self._run(jobs, staging, self._scatter_pass)
+
+    def _run(
+        self,
+        jobs: Sequence[Job],
+        staging: StagingBuffer,
+        run_pass: Callable[[_Pass, torch.Tensor], None],
+    ) -> None:
+        """Lay the jobs out in passes through ``staging`` and run each; on a failure wait
+        for what was queued before raising."""
         passes = self._passes(jobs, staging)
         if not passes:
             return
         with staging.use(max(p.nbytes for p in passes)) as buffer:
             try:
                 for batch in passes:
-                    self._scatter_pass(batch, buffer)
+                    run_pass(batch, buffer)
             except BaseException as exc:
                 self._settle(exc)
                 raise
+
+    def _settle(self, exc: BaseException) -> None:
+        settle(self._device, exc)
 
     def _gather_pass(self, batch: _Pass, buffer: torch.Tensor) -> None:
         typed = buffer[: batch.nbytes].view(self._dtype)
@@ -287,9 +294,6 @@ class StagedPlan:
                             dst.index_put_((rows[p],), grid)
                     elif keep.rows.numel():
                         dst.index_copy_(0, keep.index[p], _index(grid, [keep.jobs, keep.rows]))
-
-    def _settle(self, exc: BaseException) -> None:
-        settle(self._device, exc)
 
     # -- the batch's layout in the staging buffer ----------------------------------------
 
@@ -338,11 +342,7 @@ class StagedPlan:
         return _Kept(jobs_at, rows_at, [rows[jobs_at, rows_at] for rows in index])
 
     def _negatives_in(self, start: int, end: int) -> list[int]:
-        negative = self._negative
-        if not negative:
-            return []
-        lo = bisect.bisect_left(negative, start)
-        return list(negative[lo : bisect.bisect_left(negative, end, lo)])
+        return negatives_in(self._negative, start, end)
 
     def _passes(self, jobs: Sequence[Job], staging: StagingBuffer) -> list[_Pass]:
         """Check the jobs and lay them out in the staging buffer, in passes of at most
