@@ -103,3 +103,40 @@ async def test_a_bad_tenant_is_refused_before_anything_is_stored(bad: object) ->
         with pytest.raises(InvalidInputError, match="tenant"):
             await engine.lookup(scene.tokens, tenant=bad)  # type: ignore[arg-type]
         assert engine.stats().cached_chunks == 0
+
+
+def _disk_bytes(directory: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file())
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("sealed", [True, False], ids=["encrypted", "clear"])
+async def test_an_engine_with_a_key_file_keeps_its_disk_records_sealed(
+    sealed: bool, tmp_path: Path
+) -> None:
+    scene = Scene.build("flash_nhd", torch.float16, N, seed=11)
+    key_file = tmp_path / "master.key"
+    key_file.write_text(bytes(range(32)).hex())
+    disk = tmp_path / "disk"
+    settings = config(
+        local_disk=str(disk),
+        wait_for_slow_tiers=True,
+        encryption_key_file=str(key_file) if sealed else None,
+    )
+    # The first token's K values, as they lie in the source caches (32 random bytes).
+    slot = int(scene.src_slots[0])
+    row = scene.source[0][0].reshape(-1, scene.source[0].shape[-2] * scene.source[0].shape[-1])
+    sample = row[slot].contiguous().view(torch.uint8).numpy().tobytes()
+    with anyio.fail_after(TIMEOUT):
+        async with CacheEngine.open(settings, scene.layout, model_name="m") as engine:
+            assert (
+                await engine.store(
+                    scene.tokens, kv_caches=scene.source, slot_mapping=scene.src_slots
+                )
+                == N
+            )
+            await engine.clear(["cpu"])
+            stored = await anyio.to_thread.run_sync(_disk_bytes, disk)
+            assert (sample in stored) is not sealed
+            await scene.retrieve_and_check(engine, prefix_mask(N, 0, N))  # bit-exact
+            assert engine.stats().tiers["disk"].corrupt == 0

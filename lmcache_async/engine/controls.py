@@ -48,7 +48,7 @@ class TierControls(EngineBase):
         return await reencode_prefix(
             tier,
             keys,
-            record_spec(self._parts.config, self._parts.layout, codec),
+            record_spec(self._parts.config, self._parts.layout, codec, self._parts.cipher),
             batch_chunks=self._parts.config.pipeline_batch_chunks,
         )
 

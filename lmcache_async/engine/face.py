@@ -139,7 +139,7 @@ class CacheEngine(Queries, TierControls):
 
     def record_spec(self, codec: Codec | None = None) -> RecordSpec:
         """How this engine's chunks are written to disk and Redis."""
-        return record_spec(self.config, self.layout, codec)
+        return record_spec(self.config, self.layout, codec, self._parts.cipher)
 
     async def _watch_health(self) -> None:
         assert self._parts.health is not None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from anyio import CancelScope
 
+from ..backends.cipher import RecordCipher
 from ..backends.cpu import CPUBackend
 from ..backends.manager import StorageManager
 from ..config import EngineConfig
@@ -35,7 +36,7 @@ from .execute import Runner
 from .hashers import TenantHashers
 from .lookups import Lookups
 from .requests import RequestKeys
-from .tiers import check_tier_settings, tier_limits
+from .tiers import check_tier_settings, record_cipher, tier_limits
 
 __all__ = ["EngineBase", "EngineParts", "build_parts"]
 
@@ -66,6 +67,8 @@ class EngineParts:
     runner: Runner
     store_pipe: Pipeline
     retrieve_pipe: Pipeline
+    cipher: RecordCipher | None = None
+    """Seals disk and Redis records (config ``encryption_key_file``); None: in the clear."""
     health: HealthMonitor | None = None
     health_scope: CancelScope = field(default_factory=CancelScope)
     started: bool = False
@@ -127,6 +130,7 @@ def build_parts(
             f"({chunk_bytes} bytes for {config.chunk_size} tokens)",
         )
     check_tier_settings(config)
+    cipher = record_cipher(config)  # the key file read once, before anything starts
     cpu = CPUBackend(pool, limits=tier_limits(config, "cpu"))
     manager = StorageManager(
         cpu,
@@ -220,6 +224,7 @@ def build_parts(
         runner,
         store_pipe,
         retrieve_pipe,
+        cipher=cipher,
     )
     liveness.parts = parts
     return parts

@@ -13,7 +13,13 @@ from ..layouts import KVFormat, KVLayout, LayoutKind
 from ..memory import MemoryPool
 from ..tenants import TenantLimits
 
-__all__ = ["check_tier_settings", "open_slow_tiers", "record_spec", "tier_limits"]
+__all__ = [
+    "check_tier_settings",
+    "open_slow_tiers",
+    "record_cipher",
+    "record_spec",
+    "tier_limits",
+]
 
 
 def check_tier_settings(config: EngineConfig) -> None:
@@ -31,15 +37,26 @@ def check_tier_settings(config: EngineConfig) -> None:
                 )
 
 
-def record_spec(config: EngineConfig, layout: KVLayout, codec: Codec | None = None) -> RecordSpec:
-    """How an engine's chunks are written to disk and Redis (``codec``: the config's
-    ``tier_codec`` unless given; encrypted when the config names an
-    ``encryption_key_file``, which is read here).
+def record_cipher(config: EngineConfig) -> RecordCipher | None:
+    """The cipher of an engine's disk and Redis records: from the config's
+    ``encryption_key_file`` (read here, once per engine), None when it names none.
 
     Raises:
         ConfigError: the key file cannot be read or holds no valid key.
     """
     key_file = config.encryption_key_file
+    return None if key_file is None else RecordCipher.from_key_file(key_file)
+
+
+def record_spec(
+    config: EngineConfig,
+    layout: KVLayout,
+    codec: Codec | None = None,
+    cipher: RecordCipher | None = None,
+) -> RecordSpec:
+    """How an engine's chunks are written to disk and Redis (``codec``: the config's
+    ``tier_codec`` unless given; sealed with ``cipher`` when there is one, see
+    :func:`record_cipher`)."""
     return RecordSpec(
         fingerprint=layout.fingerprint,
         fmt=str(layout.fmt),
@@ -49,7 +66,7 @@ def record_spec(config: EngineConfig, layout: KVLayout, codec: Codec | None = No
         codec=Codec(config.tier_codec) if codec is None else codec,
         layer_fmt=str(KVFormat.KV_MLA if layout.kind is LayoutKind.MLA else KVFormat.KV_T2D),
         layer_shape_of=layout.layer_payload_shape,
-        cipher=None if key_file is None else RecordCipher.from_key_file(key_file),
+        cipher=cipher,
     )
 
 

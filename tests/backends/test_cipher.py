@@ -44,7 +44,7 @@ from lmcache_async.backends.record import (
 )
 from lmcache_async.backends.redis import DEFAULT_KEY_PREFIX, RedisBackend
 from lmcache_async.config import EngineConfig
-from lmcache_async.engine.tiers import record_spec
+from lmcache_async.engine.tiers import record_cipher, record_spec
 from lmcache_async.errors import ConfigError, IntegrityError, InvalidInputError
 from lmcache_async.keys import ChunkKey
 from lmcache_async.layouts import KVLayout
@@ -201,11 +201,12 @@ def test_parse_key_takes_32_raw_bytes_even_with_whitespace_at_the_ends() -> None
 
 def test_record_config_builds_the_cipher_from_the_key_file(tmp_path: Path) -> None:
     path = write_key_file(tmp_path / "key", MASTER.hex().encode() + b"\n")
-    spec = record_spec(EngineConfig(encryption_key_file=str(path)), SMALL)
+    config = EngineConfig(encryption_key_file=str(path))
+    spec = record_spec(config, SMALL, cipher=record_cipher(config))
     assert spec.cipher is not None and spec.cipher.key_id == RecordCipher(MASTER).key_id
-    assert record_spec(EngineConfig(), SMALL).cipher is None
+    assert record_spec(EngineConfig(), SMALL, cipher=record_cipher(EngineConfig())).cipher is None
     with pytest.raises(ConfigError) as caught:
-        record_spec(EngineConfig(encryption_key_file=str(tmp_path / "none")), SMALL)
+        record_cipher(EngineConfig(encryption_key_file=str(tmp_path / "none")))
     assert caught.value.field == "encryption_key_file"
 
 
