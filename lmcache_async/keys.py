@@ -44,7 +44,7 @@ from lmcache_async.hashing import (
     hash_function,
     with_tag,
 )
-from lmcache_async.tenants import TAG_BYTES, check_tenant, tenant_tag
+from lmcache_async.tenants import check_tenant, tenant_tag
 from lmcache_async.tokens import (
     TOKEN_BYTES,
     Tokens,
@@ -68,7 +68,6 @@ __all__ = [
     "Tokens",
     "check_mask",
     "split_digests",
-    "tag_digests",
     "token_array",
 ]
 
@@ -226,11 +225,6 @@ def _new_span(start: int, end: int, key: ChunkKey, parent: ChunkKey | None) -> C
     _set_span_key(span, key)
     _set_span_parent(span, parent)
     return span
-
-
-def tag_digests(tag: bytes, chain: list[bytes]) -> list[bytes]:
-    """Key digests from chain digests: each with its first bytes replaced by ``tag``."""
-    return with_tag(chain, tag[:TAG_BYTES])
 
 
 def _encode_field(name: str, value: str | None) -> bytes:
@@ -581,4 +575,4 @@ class ChunkHasher:
         for item in encoded[:num_chunks]:
             prev = hash_once(item + prev)
             digests.append(prev)
-        return _build_spans(tag_digests(self._tag, digests), first, num_tokens, chunk_size)
+        return _build_spans(with_tag(digests, self._tag), first, num_tokens, chunk_size)

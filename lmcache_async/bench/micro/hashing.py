@@ -13,13 +13,13 @@ import xxhash
 
 from lmcache_async.bench.baselines import timed
 from lmcache_async.bench.micro.options import TARGETS, VOCAB, MicroOptions
+from lmcache_async.hashing import with_tag
 from lmcache_async.keys import (
     DIGEST_SIZE,
     NATIVE_CHAIN,
     ChunkHasher,
     HashAlgorithm,
     Namespace,
-    tag_digests,
 )
 
 __all__ = ["HASH_ALGORITHMS", "hash_bench"]
@@ -48,7 +48,7 @@ def hash_bench(options: MicroOptions, chunk_size: int, gen: torch.Generator) -> 
         plain = _PLAIN_CHAINS[algorithm]
         seed = hasher.seed
         # The hasher's keys are the chain's digests with the tenant tag in front.
-        if tag_digests(hasher.tag, plain(seed, as_tensor, chunk_size)) != hasher.digests(as_tensor):
+        if with_tag(plain(seed, as_tensor, chunk_size), hasher.tag) != hasher.digests(as_tensor):
             problems.append(f"{algorithm}: the plain chain gives other digests than the hasher")
         runs = options.hash_iterations
         from_list, _ = _paired_times(functools.partial(hasher.digests, as_list), None, runs)
