@@ -14,8 +14,9 @@ $(BIN)/python:
 
 # torch is pinned and installed first so that the package's looser `torch>=2.4` is already
 # satisfied and pip never pulls a multi-GB CUDA build. The install compiles the key chain
-# (lmcache_async/_native.c) next to its source: a changed source reinstalls.
-$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py lmcache_async/_native.c
+# and the row copies (lmcache_async/_native.c, _rows.c) next to their sources: a changed
+# source reinstalls.
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py lmcache_async/_native.c lmcache_async/_rows.c
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e .
 	touch $@
