@@ -33,7 +33,7 @@ from . import erasure
 from .base import StorageBackend
 from .cpu import CPUBackend
 from .pins import Clock, PinSets
-from .prefix import chunk_keys, count_prefix, read_prefix
+from .prefix import OnRead, chunk_keys, count_prefix, read_prefix
 from .tier_events import TierEvents
 from .tiers import TierSet
 from .writers import TierWriters
@@ -87,6 +87,7 @@ class StorageManager:
         self.attach_slow_tiers(slow_tiers)
         self.promoted_chunks = 0
         self.tier_read_errors = 0
+        self._read_observer: OnRead | None = None
 
     def attach_slow_tiers(self, tiers: Sequence[StorageBackend]) -> None:
         """Put ``tiers`` (fastest first) behind the CPU tier; call before :meth:`start`.
@@ -211,6 +212,35 @@ class StorageManager:
             cpu_hits=cpu_hits,
         )
 
+    async def locate_prefix(
+        self,
+        keys: Sequence[bytes],
+        locations: Sequence[str] | None = None,
+        *,
+        cpu_hits: int | None = None,
+    ) -> list[tuple[str, int]]:
+        """Where the leading run of ``keys`` held across the readable tiers lies: ``(tier
+        name, keys)`` for each stretch one tier holds, in prefix order (their sum is what
+        :meth:`lookup_prefix` counts; same arguments)."""
+        names = self._tiers.read_from if locations is None else locations
+        if cpu_hits is not None:
+            _check_count("cpu_hits", cpu_hits, len(keys))
+        runs: list[tuple[str, int]] = []
+        await count_prefix(
+            keys,
+            cpu=self._cpu if self._cpu.name in names else None,
+            slow=self._readable(names),
+            on_error=self._read_failed,
+            cpu_hits=cpu_hits,
+            runs=runs,
+        )
+        return runs
+
+    def set_read_observer(self, observer: OnRead | None) -> None:
+        """Tell ``observer`` of each slow-tier read call: the tier's name, the payload bytes
+        it returned (0 for a miss) and the seconds it took (None: tell no one)."""
+        self._read_observer = observer
+
     def contains(self, key: ChunkKey) -> bool:
         return key in self._cpu
 
@@ -248,6 +278,7 @@ class StorageManager:
             slow=self._readable(names),
             promote=functools.partial(self._promote, names),
             on_error=self._read_failed,
+            on_read=self._read_observer,
         )
 
     def _promote(

@@ -15,6 +15,7 @@ not asked again in the same walk.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from ..errors import TierError
@@ -25,6 +26,7 @@ from .cpu import CPUBackend
 
 __all__ = [
     "OnError",
+    "OnRead",
     "Promote",
     "Source",
     "chunk_keys",
@@ -42,6 +44,9 @@ OnError = Callable[[StorageBackend, TierError], None]
 Promote = Callable[[Sequence[ChunkKey], list[MemoryObj]], None]
 """Given the run a slow tier returned (keys and payloads), keeps it in a faster tier."""
 
+OnRead = Callable[[str, int, float], None]
+"""Told of each slow-tier read call: the tier's name, payload bytes returned, seconds."""
+
 
 async def walk_prefix(
     total: int,
@@ -49,6 +54,7 @@ async def walk_prefix(
     *,
     start: int = 0,
     stopped: Sequence[int] = (),
+    runs: list[tuple[int, int]] | None = None,
 ) -> int:
     """The length of the leading run of ``total`` keys that ``sources`` supply together,
     asked in order, round after round.
@@ -56,6 +62,8 @@ async def walk_prefix(
     ``start``: keys known to be held already (the walk begins after them); ``stopped``:
     the positions in ``sources`` of those known to stop at ``start``, which are not asked
     there. A source's own errors are its to handle: one that cannot answer supplies 0.
+    ``runs``, when given, gets ``(source position, keys)`` for each stretch a source
+    supplied, in prefix order (the ``start`` keys are not in it).
     """
     at = start
     last: list[int | None] = [start if i in stopped else None for i in range(len(sources))]
@@ -66,7 +74,10 @@ async def walk_prefix(
                 break
             if last[i] == at:
                 continue
-            at += await source(at)
+            supplied = await source(at)
+            if supplied and runs is not None:
+                runs.append((i, supplied))
+            at += supplied
             last[i] = at
         if at == before:
             break
@@ -85,18 +96,28 @@ async def count_prefix(
     slow: Sequence[StorageBackend],
     on_error: OnError,
     cpu_hits: int | None = None,
+    runs: list[tuple[str, int]] | None = None,
 ) -> int:
     """How many leading ``keys`` the CPU tier (None: not read) and the ``slow`` tiers hold
     together (:meth:`~StorageBackend.contains_prefix` on each; a bare digest finds its
     whole-chunk key). ``cpu_hits``: the CPU tier's count of leading ``keys``, already
-    taken; the walk starts after it."""
+    taken; the walk starts after it. ``runs``, when given, gets ``(tier name, keys)`` for
+    each stretch of the prefix a tier holds, in prefix order."""
+    names = ([] if cpu is None else [cpu.name]) + [tier.name for tier in slow]
     sources: list[Source] = [] if cpu is None else [_cpu_count(cpu, keys)]
     if slow:
         as_keys = chunk_keys(keys)
         sources += [_slow_count(tier, as_keys, on_error) for tier in slow]
+    found: list[tuple[int, int]] | None = None if runs is None else []
     if cpu is None or cpu_hits is None:
-        return await walk_prefix(len(keys), sources)
-    return await walk_prefix(len(keys), sources, start=cpu_hits, stopped=(0,))
+        held = await walk_prefix(len(keys), sources, runs=found)
+    else:
+        if runs is not None and cpu_hits:
+            runs.append((cpu.name, cpu_hits))
+        held = await walk_prefix(len(keys), sources, start=cpu_hits, stopped=(0,), runs=found)
+    if runs is not None and found is not None:
+        runs.extend((names[i], count) for i, count in found)
+    return held
 
 
 async def read_prefix(
@@ -107,18 +128,20 @@ async def read_prefix(
     slow: Sequence[StorageBackend],
     promote: Promote,
     on_error: OnError,
+    on_read: OnRead | None = None,
 ) -> list[MemoryObj]:
     """The payloads of the longest leading run of ``keys`` that ``pinned`` (objects kept
     for the caller; a freed one is a miss), the CPU tier (None: not read) and the ``slow``
     tiers return together, each referenced for the caller. Slow tiers are read with
     :meth:`~StorageBackend.get_prefix` from where the run stands, and what they return is
-    handed to ``promote``. Should the walk fail (a closed tier or pool) or be cancelled,
-    what it read is released."""
+    handed to ``promote``; each such read call that answered is reported to ``on_read``
+    (a miss too, with 0 bytes). Should the walk fail (a closed tier or pool) or be
+    cancelled, what it read is released."""
     out: list[MemoryObj] = []
     sources: list[Source] = [_pins_read(pinned, keys, out)] if pinned else []
     if cpu is not None:
         sources.append(_cpu_read(cpu, keys, out))
-    sources += [_slow_read(tier, keys, out, promote, on_error) for tier in slow]
+    sources += [_slow_read(tier, keys, out, promote, on_error, on_read) for tier in slow]
     try:
         await walk_prefix(len(keys), sources)
     except BaseException:
@@ -183,6 +206,7 @@ def _slow_read(
     out: list[MemoryObj],
     promote: Promote,
     on_error: OnError,
+    on_read: OnRead | None,
 ) -> Source:
     failed = False
 
@@ -190,12 +214,15 @@ def _slow_read(
         nonlocal failed
         if failed:
             return 0
+        began = time.perf_counter()
         try:
             run = await tier.get_prefix(keys[at:])
         except TierError as exc:
             failed = True
             on_error(tier, exc)
             return 0
+        if on_read is not None:
+            on_read(tier.name, sum(obj.nbytes for obj in run), time.perf_counter() - began)
         if run:
             promote(keys[at : at + len(run)], run)
         out.extend(run)
