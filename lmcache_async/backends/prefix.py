@@ -141,7 +141,7 @@ async def read_prefix(
     sources: list[Source] = [_pins_read(pinned, keys, out)] if pinned else []
     if cpu is not None:
         sources.append(_cpu_read(cpu, keys, out))
-    sources += [_slow_read(tier, keys, out, promote, on_error, on_read) for tier in slow]
+    sources += [_slow_read(tier, keys, out, promote, on_error, on_read=on_read) for tier in slow]
     try:
         await walk_prefix(len(keys), sources)
     except BaseException:
@@ -206,6 +206,7 @@ def _slow_read(
     out: list[MemoryObj],
     promote: Promote,
     on_error: OnError,
+    *,
     on_read: OnRead | None,
 ) -> Source:
     failed = False
