@@ -7,7 +7,7 @@ prefix is cached, and load it back, through staged async pipelines over tiered s
 from __future__ import annotations
 
 from .config import EngineConfig
-from .engine import CacheEngine
+from .engine import CacheEngine, Promise
 from .errors import (
     AllocationTimeoutError,
     ConfigError,
@@ -48,6 +48,7 @@ __all__ = [
     "LMCacheAsyncError",
     "LayoutKind",
     "PoolStats",
+    "Promise",
     "ProtocolError",
     "RemoteCacheEngine",
     "SyncCacheEngine",

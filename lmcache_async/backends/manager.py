@@ -412,6 +412,10 @@ class StorageManager:
             obj.pin()
         self._pins.add(lookup_id, held, dict(zip(keys, held, strict=False)))
 
+    def holds_pins(self, lookup_id: Hashable) -> bool:
+        """Whether chunks are pinned for ``lookup_id``."""
+        return self._pins.get(lookup_id) is not None
+
     def unpin(self, lookup_id: Hashable) -> int:
         """Release the pins of ``lookup_id``; returns how many chunks were released."""
         return self._pins.release(lookup_id)

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..memory import MemoryObj, MemoryPool
-from .load import LoadCore
+from .load import LoadCore, Prefetch
 from .store import Cancellable, StoreCore, StoreTxn
 
-__all__ = ["Cancellable", "LoadCore", "RequestCore", "StoreCore", "StoreTxn"]
+__all__ = ["Cancellable", "LoadCore", "Prefetch", "RequestCore", "StoreCore", "StoreTxn"]
 
 
 @dataclass(frozen=True, slots=True)

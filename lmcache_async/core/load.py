@@ -13,9 +13,11 @@ lower-tier hits into host memory ahead of its retrieve.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
 import anyio
 import structlog
+from anyio import CancelScope
 from anyio.abc import TaskGroup
 
 from ..backends.manager import StorageManager, chunk_keys
@@ -24,7 +26,7 @@ from ..memory import MemoryObj
 from ..stats import Counters
 from .store import release
 
-__all__ = ["LoadCore"]
+__all__ = ["LoadCore", "Prefetch"]
 
 log = structlog.get_logger(__name__)
 
@@ -48,7 +50,7 @@ class LoadCore:
         self._timeout = timeout
         self._healthy = healthy
         self._pins_changed = pins_changed
-        self._prefetches: dict[Hashable, anyio.Event] = {}
+        self._prefetches: dict[Hashable, Prefetch] = {}
         self._background: TaskGroup | None = None
 
     def start(self, task_group: TaskGroup) -> None:
@@ -62,10 +64,10 @@ class LoadCore:
         if not self._healthy():
             return False
         if lookup_id is not None:
-            done = self._prefetches.pop(lookup_id, None)
-            if done is not None:
+            prefetch = self._prefetches.pop(lookup_id, None)
+            if prefetch is not None:
                 with anyio.move_on_after(self._timeout):
-                    await done.wait()
+                    await prefetch.done.wait()
         return True
 
     def findable(self, keys: Sequence[bytes], locations: Sequence[str] | None) -> int:
@@ -114,28 +116,50 @@ class LoadCore:
     # -- prefetch ---------------------------------------------------------------------------
 
     def prefetch(
-        self, keys: Sequence[bytes], locations: tuple[str, ...] | None, lookup_id: Hashable
-    ) -> bool:
+        self,
+        keys: Sequence[bytes],
+        locations: tuple[str, ...] | None,
+        lookup_id: Hashable,
+        *,
+        pinned: int = 0,
+    ) -> Prefetch | None:
         """Start reading ``keys`` (a prompt's leading hits) into host memory in the
-        background, pinned for ``lookup_id`` until its load (or ``pin_timeout``). False
-        when nothing was started (no keys, or not started)."""
+        background, pinned for ``lookup_id`` until its load (or ``pin_timeout``); None when
+        nothing was started (no keys, or not started). A prefetch under way for the same
+        id is stopped first. ``pinned``: leading ``keys`` already pinned for the id (the
+        CPU tier's); those pins stay unless the prefetch gets further."""
         if not keys or self._background is None:
-            return False
-        done = anyio.Event()
-        self._prefetches[lookup_id] = done
-        self._background.start_soon(self._prefetch, list(keys), locations, lookup_id, done)
-        return True
+            return None
+        self.stop_prefetch(lookup_id)
+        prefetch = Prefetch(chunks=pinned)
+        self._prefetches[lookup_id] = prefetch
+        self._background.start_soon(self._prefetch, list(keys), locations, lookup_id, prefetch)
+        return prefetch
+
+    def prefetching(self, lookup_id: Hashable) -> Prefetch | None:
+        """The prefetch started for ``lookup_id`` and not yet waited for by its load."""
+        return self._prefetches.get(lookup_id)
+
+    def stop_prefetch(self, lookup_id: Hashable) -> None:
+        """Abandon the prefetch of ``lookup_id`` (replaced, or its pins released): it stops
+        and pins nothing."""
+        prefetch = self._prefetches.pop(lookup_id, None)
+        if prefetch is not None:
+            prefetch.abandoned = True
+            prefetch.stop()
 
     async def _prefetch(
         self,
         keys: list[bytes],
         locations: tuple[str, ...] | None,
         lookup_id: Hashable,
-        done: anyio.Event,
+        prefetch: Prefetch,
     ) -> None:
         objs: list[MemoryObj] = []
         try:
-            with anyio.move_on_after(self._timeout):
+            with anyio.move_on_after(self._timeout) as prefetch.scope:
+                if prefetch.stopped:
+                    prefetch.scope.cancel()
                 step = self._batch_chunks
                 as_keys = chunk_keys(keys)
                 for start in range(0, len(as_keys), step):
@@ -144,12 +168,32 @@ class LoadCore:
                     objs.extend(got)
                     if len(got) < len(batch):
                         break
-            if self._prefetches.get(lookup_id) is done:
+            if not prefetch.abandoned and len(objs) > prefetch.chunks:
                 self._manager.pin_objects(keys[: len(objs)], objs, lookup_id)
                 self._pins_changed()
+                prefetch.chunks = len(objs)
                 log.debug("prefetched", lookup_id=str(lookup_id), chunks=len(objs))
         except Exception:
             log.exception("prefetch_failed", lookup_id=str(lookup_id))
         finally:
             release(objs)  # the pin set holds its own references
-            done.set()
+            prefetch.done.set()
+
+
+@dataclass(eq=False, slots=True)
+class Prefetch:
+    """A prefetch in the background: ``done`` once what it read is pinned; ``chunks``: how
+    many leading chunks are pinned for its lookup id (those pinned before it began, until
+    it pins more)."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    chunks: int = 0
+    stopped: bool = False
+    abandoned: bool = False
+    scope: CancelScope | None = None
+
+    def stop(self) -> None:
+        """End the reading now; what was read so far is pinned (``done`` follows soon)."""
+        self.stopped = True
+        if self.scope is not None:
+            self.scope.cancel()

@@ -3,5 +3,6 @@
 from __future__ import annotations
 
 from .face import CacheEngine
+from .promises import Promise
 
-__all__ = ["CacheEngine"]
+__all__ = ["CacheEngine", "Promise"]

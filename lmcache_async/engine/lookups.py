@@ -37,6 +37,7 @@ class Lookups:
         counters: Counters,
         *,
         healthy: Callable[[], bool],
+        sighted: Callable[[Sequence[bytes]], None] | None = None,
     ) -> None:
         self._chunk_size = config.chunk_size
         self._layerwise_keys = config.use_layerwise
@@ -45,9 +46,18 @@ class Lookups:
         self._layerwise = layerwise
         self._counters = counters
         self._healthy = healthy
+        self._sighted = sighted
         self._pins_changed = anyio.Event()
         self._reaper_scope: CancelScope | None = None
         self._reaper_stopped = anyio.Event()
+
+    def healthy(self) -> bool:
+        return self._healthy()
+
+    def sight(self, keys: Sequence[bytes]) -> None:
+        """One sighting of a prompt's chunk ``keys`` (store admission counts them)."""
+        if self._sighted is not None and keys:
+            self._sighted(keys)
 
     def pins_changed(self) -> None:
         """Wake the reaper: a pin set was added, its deadline may be the next."""
@@ -62,27 +72,26 @@ class Lookups:
             return ends[hits - 1]
         return min(hits * self._chunk_size, num_tokens)
 
-    def _count_hits(
-        self, keys: Sequence[bytes], hits: int, ends: list[int], num_tokens: int
-    ) -> int:
+    def count_hits(self, keys: Sequence[bytes], hits: int, ends: list[int], num_tokens: int) -> int:
         """The prefix tokens ``hits`` leading chunks cover, counted as a lookup's hits, in
         all and for the tenant of ``keys``."""
         hit_tokens = self._hit_tokens(hits, ends, num_tokens)
         self._counters.lookup_hit_tokens += hit_tokens
-        self._count_tenant(keys, num_tokens, hit_tokens)
+        self.count_tenant(keys, num_tokens, hit_tokens)
         return hit_tokens
 
-    def _count_tenant(self, keys: Sequence[bytes], num_tokens: int, hit_tokens: int) -> None:
+    def count_tenant(self, keys: Sequence[bytes], num_tokens: int, hit_tokens: int) -> None:
         """One lookup of the tenant whose tag leads ``keys`` (a request is one tenant's:
         its first key names it)."""
         if keys:
             self._counters.tenants.count(keys[0][:TAG_BYTES], num_tokens, hit_tokens)
 
-    def _count_request(self, num_tokens: int) -> None:
+    def count_request(self, num_tokens: int) -> None:
+        """One lookup of a prompt of ``num_tokens`` tokens."""
         self._counters.lookup_requests += 1
         self._counters.lookup_tokens += num_tokens
 
-    def _pin_cpu(self, keys: Sequence[bytes], lookup_id: Hashable) -> int:
+    def pin_cpu(self, keys: Sequence[bytes], lookup_id: Hashable) -> int:
         """Pin for ``lookup_id`` the leading keys the CPU tier holds; returns how many."""
         hits = self._manager.pin_prefix(keys, lookup_id)
         self._pins_changed.set()
@@ -117,9 +126,10 @@ class Lookups:
     ) -> int | None:
         if self._manager.reads_slow_tiers(None) and cpu_hits < len(keys):
             return None
-        hits = self._pin_cpu(keys, lookup_id) if pin and lookup_id is not None else cpu_hits
-        self._count_request(num_tokens)
-        return self._count_hits(keys, hits, ends, num_tokens)
+        hits = self.pin_cpu(keys, lookup_id) if pin and lookup_id is not None else cpu_hits
+        self.count_request(num_tokens)
+        self.sight(keys)
+        return self.count_hits(keys, hits, ends, num_tokens)
 
     async def lookup(
         self,
@@ -142,9 +152,10 @@ class Lookups:
             )
             if answered is not None:
                 return answered
-        self._count_request(num_tokens)
+        self.count_request(num_tokens)
+        self.sight(keys)
         if not self._healthy():
-            self._count_tenant(keys, num_tokens, 0)
+            self.count_tenant(keys, num_tokens, 0)
             return 0
         slow = manager.reads_slow_tiers(None) or locations is not None
         if self._layerwise_keys:
@@ -152,14 +163,14 @@ class Lookups:
                 keys, lookup_id=lookup_id, pin=pin, slow=slow, locations=locations
             )
         elif pin and lookup_id is not None:
-            hits = self._pin_cpu(keys, lookup_id)
+            hits = self.pin_cpu(keys, lookup_id)
             if hits < len(keys) and slow:
                 hits = await manager.lookup_prefix(keys, locations, cpu_hits=hits)
         elif slow:
             hits = await manager.lookup_prefix(keys, locations, cpu_hits=cpu_hits)
         else:
             hits = manager.contains_prefix(keys)
-        return self._count_hits(keys, hits, ends, num_tokens)
+        return self.count_hits(keys, hits, ends, num_tokens)
 
     async def _layerwise_hits(
         self,
@@ -193,14 +204,15 @@ class Lookups:
     ) -> int:
         """Count a prompt's cached prefix and start loading it into host memory (pinned
         for ``lookup_id``); returns the prefix tokens cached."""
-        self._count_request(num_tokens)
+        self.count_request(num_tokens)
+        self.sight(keys)
         if not self._healthy():
-            self._count_tenant(keys, num_tokens, 0)
+            self.count_tenant(keys, num_tokens, 0)
             return 0
         hits = await self._manager.lookup_prefix(keys, locations)
         if hits:
             self._load.prefetch(keys[:hits], locations, lookup_id)
-        return self._count_hits(keys, hits, ends, num_tokens)
+        return self.count_hits(keys, hits, ends, num_tokens)
 
     # -- pin expiry -------------------------------------------------------------------------
 

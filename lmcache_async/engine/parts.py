@@ -35,6 +35,7 @@ from ..tenants import TenantNames
 from .execute import Runner
 from .hashers import TenantHashers
 from .lookups import Lookups
+from .promises import Promises
 from .requests import RequestKeys
 from .tiers import check_tier_settings, record_cipher, tier_limits
 
@@ -67,6 +68,7 @@ class EngineParts:
     runner: Runner
     store_pipe: Pipeline
     retrieve_pipe: Pipeline
+    promises: Promises
     cipher: RecordCipher | None = None
     """Seals disk and Redis records (config ``encryption_key_file``); None: in the clear."""
     health: HealthMonitor | None = None
@@ -178,6 +180,16 @@ def build_parts(
         remove_after_retrieve=config.remove_after_retrieve,
     )
     lookups = Lookups(config, manager, load, layerwise, counters, healthy=liveness)
+    promises = Promises(
+        manager,
+        load,
+        lookups,
+        costs=None,
+        chunk_size=config.chunk_size,
+        token_bytes=layout.token_bytes,
+        pin_timeout=config.pin_timeout,
+        layerwise=config.use_layerwise,
+    )
     core = RequestCore(store, load, pool)
     runner = Runner(
         manager,
@@ -224,6 +236,7 @@ def build_parts(
         runner,
         store_pipe,
         retrieve_pipe,
+        promises,
         cipher=cipher,
     )
     liveness.parts = parts

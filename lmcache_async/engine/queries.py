@@ -4,11 +4,13 @@ lookups and the key input of its parts."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 from ..errors import InvalidInputError
-from ..tokens import Tokens
+from ..tokens import Tokens, is_strict_int
 from .parts import EngineBase
+from .promises import Promise
 
 __all__ = ["Queries"]
 
@@ -125,7 +127,67 @@ class Queries(EngineBase):
             keys, ends, num_tokens, lookup_id=lookup_id, locations=locations
         )
 
-    async def lookup_unpin(self, lookup_id: Hashable) -> None:
-        """Release the pins taken by :meth:`lookup` for ``lookup_id`` (no-op if none)."""
+    async def promise(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        lookup_id: Hashable,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        tenant: str | None = None,
+        computed_tokens: int = 0,
+        prefill_tokens_per_s: float | None = None,
+        finish: bool = False,
+        search_range: Sequence[str] | None = None,
+    ) -> Promise:
+        """How many prompt tokens (from token 0) a load under ``lookup_id`` can count on:
+        only chunks in host memory, pinned for the id, are promised.
+
+        The first call pins the CPU tier's part of the cached prefix and, when the cost
+        model finds more of it worth loading than recomputing (the serving engine
+        computes ``prefill_tokens_per_s``; it has ``computed_tokens`` of the prompt
+        already), starts reading that from disk or Redis into host memory, checksums
+        verified, and answers ``pending``. Ask again with the same arguments until an
+        answer is not pending; ``finish=True`` stops the reading and promises what has
+        arrived. A corrupt or vanished chunk ends the promise before it (it is a miss,
+        counted). The pins last until the :meth:`retrieve` with the same id,
+        :meth:`lookup_unpin` or ``pin_timeout``.
+
+        Raises:
+            InvalidInputError: bad key input, ``computed_tokens`` not an int >= 0,
+                ``prefill_tokens_per_s`` not a number > 0.
+        """
         self._check_open()
+        if lookup_id is None:
+            raise InvalidInputError("promise needs a lookup_id")
+        if not is_strict_int(computed_tokens) or computed_tokens < 0:
+            raise InvalidInputError(f"computed_tokens must be an int >= 0, got {computed_tokens!r}")
+        if prefill_tokens_per_s is not None and (
+            isinstance(prefill_tokens_per_s, bool)
+            or not isinstance(prefill_tokens_per_s, int | float)
+            or not math.isfinite(prefill_tokens_per_s)
+            or prefill_tokens_per_s <= 0
+        ):
+            raise InvalidInputError(
+                f"prefill_tokens_per_s must be a number > 0, got {prefill_tokens_per_s!r}"
+            )
+        locations = self.check_locations(search_range, "search_range")
+        keys, ends, num_tokens = await self._parts.keys.lookup_keys(tokens, hashes, offsets, tenant)
+        return await self._parts.promises.promise(
+            keys,
+            ends,
+            num_tokens,
+            lookup_id=lookup_id,
+            locations=locations,
+            computed_tokens=computed_tokens,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            finish=bool(finish),
+            req_id=str(lookup_id),
+        )
+
+    async def lookup_unpin(self, lookup_id: Hashable) -> None:
+        """Release the pins taken by :meth:`lookup` or :meth:`promise` for ``lookup_id``
+        (no-op if none); a promise's reading under way stops."""
+        self._check_open()
+        self._parts.promises.forget(lookup_id)
         self._parts.manager.unpin(lookup_id)

@@ -1,0 +1,157 @@
+"""CacheEngine.promise: only chunks verified in host memory are promised. CPU-tier hits at
+once; disk hits after a prefetch that answers "pending" meanwhile; a corrupt, truncated or
+vanished file ends the promise before it; ``finish`` stops the reading; the pins hold the
+chunks until the load and go with it, with ``lookup_unpin`` or when the prompt changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from lmcache_async import CacheEngine, InvalidInputError, Promise
+from tests.test_engine_tiers import (
+    CHUNK,
+    TIMEOUT,
+    chunk_files,
+    engine_on,
+    retrieve,
+    store,
+    tokens_of,
+)
+
+
+async def settled(engine: CacheEngine, n: int, lookup_id: str) -> Promise:
+    """Ask until the answer is not pending, waiting for the prefetch between the asks."""
+    promise = await engine.promise(tokens_of(n, 1), lookup_id=lookup_id)
+    while promise.pending:
+        prefetch = engine._parts.core.load.prefetching(lookup_id)
+        assert prefetch is not None
+        await prefetch.done.wait()
+        promise = await engine.promise(tokens_of(n, 1), lookup_id=lookup_id)
+    return promise
+
+
+@pytest.mark.anyio
+async def test_cpu_hits_are_promised_at_once_and_pinned_until_the_load(tmp_path: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path, local_disk=None) as engine:
+            await store(engine, 70)
+            promise = await engine.promise(tokens_of(70, 1), lookup_id="r1")
+            assert promise == Promise(70, False)
+            assert engine.stats().pinned_chunks == 5
+            await retrieve(engine, 70, 70, lookup_id="r1")
+            assert engine.stats().pinned_chunks == 0
+
+
+@pytest.mark.anyio
+async def test_disk_hits_are_pending_until_verified_in_host_memory(tmp_path: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path) as engine:
+            await store(engine, 70)
+        async with engine_on(tmp_path) as engine:
+            first = await engine.promise(tokens_of(70, 1), lookup_id="r1")
+            assert first == Promise(0, True)  # nothing in host memory yet
+            assert await settled(engine, 70, "r1") == Promise(70, False)
+            stats = engine.stats()
+            assert stats.pinned_chunks == 5
+            assert stats.tiers["cpu"].chunks == 5  # promoted on the way
+            # Asked again (vLLM re-asks a request it could not schedule): the same answer.
+            assert await engine.promise(tokens_of(70, 1), lookup_id="r1") == Promise(70, False)
+            await retrieve(engine, 70, 70, lookup_id="r1")
+            assert engine.stats().pinned_chunks == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+async def test_a_bad_file_ends_the_promise_before_it(tmp_path: Path, damage: str) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path) as engine:
+            await store(engine, 64)
+        async with engine_on(tmp_path) as engine:
+            third = engine.key_hasher.spans(tokens_of(64, 1))[2].key.to_str()
+            (victim,) = [p for p in chunk_files(tmp_path) if p.name.startswith(third)]
+            data = bytearray(victim.read_bytes())
+            if damage == "flip":
+                data[-5] ^= 0x40
+                victim.write_bytes(bytes(data))
+            elif damage == "truncate":
+                victim.write_bytes(bytes(data[: len(data) // 2]))
+            else:
+                victim.unlink()
+            assert await settled(engine, 64, "r1") == Promise(2 * CHUNK, False)
+            await retrieve(engine, 64, 2 * CHUNK, lookup_id="r1")
+            stats = engine.stats()
+            assert stats.pinned_chunks == 0
+            if damage != "delete":
+                assert stats.tiers["disk"].corrupt == 1
+                assert not victim.exists()
+
+
+@pytest.mark.anyio
+async def test_finish_stops_the_reading_and_promises_what_arrived(tmp_path: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path, pipeline_batch_chunks=1) as engine:
+            await store(engine, 64)
+        async with engine_on(tmp_path, pipeline_batch_chunks=1) as engine:
+            assert (await engine.promise(tokens_of(64, 1), lookup_id="r1")).pending
+            final = await engine.promise(tokens_of(64, 1), lookup_id="r1", finish=True)
+            assert not final.pending
+            assert final.tokens % CHUNK == 0
+            assert engine.stats().pinned_chunks == final.tokens // CHUNK
+            assert engine._parts.core.load.prefetching("r1") is not None  # the load waits on it
+            await retrieve(engine, 64, 64, lookup_id="r1")  # a load may read beyond the promise
+            assert engine.stats().pinned_chunks == 0
+
+
+@pytest.mark.anyio
+async def test_unpin_drops_the_promise_and_its_reading(tmp_path: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path) as engine:
+            await store(engine, 64)
+        async with engine_on(tmp_path) as engine:
+            assert (await engine.promise(tokens_of(64, 1), lookup_id="r1")).pending
+            prefetch = engine._parts.core.load.prefetching("r1")
+            assert prefetch is not None
+            await engine.lookup_unpin("r1")
+            assert engine._parts.core.load.prefetching("r1") is None
+            await prefetch.done.wait()
+            assert engine.stats().pinned_chunks == 0  # the abandoned reading pinned nothing
+            # Asked again after its pins went: a fresh promise, which finds the chunks
+            # the abandoned reading may have promoted or reads them again.
+            assert await settled(engine, 64, "r1") == Promise(64, False)
+            await engine.lookup_unpin("r1")
+            assert engine.stats().pinned_chunks == 0
+
+
+@pytest.mark.anyio
+async def test_another_prompt_under_the_same_id_is_promised_afresh(tmp_path: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path, local_disk=None) as engine:
+            await store(engine, 64)
+            assert await engine.promise(tokens_of(64, 1), lookup_id="r1") == Promise(64, False)
+            other = await engine.promise(tokens_of(64, 2), lookup_id="r1")
+            assert other == Promise(0, False)
+            assert engine.stats().pinned_chunks == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"computed_tokens": -1}, "computed_tokens"),
+        ({"computed_tokens": 1.5}, "computed_tokens"),
+        ({"prefill_tokens_per_s": 0}, "prefill_tokens_per_s"),
+        ({"prefill_tokens_per_s": float("nan")}, "prefill_tokens_per_s"),
+        ({"lookup_id": None}, "lookup_id"),
+    ],
+)
+async def test_bad_arguments_are_refused_by_name(
+    tmp_path: Path, kwargs: dict[str, object], message: str
+) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path, local_disk=None) as engine:
+            arguments: dict[str, object] = {"lookup_id": "r1", **kwargs}
+            with pytest.raises(InvalidInputError, match=message):
+                await engine.promise(tokens_of(16, 1), **arguments)  # type: ignore[arg-type]
