@@ -32,6 +32,7 @@ from ..stats import TierStats
 from . import erasure
 from .base import StorageBackend
 from .cpu import CPUBackend
+from .manager_pins import LookupPins
 from .pins import Clock, PinSets
 from .prefix import OnRead, chunk_keys, count_prefix, read_prefix
 from .tier_events import TierEvents
@@ -48,7 +49,7 @@ def _check_count(name: str, value: object, most: int) -> None:
         raise InvalidInputError(f"{name} must be an int from 0 to {most}, got {value!r}")
 
 
-class StorageManager:
+class StorageManager(LookupPins):
     """Routes reads and writes to the tiers and keeps lookup pins.
 
     ``slow_tiers``: disk / Redis backends, fastest first. ``store_location`` and
@@ -385,63 +386,6 @@ class StorageManager:
         return await erasure.erase_tenant(
             tag, self._cpu, self._writers, self._kv_events, timeout=timeout
         )
-
-    # -- pins -----------------------------------------------------------------------------
-
-    def pin_prefix(self, keys: Sequence[bytes], lookup_id: Hashable) -> int:
-        """Pin the leading CPU-tier keys for ``lookup_id``; returns how many were pinned.
-
-        Pinning again under the same id replaces the earlier pins.
-        """
-        self._pins.release(lookup_id)
-        if self._cpu.name not in self._tiers.read_from:
-            return 0
-        objs = self._cpu.pin_prefix_nowait(keys)
-        if objs:
-            self._pins.add(lookup_id, objs)
-        return len(objs)
-
-    def pin_objects(
-        self, keys: Sequence[bytes], objs: Sequence[MemoryObj], lookup_id: Hashable
-    ) -> None:
-        """Reference and pin prefetched ``objs`` for ``lookup_id``; a retrieve under that id
-        is served from them."""
-        self._pins.release(lookup_id)
-        held = [obj.ref() for obj in objs]
-        for obj in held:
-            obj.pin()
-        self._pins.add(lookup_id, held, dict(zip(keys, held, strict=False)))
-
-    def holds_pins(self, lookup_id: Hashable) -> bool:
-        """Whether chunks are pinned for ``lookup_id``."""
-        return self._pins.get(lookup_id) is not None
-
-    def unpin(self, lookup_id: Hashable) -> int:
-        """Release the pins of ``lookup_id``; returns how many chunks were released."""
-        return self._pins.release(lookup_id)
-
-    def release_all_pins(self) -> int:
-        return self._pins.release_all()
-
-    def expire_pins(self) -> int:
-        """Release pins whose deadline has passed; returns how many lookup ids expired."""
-        return self._pins.expire()
-
-    def next_pin_deadline(self) -> float | None:
-        return self._pins.next_deadline()
-
-    @property
-    def expired_pins(self) -> int:
-        """Lookup ids whose pins were released by their deadline."""
-        return self._pins.expired
-
-    @property
-    def pinned_chunks(self) -> int:
-        return self._pins.chunks
-
-    @property
-    def active_lookup_ids(self) -> int:
-        return len(self._pins)
 
     # -- state ----------------------------------------------------------------------------
 

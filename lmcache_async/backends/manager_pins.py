@@ -1,0 +1,77 @@
+"""The storage manager's lookup pins: the CPU-tier chunks (or prefetched payloads) a lookup
+holds for the load that follows it, by lookup id (:class:`~.pins.PinSets`)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from ..memory import MemoryObj
+from .cpu import CPUBackend
+from .pins import PinSets
+from .tiers import TierSet
+
+__all__ = ["LookupPins"]
+
+
+class LookupPins:
+    """The pin methods of :class:`~.manager.StorageManager` (its CPU tier, tiers and pin
+    sets)."""
+
+    _cpu: CPUBackend
+    _tiers: TierSet
+    _pins: PinSets
+
+    def pin_prefix(self, keys: Sequence[bytes], lookup_id: Hashable) -> int:
+        """Pin the leading CPU-tier keys for ``lookup_id``; returns how many were pinned.
+
+        Pinning again under the same id replaces the earlier pins.
+        """
+        self._pins.release(lookup_id)
+        if self._cpu.name not in self._tiers.read_from:
+            return 0
+        objs = self._cpu.pin_prefix_nowait(keys)
+        if objs:
+            self._pins.add(lookup_id, objs)
+        return len(objs)
+
+    def pin_objects(
+        self, keys: Sequence[bytes], objs: Sequence[MemoryObj], lookup_id: Hashable
+    ) -> None:
+        """Reference and pin prefetched ``objs`` for ``lookup_id``; a retrieve under that id
+        is served from them."""
+        self._pins.release(lookup_id)
+        held = [obj.ref() for obj in objs]
+        for obj in held:
+            obj.pin()
+        self._pins.add(lookup_id, held, dict(zip(keys, held, strict=False)))
+
+    def holds_pins(self, lookup_id: Hashable) -> bool:
+        """Whether chunks are pinned for ``lookup_id``."""
+        return self._pins.get(lookup_id) is not None
+
+    def unpin(self, lookup_id: Hashable) -> int:
+        """Release the pins of ``lookup_id``; returns how many chunks were released."""
+        return self._pins.release(lookup_id)
+
+    def release_all_pins(self) -> int:
+        return self._pins.release_all()
+
+    def expire_pins(self) -> int:
+        """Release pins whose deadline has passed; returns how many lookup ids expired."""
+        return self._pins.expire()
+
+    def next_pin_deadline(self) -> float | None:
+        return self._pins.next_deadline()
+
+    @property
+    def expired_pins(self) -> int:
+        """Lookup ids whose pins were released by their deadline."""
+        return self._pins.expired
+
+    @property
+    def pinned_chunks(self) -> int:
+        return self._pins.chunks
+
+    @property
+    def active_lookup_ids(self) -> int:
+        return len(self._pins)
