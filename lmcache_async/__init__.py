@@ -7,7 +7,7 @@ prefix is cached, and load it back, through staged async pipelines over tiered s
 from __future__ import annotations
 
 from .config import EngineConfig
-from .engine import CacheEngine, Promise
+from .engine import CacheEngine
 from .errors import (
     AllocationTimeoutError,
     ConfigError,
@@ -23,6 +23,7 @@ from .events import EventKind, KVEvent
 from .keys import ChunkKey, HashAlgorithm
 from .kv_client import KVCacheClient
 from .layouts import KVFormat, KVLayout, LayoutKind
+from .promise import Promise
 from .rpc.client import RemoteCacheEngine
 from .stats import EngineStats, PoolStats, TierStats
 from .sync_engine import SyncCacheEngine

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .promise import Promise
 from .tokens import Tokens
 
 __all__ = ["KVCacheClient"]
@@ -96,6 +97,22 @@ class KVCacheClient(Protocol):
         tenant: str | None = None,
     ) -> int:
         """Look up and start loading the hits of the slow tiers into host memory."""
+        ...
+
+    async def promise(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        lookup_id: Hashable,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        tenant: str | None = None,
+        computed_tokens: int = 0,
+        prefill_tokens_per_s: float | None = None,
+        finish: bool = False,
+    ) -> Promise:
+        """The prompt tokens verified in host memory for a load under ``lookup_id``
+        (pinned), and whether a prefetch still runs (ask again)."""
         ...
 
     async def lookup_unpin(self, lookup_id: Hashable) -> None:

@@ -37,6 +37,7 @@ from .engine import CacheEngine
 from .errors import EngineClosedError, InvalidInputError, TierUnavailableError
 from .events import KVEvent
 from .layouts import KVLayout
+from .promise import Promise
 from .stats import EngineStats
 from .tokens import Tokens
 
@@ -260,6 +261,12 @@ class SyncCacheEngine:
         result: int = self._call(self._engine.lookup, tokens, **kwargs)
         return result
 
+    def promise(self, tokens: Tokens | None = None, **kwargs: Any) -> Promise:
+        """As ``engine.promise``: the prompt tokens verified in host memory for a load under
+        ``lookup_id``, and whether to ask again."""
+        result: Promise = self._call(self._engine.promise, tokens, **kwargs)
+        return result
+
     def lookup_unpin(self, lookup_id: Hashable) -> None:
         self._call(self._engine.lookup_unpin, lookup_id)
 
@@ -347,12 +354,21 @@ class SyncCacheEngine:
 
     # -- lookups for a scheduler ------------------------------------------------------------
 
-    def serve_lookups(self, instance_id: str, rank: int, socket_dir: str | None = None) -> str:
+    def serve_lookups(
+        self,
+        instance_id: str,
+        rank: int,
+        socket_dir: str | None = None,
+        *,
+        prefill_speed: Callable[[], float | None] | None = None,
+    ) -> str:
         """Answer a scheduler's lookups for this engine until :meth:`close`.
 
         Starts a :class:`~lmcache_async.rpc.lookup.LookupServer` on the engine's thread and
         returns its endpoint. For a sidecar, each lookup is asked of the sidecar (bounded
-        by the client's timeout; a sidecar that does not answer is a miss). Raises
+        by the client's timeout; a sidecar that does not answer is a miss).
+        ``prefill_speed`` (called on the engine's thread, so it must not block) gives each
+        promise the serving engine's prefill tokens/s (None: unknown). Raises
         InvalidInputError for a bad argument or an endpoint that cannot be bound,
         EngineClosedError after close.
         """
@@ -365,7 +381,13 @@ class SyncCacheEngine:
         if not isinstance(answering, CacheEngine):
             answering = _SidecarLookups(answering)
         context = self._portal.wrap_async_context_manager(
-            LookupServer.serve(answering, instance_id=instance_id, rank=rank, socket_dir=socket_dir)
+            LookupServer.serve(
+                answering,
+                instance_id=instance_id,
+                rank=rank,
+                socket_dir=socket_dir,
+                prefill_speed=prefill_speed,
+            )
         )
         server = context.__enter__()
         self._lookup_servers.append(context)
@@ -515,6 +537,9 @@ class _SidecarLookups:
         return await self._remote.lookup(
             tokens, lookup_id=lookup_id, pin=pin, hashes=hashes, offsets=offsets, tenant=tenant
         )
+
+    async def promise(self, tokens: Tokens | None = None, **kwargs: Any) -> Promise:
+        return await self._remote.promise(tokens, **kwargs)
 
     async def lookup_unpin(self, lookup_id: Hashable) -> None:
         await self._remote.lookup_unpin(lookup_id)

@@ -29,6 +29,7 @@ from lmcache_async import (
     InvalidInputError,
     KVCacheClient,
     KVLayout,
+    Promise,
     RemoteCacheEngine,
 )
 from tests.rpc.test_sidecar import CHUNK, Sidecar, Sidecars, wait_ready
@@ -402,6 +403,28 @@ async def test_a_prefetch_then_a_retrieve_with_its_lookup_id(client: Client) -> 
         mask = await client.api.retrieve(
             tokens, kv_caches=target, slot_mapping=slots, lookup_id="p"
         )
+        after = await client.stats()
+    assert bool(mask.all())
+    assert raw(payload_of(target, slots)) == raw(payload_of(kv, slots))
+    assert (after["pinned_chunks"], after["active_lookup_ids"]) == (0, 0)
+
+
+async def test_a_promise_pins_what_it_counts_until_the_retrieve(client: Client) -> None:
+    num_tokens = 3 * CHUNK + 5
+    tokens = prompt(num_tokens, 14)
+    kv, slots = kv_for(num_tokens, seed=141)
+    target = fresh(blocks_for(num_tokens))
+    with anyio.fail_after(TIMEOUT):
+        nothing = await client.api.promise(prompt(num_tokens, 15), lookup_id="q0")
+        assert nothing == Promise(0, False)
+        assert await client.api.store(tokens, kv_caches=kv, slot_mapping=slots) == num_tokens
+        promised = await client.api.promise(tokens, lookup_id="q", computed_tokens=CHUNK)
+        assert promised == Promise(num_tokens, False)
+        assert (await client.stats())["pinned_chunks"] == 4
+        mask = await client.api.retrieve(
+            tokens, kv_caches=target, slot_mapping=slots, lookup_id="q"
+        )
+        await client.api.lookup_unpin("q0")
         after = await client.stats()
     assert bool(mask.all())
     assert raw(payload_of(target, slots)) == raw(payload_of(kv, slots))

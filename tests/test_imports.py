@@ -86,6 +86,7 @@ LAYER_OF: Final[Mapping[str, str]] = {
     "digests": "data model",
     "digest_memo": "data model",
     "tenants": "data model",
+    "promise": "data model",
     # the rest, bottom up
     "backends": "backends",
     # The request core's two-phase store/load: it drives the backends' storage manager, and

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
+from ..promise import Promise
 from .face import CacheEngine
-from .promises import Promise
 
 __all__ = ["CacheEngine", "Promise"]

@@ -24,6 +24,7 @@ import structlog
 
 from ..backends.manager import StorageManager
 from ..core import LoadCore, Prefetch
+from ..promise import Promise
 from .lookups import Lookups
 
 if TYPE_CHECKING:
@@ -32,19 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["Promise", "Promises"]
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Promise:
-    """What a scheduler may count on for a request.
-
-    ``tokens``: prompt prefix tokens (from token 0) verified in host memory and pinned for
-    the lookup id. ``pending``: a prefetch is still bringing lower-tier hits into host
-    memory; ask again (the count may then grow).
-    """
-
-    tokens: int
-    pending: bool
 
 
 @dataclass(eq=False, slots=True)

@@ -8,9 +8,9 @@ import math
 from collections.abc import Hashable, Sequence
 
 from ..errors import InvalidInputError
+from ..promise import Promise
 from ..tokens import Tokens, is_strict_int
 from .parts import EngineBase
-from .promises import Promise
 
 __all__ = ["Queries"]
 
@@ -138,7 +138,6 @@ class Queries(EngineBase):
         computed_tokens: int = 0,
         prefill_tokens_per_s: float | None = None,
         finish: bool = False,
-        search_range: Sequence[str] | None = None,
     ) -> Promise:
         """How many prompt tokens (from token 0) a load under ``lookup_id`` can count on:
         only chunks in host memory, pinned for the id, are promised.
@@ -171,14 +170,13 @@ class Queries(EngineBase):
             raise InvalidInputError(
                 f"prefill_tokens_per_s must be a number > 0, got {prefill_tokens_per_s!r}"
             )
-        locations = self.check_locations(search_range, "search_range")
         keys, ends, num_tokens = await self._parts.keys.lookup_keys(tokens, hashes, offsets, tenant)
         return await self._parts.promises.promise(
             keys,
             ends,
             num_tokens,
             lookup_id=lookup_id,
-            locations=locations,
+            locations=None,
             computed_tokens=computed_tokens,
             prefill_tokens_per_s=prefill_tokens_per_s,
             finish=bool(finish),

@@ -516,3 +516,44 @@ def test_sync_engine_serves_lookups_until_closed(socket_dir: Path) -> None:
             assert client.lookup(tokens) == 0
     finally:
         engine.close()
+
+
+def test_a_promise_over_the_wire_is_pending_until_the_disk_hits_are_in_memory(
+    socket_dir: Path, tmp_path: Path
+) -> None:
+    tokens = list(range(3 * CHUNK))
+    config = EngineConfig(
+        chunk_size=CHUNK, max_local_cpu_size=0.01, local_disk=str(tmp_path / "disk")
+    )
+    kv = LAYOUT.allocate_kv_caches(4, generator=torch.Generator().manual_seed(0))
+    slots = torch.arange(len(tokens))
+    with SyncCacheEngine.open(config, LAYOUT, model_name="promise") as engine:
+        assert engine.store(tokens, kv_caches=kv, slot_mapping=slots) == 48
+    asked: list[int] = []
+
+    def prefill_speed() -> float:
+        asked.append(1)
+        return 1e9  # recomputing is never faster: every hit is worth loading
+
+    with SyncCacheEngine.open(config, LAYOUT, model_name="promise") as engine:
+        engine.serve_lookups("promise", 0, str(socket_dir), prefill_speed=prefill_speed)
+        with SyncLookupClient("promise", 1, socket_dir=str(socket_dir), timeout=5) as client:
+            first = client.promise(tokens, lookup_id="q", computed_tokens=0)
+            assert first.pending
+            assert first.tokens == 0
+            deadline = time.monotonic() + 10
+            promise = first
+            while promise.pending and time.monotonic() < deadline:
+                promise = client.promise(tokens, lookup_id="q")  # the scheduler's next step
+            assert (promise.tokens, promise.pending) == (48, False)
+            assert engine.stats().pinned_chunks == 3
+            assert asked  # the serving engine's prefill speed went with the promise
+            target = [torch.zeros_like(t) for t in kv]
+            mask = engine.retrieve(tokens, kv_caches=target, slot_mapping=slots, lookup_id="q")
+            assert bool(mask.all())
+            for loaded, stored in zip(target, kv, strict=True):  # blocks 0-2 hold the slots
+                assert torch.equal(loaded[:, :3], stored[:, :3])
+                assert not loaded[:, 3:].any()
+            assert engine.stats().pinned_chunks == 0
+            with pytest.raises(InvalidInputError, match="computed_tokens"):
+                client.promise(tokens, lookup_id="q", computed_tokens=-1)

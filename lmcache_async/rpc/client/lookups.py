@@ -1,4 +1,4 @@
-"""A client's lookups: LOOKUP, PREFETCH and UNPIN.
+"""A client's lookups: LOOKUP (a promise too), PREFETCH and UNPIN.
 
 With the server's key hasher (from its welcome) a lookup by tokens sends the prompt's
 chunk digests (16 bytes a chunk), not the tokens: the server neither converts nor hashes
@@ -19,6 +19,7 @@ import structlog
 from lmcache_async.config import DEFAULT_INLINE_HASH_TOKENS
 from lmcache_async.errors import ProtocolError
 from lmcache_async.keys import ChunkHasher, DigestGuess
+from lmcache_async.promise import Promise
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, count, key_fields
@@ -119,6 +120,39 @@ class Lookups:
             header["search_range"] = locations
         put_tenant(header, tenant)
         return await self.hits(MessageType.PREFETCH, header, payloads, num_tokens) or 0
+
+    async def promise(
+        self,
+        tokens: Tokens | None,
+        *,
+        lookup_id: Hashable,
+        hashes: Sequence[int | bytes] | None,
+        offsets: Sequence[int] | None,
+        tenant: str | None,
+        options: dict[str, Any],
+    ) -> Promise:
+        """As :meth:`RemoteCacheEngine.promise`: a LOOKUP with ``"promise": true`` and the
+        promise's ``options`` (``computed``, ``prefill_tps``, ``finish``); nothing promised
+        when the sidecar cannot be reached.
+
+        Raises:
+            InvalidInputError: bad input.
+            EngineClosedError: the client is closed.
+        """
+        conn = self._conn
+        conn.check_open()
+        header, payloads, num_tokens = key_fields(tokens, hashes, offsets)
+        header.update(options, promise=True, lookup_id=check_lookup_id(lookup_id))
+        put_tenant(header, tenant)
+        link = await conn.usable()
+        if link is None or num_tokens == 0:
+            return Promise(0, False)
+        try:
+            reply = await conn.ask(link, MessageType.LOOKUP, header, payloads)
+            return Promise(count(reply, "hits"), reply.header.get("pending") is True)
+        except (Unavailable, ProtocolError) as exc:
+            log.debug("sidecar_request_missed", type="PROMISE", error=str(exc))
+            return Promise(0, False)
 
     async def unpin(self, lookup_id: Hashable) -> None:
         """As :meth:`RemoteCacheEngine.lookup_unpin`."""

@@ -12,6 +12,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from lmcache_async.promise import Promise
 from lmcache_async.rpc.lookup.core import DEFAULT_LOOKUP_TIMEOUT, Call, ClientCore
 from lmcache_async.rpc.lookup.endpoint import DEFAULT_LOOKUP_LIMITS, LookupId
 from lmcache_async.rpc.protocol import Message, MessageLimits
@@ -147,6 +148,32 @@ class LookupClient:
         """
         return await self._fan_out(
             self._core.lookup(tokens, hashes, offsets, lookup_id, pin, tenant=tenant)
+        )
+
+    async def promise(
+        self,
+        tokens: Tokens,
+        *,
+        lookup_id: LookupId,
+        tenant: str | None = None,
+        computed_tokens: int = 0,
+        finish: bool = False,
+    ) -> Promise:
+        """How many prompt tokens every rank can load for ``lookup_id``: each rank's
+        engine promises only chunks verified in host memory (:meth:`CacheEngine.promise
+        <lmcache_async.CacheEngine.promise>`), pinned under ``lookup_id``. The fewest
+        tokens of any rank; pending while any rank's prefetch runs (ask again;
+        ``finish=True`` ends them). ``computed_tokens``: prompt tokens the serving engine
+        has already. A rank that does not answer in time counts 0 tokens, not pending.
+
+        Raises:
+            InvalidInputError: bad input, found here or by a rank's engine.
+            EngineClosedError: the client is closed.
+        """
+        return await self._fan_out(
+            self._core.promise(
+                tokens, lookup_id, tenant=tenant, computed_tokens=computed_tokens, finish=finish
+            )
         )
 
     async def unpin(self, lookup_id: LookupId) -> None:

@@ -15,6 +15,7 @@ import zmq
 
 from lmcache_async.errors import EngineClosedError, InvalidInputError, ProtocolError
 from lmcache_async.key_input import check_key_input
+from lmcache_async.promise import Promise
 from lmcache_async.rpc.lookup.endpoint import LookupId, check_lookup_id, lookup_endpoint
 from lmcache_async.rpc.protocol import (
     ErrorCode,
@@ -192,7 +193,49 @@ class ClientCore:
             call.frames = None  # nothing to look up: 0 hits without a round trip
         return call
 
-    def _finish_lookup(self, call: Call[int], replies: list[Message | None]) -> int:
+    def promise(
+        self,
+        tokens: Tokens,
+        lookup_id: LookupId,
+        *,
+        tenant: str | None,
+        computed_tokens: int,
+        finish: bool,
+    ) -> Call[Promise]:
+        """A promise (:meth:`CacheEngine.promise <lmcache_async.CacheEngine.promise>`) of
+        every rank: a LOOKUP with ``"promise": true``."""
+        self.check_open()
+        if not is_strict_int(computed_tokens) or computed_tokens < 0:
+            raise InvalidInputError(f"computed_tokens must be an int >= 0, got {computed_tokens!r}")
+        if not isinstance(finish, bool):
+            raise InvalidInputError(f"finish must be a bool, got {type(finish).__name__}")
+        header: dict[str, Any] = {
+            "promise": True,
+            "lookup_id": check_lookup_id(lookup_id),
+            "computed": computed_tokens,
+            "finish": finish,
+        }
+        put_tenant(header, tenant)
+        check_key_input(tokens, None, None)
+        payload = tokens_payload(tokens)
+        call = self._call("promise", MessageType.LOOKUP, header, [payload], self._finish_promise)
+        if not payload.nbytes:
+            call.frames = None  # nothing to promise: no round trip
+        return call
+
+    def _finish_promise(self, call: Call[Promise], replies: list[Message | None]) -> Promise:
+        """The ranks' promises together: the fewest tokens, pending while any rank is (a
+        rank that did not answer promises nothing and is not waited for)."""
+        if call.frames is None:
+            return Promise(0, False)
+        hits = self._finish_lookup(call, replies)
+        pending = False
+        for reply in replies:
+            if reply is not None and reply.type is MessageType.LOOKUP:
+                pending = pending or reply.header.get("pending") is True
+        return Promise(hits, pending)
+
+    def _finish_lookup(self, call: Call[Any], replies: list[Message | None]) -> int:
         if call.frames is None:
             return 0
         hits: list[int] = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket as socketlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 import anyio
@@ -35,6 +35,7 @@ from lmcache_async.tokens import is_strict_int
 
 if TYPE_CHECKING:  # the scheduler's clients need no engine
     from lmcache_async.engine import CacheEngine
+    from lmcache_async.promise import Promise
 
 __all__ = ["DEFAULT_MAX_CONCURRENCY", "LookupServer"]
 
@@ -65,7 +66,8 @@ def _refuse_if_served(path: str) -> None:
 
 class LookupServer:
     """Answers LOOKUP, UNPIN, PING and STATS requests against one :class:`CacheEngine`.
-    A LOOKUP may name its prompt's tenant (``"tenant"``; none: the engine's own).
+    A LOOKUP may name its prompt's tenant (``"tenant"``; none: the engine's own); one with
+    ``"promise": true`` is answered by the engine's promise (``"hits"`` and ``"pending"``).
 
     Start it with :meth:`serve`. Each request runs in a task of its own (at most
     ``max_concurrency`` at once), so a long prompt being hashed does not hold up a ping. A
@@ -82,8 +84,10 @@ class LookupServer:
         rank: int,
         limits: MessageLimits,
         max_concurrency: int,
+        prefill_speed: Callable[[], float | None] | None = None,
     ) -> None:
         self._engine = engine
+        self._prefill_speed = prefill_speed
         self._socket = socket
         self._endpoint = endpoint
         self._instance_id = instance_id
@@ -102,8 +106,12 @@ class LookupServer:
         socket_dir: str | None = None,
         limits: MessageLimits = DEFAULT_LOOKUP_LIMITS,
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        prefill_speed: Callable[[], float | None] | None = None,
     ) -> AsyncIterator[LookupServer]:
         """Listen on :func:`lookup_endpoint` until the ``async with`` block ends.
+
+        ``prefill_speed``: asked at each promise for the serving engine's prefill speed
+        (tokens/s; None: unknown), which the engine's cost model weighs loads against.
 
         On exit the socket is closed and its file removed. A socket file left behind by a
         killed worker of the same instance id and rank is replaced.
@@ -140,6 +148,7 @@ class LookupServer:
                 rank=rank,
                 limits=limits,
                 max_concurrency=max_concurrency,
+                prefill_speed=prefill_speed,
             )
             log.info("lookup_server_started", endpoint=endpoint, rank=rank)
             async with anyio.create_task_group() as task_group:
@@ -204,6 +213,10 @@ class LookupServer:
         """The reply to a decoded request: its result, or an ERROR reply saying why not."""
         request_id = message.request_id
         try:
+            if message.type is MessageType.LOOKUP and message.header.get("promise") is True:
+                promise = await self._promise(message)
+                answer = {"hits": promise.tokens, "pending": promise.pending}
+                return encode(MessageType.LOOKUP, answer, request_id=request_id)
             if message.type is MessageType.LOOKUP:
                 hits = await self._lookup(message)
                 return encode(MessageType.LOOKUP, {"hits": hits}, request_id=request_id)
@@ -234,6 +247,29 @@ class LookupServer:
         except Exception as exc:
             log.exception("lookup_request_failed", type=message.type.name, rank=self._rank)
             return error_reply(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    async def _promise(self, message: Message) -> Promise:
+        header = message.header
+        lookup_id = header.get("lookup_id")
+        if not (is_strict_int(lookup_id) or isinstance(lookup_id, str)):
+            raise ProtocolError("a promise needs a 'lookup_id' (int or str)")
+        computed = header.get("computed", 0)
+        if not is_strict_int(computed) or computed < 0:
+            raise ProtocolError("'computed' must be an int >= 0")
+        finish = header.get("finish", False)
+        if not isinstance(finish, bool):
+            raise ProtocolError("'finish' must be a bool")
+        if len(message.payloads) != 1:
+            raise ProtocolError("a promise carries exactly one token payload frame")
+        speed = self._prefill_speed() if self._prefill_speed is not None else None
+        return await self._engine.promise(
+            tokens_from_payload(message.payloads[0]),
+            lookup_id=lookup_id,
+            tenant=tenant_of(header),
+            computed_tokens=computed,
+            prefill_tokens_per_s=speed,
+            finish=finish,
+        )
 
     async def _lookup(self, message: Message) -> int:
         header = message.header

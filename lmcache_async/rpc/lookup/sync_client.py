@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import structlog
 import zmq
 
+from lmcache_async.promise import Promise
 from lmcache_async.rpc.lookup.core import DEFAULT_LOOKUP_TIMEOUT, Call, ClientCore
 from lmcache_async.rpc.lookup.endpoint import DEFAULT_LOOKUP_LIMITS, LookupId
 from lmcache_async.rpc.protocol import Message, MessageLimits
@@ -113,6 +114,22 @@ class SyncLookupClient:
         """As :meth:`LookupClient.lookup`, blocking."""
         return self._fan_out(
             self._core.lookup(tokens, hashes, offsets, lookup_id, pin, tenant=tenant)
+        )
+
+    def promise(
+        self,
+        tokens: Tokens,
+        *,
+        lookup_id: LookupId,
+        tenant: str | None = None,
+        computed_tokens: int = 0,
+        finish: bool = False,
+    ) -> Promise:
+        """As :meth:`LookupClient.promise`, blocking."""
+        return self._fan_out(
+            self._core.promise(
+                tokens, lookup_id, tenant=tenant, computed_tokens=computed_tokens, finish=finish
+            )
         )
 
     def unpin(self, lookup_id: LookupId) -> None:

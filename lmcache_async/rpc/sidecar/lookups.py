@@ -1,4 +1,5 @@
-"""LOOKUP, PREFETCH and UNPIN: how much of a prompt the sidecar holds, and its pins.
+"""LOOKUP, PREFETCH and UNPIN: how much of a prompt the sidecar holds, what it promises
+(a LOOKUP with ``"promise": true``: :meth:`CacheEngine.promise`), and its pins.
 
 Lookup ids are scoped to the client's session (:meth:`Session.scoped`); the ids a session
 pins with are remembered, so its pins go when it does. A LOOKUP by chunk digests that the
@@ -73,6 +74,8 @@ class LookupHandlers:
         assert session is not None
         engine = self._host.need_engine()
         header = message.header
+        if flag_field(header, "promise"):
+            return await self._promise(session, message)
         pin, lookup_id, scoped = pin_fields(session, header)
         search_range = locations_field(header, "search_range")
         tenant = tenant_of(header)
@@ -104,6 +107,27 @@ class LookupHandlers:
             tenant=tenant,
         )
         return {"hits": hits}, ()
+
+    async def _promise(self, session: Session, message: Message) -> Reply:
+        """A LOOKUP with ``"promise": true``: the engine's promise for the session's lookup
+        id (``"hits"``, and ``"pending"`` while its prefetch runs)."""
+        engine = self._host.need_engine()
+        header = message.header
+        lookup_id = lookup_id_field(header, required=True)
+        assert lookup_id is not None
+        tokens, hashes, offsets = key_input(message)
+        session.lookup_ids.add(lookup_id)
+        promise = await engine.promise(
+            tokens,
+            lookup_id=session.scoped(lookup_id),
+            hashes=hashes,
+            offsets=offsets,
+            tenant=tenant_of(header),
+            computed_tokens=int_field(header, "computed", 0),
+            prefill_tokens_per_s=header.get("prefill_tps"),
+            finish=flag_field(header, "finish"),
+        )
+        return {"hits": promise.tokens, "pending": promise.pending}, ()
 
     async def on_prefetch(self, session: Session | None, message: Message) -> Reply:
         assert session is not None
