@@ -57,6 +57,14 @@ class TokenBucket:
         self._last = time.monotonic()
         self._lock = threading.Lock()
 
+    def set_rate(self, bytes_per_s: float) -> None:
+        """Refill at ``bytes_per_s`` from now on."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self.rate = bytes_per_s
+
     def take(self, nbytes: int) -> None:
         """Reserve ``nbytes`` and return once the bucket has paid for them (early when the
         proxy closes)."""
@@ -89,10 +97,8 @@ class ThrottleProxy:
         bytes_per_s: float | None = 20e6,
         burst: int | None = None,
     ) -> None:
-        if bytes_per_s is not None and (
-            isinstance(bytes_per_s, bool) or not math.isfinite(bytes_per_s) or bytes_per_s <= 0
-        ):
-            raise ValueError(f"bytes_per_s: expected a finite number > 0, got {bytes_per_s!r}")
+        if bytes_per_s is not None:
+            _check_rate(bytes_per_s)
         if burst is not None and (isinstance(burst, bool) or burst <= 0):
             raise ValueError(f"burst: expected a number of bytes > 0, got {burst!r}")
         self.target = (target_host, target_port)
@@ -109,7 +115,7 @@ class ThrottleProxy:
                 TokenBucket(bytes_per_s, burst, self._stopped),
             )
         self._listener: socket.socket | None = None
-        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake: tuple[socket.socket, socket.socket] | None = None
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
@@ -122,6 +128,21 @@ class ThrottleProxy:
     def url(self) -> str:
         """``redis://127.0.0.1:<port>``: the proxy's address as a Redis URL."""
         return f"redis://127.0.0.1:{self.port}"
+
+    def set_rate(self, bytes_per_s: float) -> None:
+        """Change the limit of both directions from now on (the buckets keep their fill).
+
+        Raises:
+            ValueError: ``bytes_per_s`` is not a finite number > 0, or the proxy was made
+                without a limit.
+        """
+        _check_rate(bytes_per_s)
+        up, down = self._buckets
+        if up is None or down is None:
+            raise ValueError("set_rate: this proxy was made without a limit")
+        up.set_rate(bytes_per_s)
+        down.set_rate(bytes_per_s)
+        self.bytes_per_s = bytes_per_s
 
     def statistics(self) -> ProxyStatistics:
         """Connections accepted and bytes forwarded each way so far."""
@@ -136,6 +157,7 @@ class ThrottleProxy:
         """
         if self._listener is not None or self._stopped.is_set():
             raise RuntimeError("a ThrottleProxy starts once")
+        self._wake = socket.socketpair()
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", 0))
@@ -157,7 +179,8 @@ class ThrottleProxy:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._wake_w.send(b"x")
+        if self._wake is not None:
+            self._wake[1].send(b"x")
         if self._accepter is not None:
             self._accepter.join(JOIN_TIMEOUT)
         with self._lock:
@@ -175,8 +198,9 @@ class ThrottleProxy:
             self._sockets.clear()
         if self._listener is not None:
             self._listener.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        if self._wake is not None:
+            for sock in self._wake:
+                sock.close()
         if alive:
             raise RuntimeError(f"throttle proxy threads did not end: {alive}")
 
@@ -189,12 +213,12 @@ class ThrottleProxy:
     # -- threads --------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        listener = self._listener
-        if listener is None:
+        listener, wake = self._listener, self._wake
+        if listener is None or wake is None:
             return
         while not self._stopped.is_set():
-            readable, _, _ = select.select([listener, self._wake_r], [], [])
-            if self._wake_r in readable or self._stopped.is_set():
+            readable, _, _ = select.select([listener, wake[0]], [], [])
+            if wake[0] in readable or self._stopped.is_set():
                 return
             try:
                 client, _ = listener.accept()
@@ -274,6 +298,11 @@ class _Pair:
         with self._lock:
             self._ended += 1
             return self._ended == 2
+
+
+def _check_rate(bytes_per_s: float) -> None:
+    if isinstance(bytes_per_s, bool) or not math.isfinite(bytes_per_s) or bytes_per_s <= 0:
+        raise ValueError(f"bytes_per_s: expected a finite number > 0, got {bytes_per_s!r}")
 
 
 def _shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
