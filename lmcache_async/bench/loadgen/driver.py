@@ -38,7 +38,8 @@ async def drive(
     in_flight: int,
     deadline: float,
 ) -> None:
-    """Start requests until ``deadline``, then wait for those in flight."""
+    """Start requests until ``deadline`` (and at most ``options.requests`` of them, when
+    set), then wait for those in flight."""
     sessions = workload.sessions if workload.sessions is not None else in_flight
     send_sessions, free_sessions = anyio.create_memory_object_stream[int](sessions)
     send_slots, free_slots = anyio.create_memory_object_stream[int](in_flight)
@@ -55,15 +56,24 @@ async def drive(
             send_slots.send_nowait(slot)
 
     clock = time.perf_counter
+    limit = options.requests
+    started = 0
+
+    def more() -> bool:
+        """Whether another request may start: before the deadline, within the limit."""
+        return clock() < deadline and (not limit or started < limit)
+
     with send_sessions, free_sessions, send_slots, free_slots:
         async with anyio.create_task_group() as tg:
             if options.rate == 0:
                 # Closed loop: each worker keeps one slot busy, taking the next free session.
                 async def worker(slot: int) -> None:
-                    while clock() < deadline:
+                    nonlocal started
+                    while more():
                         session = await free_sessions.receive()
                         try:
-                            if clock() < deadline:
+                            if more():
+                                started += 1
                                 prompt = workload.next_prompt(session)
                                 await runner.request(slot, prompt, clock())
                         finally:
@@ -79,11 +89,12 @@ async def drive(
                 if options.arrival == "poisson":
                     gap = gaps.expovariate(options.rate)
                 arrival += gap
-                if arrival >= deadline:
+                if arrival >= deadline or (limit and started >= limit):
                     break
                 await anyio.sleep(max(0.0, arrival - clock()))
                 slot = await free_slots.receive()
                 session = await free_sessions.receive()
+                started += 1
                 tg.start_soon(one, slot, session, workload.next_prompt(session), arrival)
 
 

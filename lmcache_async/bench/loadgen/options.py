@@ -17,7 +17,14 @@ from lmcache_async.bench.workloads import (
     Workload,
 )
 
-__all__ = ["ARRIVALS", "OPERATIONS", "TARGETS", "VLLM_OPERATIONS", "LoadOptions"]
+__all__ = [
+    "ARRIVALS",
+    "OPERATIONS",
+    "SIDECAR_TIMEOUT",
+    "TARGETS",
+    "VLLM_OPERATIONS",
+    "LoadOptions",
+]
 
 TARGETS: Final = ("embedded", "sidecar", "vllm")
 ARRIVALS: Final = ("poisson", "fixed")
@@ -25,6 +32,8 @@ OPERATIONS: Final = ("lookup", "retrieve", "compute", "store", "request")
 """Timed steps; ``request`` is a whole request, from its arrival to its store's end."""
 VLLM_OPERATIONS: Final = ("ttft", "request")
 """Timed steps of a vLLM request, both from its arrival: its first token and its end."""
+SIDECAR_TIMEOUT: Final = 30.0
+"""Seconds one sidecar request may take by default (a long prompt's KV is hundreds of MB)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +53,10 @@ class LoadOptions:
     seed: int = 0
     duration: float = 8.0
     """Seconds during which new requests start; requests in flight then finish."""
+    requests: int = 0
+    """Start no more than this many requests (0: as many as ``duration`` allows)."""
+    sidecar_timeout: float = SIDECAR_TIMEOUT
+    """Target ``sidecar``: the client's timeout of one request."""
     concurrency: int = 4
     rate: float = 0.0
     """Requests per second; 0: as fast as ``concurrency`` allows (closed loop)."""
@@ -119,6 +132,14 @@ class LoadOptions:
         for name, number in positive.items():
             if not number > 0:
                 raise InvalidInputError(f"{name} must be > 0, got {number!r}")
+        if isinstance(self.requests, bool) or not isinstance(self.requests, int):
+            raise InvalidInputError(f"requests must be an int, got {self.requests!r}")
+        if self.requests < 0:
+            raise InvalidInputError(f"requests must be >= 0, got {self.requests}")
+        if not (math.isfinite(self.sidecar_timeout) and self.sidecar_timeout > 0):
+            raise InvalidInputError(
+                f"sidecar_timeout must be a number > 0, got {self.sidecar_timeout!r}"
+            )
         if not (math.isfinite(self.rate) and self.rate >= 0):
             raise InvalidInputError(f"rate must be a finite number >= 0, got {self.rate!r}")
         if self.verify_every < 0:

@@ -71,6 +71,10 @@ def format_summary(results: Mapping[str, Any]) -> str:
         f"cached chunks at end: {stats.get('cached_chunks', '-')}"
     )
     lines.append(_errors_line(results))
+    if results.get("unreachable_calls"):
+        lines.append(
+            f"calls while the sidecar was unreachable (misses): {results['unreachable_calls']}"
+        )
     verified = (
         f"verified {results['verified_retrieves']} retrieves bit-exact (each on the first and "
         f"last token of every chunk and {results['verify_sample']} random tokens)"
@@ -92,16 +96,19 @@ def _load_line(results: Mapping[str, Any]) -> str:
 
 
 def _latency_table(results: Mapping[str, Any], names: Mapping[str, str]) -> str:
+    """Each step's count, percentiles, mean and ``max``: the longest any one call held
+    its caller (``-`` in results written before it was kept)."""
     rows = []
     for op, stat in results["latency_ms"].items():
         rows.append(
             [
                 names.get(op, op),
                 str(int(stat["count"])),
-                *(_fmt(stat[k], ".2f") for k in ("p50", "p90", "p99", "mean")),
+                *(_fmt(stat.get(k), ".2f") for k in ("p50", "p90", "p99", "mean", "max")),
             ]
         )
-    return format_table(["latency", "count", "p50 ms", "p90 ms", "p99 ms", "mean ms"], rows)
+    header = ["latency", "count", "p50 ms", "p90 ms", "p99 ms", "mean ms", "max ms"]
+    return format_table(header, rows)
 
 
 def _errors_line(results: Mapping[str, Any]) -> str:

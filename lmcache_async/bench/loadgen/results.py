@@ -16,11 +16,20 @@ __all__ = ["load_results", "vllm_results"]
 
 
 def _latency_ms(tally: Tally) -> dict[str, dict[str, float]]:
-    """Each timed step's percentiles, in milliseconds (``count`` as it is)."""
-    return {
-        op: {k: v * 1e3 if k != "count" else v for k, v in percentiles(vals).items()}
-        for op, vals in tally.latency.items()
-    }
+    """Each timed step's percentiles and ``max`` (the longest any one call held its
+    caller), in milliseconds (``count`` as it is)."""
+    out: dict[str, dict[str, float]] = {}
+    for op, vals in tally.latency.items():
+        stat = {k: v * 1e3 if k != "count" else v for k, v in percentiles(vals).items()}
+        stat["max"] = max(vals) * 1e3 if vals else math.nan
+        out[op] = stat
+    return out
+
+
+def _unreachable(stats: dict[str, Any]) -> int:
+    """Calls a sidecar client made while it had no link: misses, not errors."""
+    client = stats.get("client") or {}
+    return int(client.get("unavailable") or 0)
 
 
 def _per_second(amount: float, seconds: float) -> float:
@@ -133,6 +142,7 @@ def load_results(
         "latency_ms": latency,
         "errors": dict(tally.errors),
         "errors_total": sum(tally.errors.values()),
+        "unreachable_calls": _unreachable(stats),
         "verify_sample": VERIFY_SAMPLE,
         "verified_retrieves": tally.verified,
         "verify_failures": tally.verify_failures,

@@ -13,7 +13,7 @@ from lmcache_async import EngineConfig, InvalidInputError
 from lmcache_async.bench.loadgen.driver import max_in_flight, timed_run
 from lmcache_async.bench.loadgen.options import VLLM_OPERATIONS, LoadOptions
 from lmcache_async.bench.loadgen.results import load_results, vllm_results
-from lmcache_async.bench.loadgen.runner import CacheRunner, VllmRunner
+from lmcache_async.bench.loadgen.runner import CacheRunner, OnRequest, VllmRunner
 from lmcache_async.bench.loadgen.tally import Tally
 from lmcache_async.bench.loadgen.targets import open_target
 from lmcache_async.bench.vllm_target import open_vllm, read_model
@@ -28,6 +28,7 @@ async def run_load_async(
     config: EngineConfig,
     *,
     progress_stream: TextIO | None = None,
+    on_request: OnRequest | None = None,
 ) -> dict[str, Any]:
     """Run the workload against the target and return every figure as plain data.
 
@@ -36,6 +37,8 @@ async def run_load_async(
         config: the embedded engine's configuration (its ``chunk_size`` cuts the chunks);
             a sidecar has its own. With target ``vllm``, the connector's configuration.
         progress_stream: where progress goes when ``options.progress``; stderr when None.
+        on_request: told of each request that ended, with the run's tally (a test drives
+            faults from it); it runs on the event loop and must not block.
 
     Raises:
         InvalidInputError: the options are invalid, or the sidecar serves another
@@ -46,7 +49,7 @@ async def run_load_async(
     options.validate()
     stream = sys.stderr if progress_stream is None else progress_stream
     if options.target == "vllm":
-        return await _run_vllm(options, config, stream)
+        return await _run_vllm(options, config, stream, on_request)
     workload = options.make_workload()
     layout = options.layout()
     tally = Tally()
@@ -59,17 +62,18 @@ async def run_load_async(
             slots=in_flight,
             max_prompt_tokens=workload.max_prompt_tokens,
             tally=tally,
+            on_request=on_request,
         )
         wall = await timed_run(options, workload, runner, in_flight, tally=tally, stream=stream)
         stats = await target.stats()
-        # A failed or timed-out request is a miss to the caller; count them here.
+        # A failed or timed-out request is a miss to the caller, but it failed: count
+        # them here. A call made while the sidecar was unreachable is a plain miss.
         for name in ("failed_requests", "timed_out_requests"):
             if stats.get(name):
                 tally.errors[f"engine:{name}"] += int(stats[name])
         client = stats.get("client") or {}
-        for name in ("timeouts", "unavailable"):
-            if client.get(name):
-                tally.errors[f"sidecar:{name}"] += int(client[name])
+        if client.get("timeouts"):
+            tally.errors["sidecar:timeouts"] += int(client["timeouts"])
         finish = await target.finish()
         chunk_size = target.chunk_size
     return load_results(
@@ -86,7 +90,9 @@ async def run_load_async(
     )
 
 
-async def _run_vllm(options: LoadOptions, config: EngineConfig, stream: TextIO) -> dict[str, Any]:
+async def _run_vllm(
+    options: LoadOptions, config: EngineConfig, stream: TextIO, on_request: OnRequest | None
+) -> dict[str, Any]:
     """The workload against vLLM (see :func:`run_load_async`)."""
     model = read_model(options.model)
     # Prompt tokens must be token ids of the model.
@@ -106,7 +112,7 @@ async def _run_vllm(options: LoadOptions, config: EngineConfig, stream: TextIO) 
         settings, config, max_model_len=max_model_len, sidecar_url=sidecar_url
     ) as target:
         in_flight = max_in_flight(options, workload)
-        runner = VllmRunner(target, tally)
+        runner = VllmRunner(target, tally, on_request)
         wall = await timed_run(options, workload, runner, in_flight, tally=tally, stream=stream)
         try:
             stats = await target.stats()

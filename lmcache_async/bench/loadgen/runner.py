@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Final
 
 import anyio
@@ -22,12 +23,15 @@ from lmcache_async.bench.loadgen.targets import Target
 from lmcache_async.bench.vllm_target import VllmTarget
 from lmcache_async.bench.workloads import KVSource, Prompt, same_bytes
 
-__all__ = ["VERIFY_SAMPLE", "CacheRunner", "VllmRunner"]
+__all__ = ["VERIFY_SAMPLE", "CacheRunner", "OnRequest", "VllmRunner"]
 
 log = structlog.get_logger(__name__)
 
 VERIFY_SAMPLE: Final = 256
 """Random tokens checked per verified retrieve (besides each chunk's first and last)."""
+
+OnRequest = Callable[[Tally], None]
+"""Told of each request that ended (the tally counts it already); it must not block."""
 
 
 class CacheRunner:
@@ -42,8 +46,10 @@ class CacheRunner:
         slots: int,
         max_prompt_tokens: int,
         tally: Tally,
+        on_request: OnRequest | None = None,
     ) -> None:
         self.options = options
+        self.on_request = on_request
         self.layout = layout
         self.client = target.client
         self.chunk_size = target.chunk_size
@@ -184,14 +190,19 @@ class CacheRunner:
             samples["failed"].append(float(failed))
             for op_name, seconds in timing.items():
                 samples[f"{op_name}_ms"].append(seconds * 1e3)
+            if self.on_request is not None:
+                self.on_request(tally)
 
 
 class VllmRunner:
     """The steps of one request against vLLM: submit the prompt, time its first token."""
 
-    def __init__(self, target: VllmTarget, tally: Tally) -> None:
+    def __init__(
+        self, target: VllmTarget, tally: Tally, on_request: OnRequest | None = None
+    ) -> None:
         self.target = target
         self.tally = tally
+        self.on_request = on_request
         self.start = 0.0
 
     async def request(self, slot: int, prompt: Prompt, arrived: float) -> None:
@@ -238,3 +249,5 @@ class VllmRunner:
             samples["failed"].append(float(failed))
             for op_name, seconds in timing.items():
                 samples[f"{op_name}_ms"].append(seconds * 1e3)
+            if self.on_request is not None:
+                self.on_request(tally)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from lmcache_async import (
     CacheEngine,
@@ -22,12 +22,9 @@ from lmcache_async import (
     RemoteCacheEngine,
 )
 from lmcache_async.bench import plain_data
-from lmcache_async.bench.loadgen.options import LoadOptions
+from lmcache_async.bench.loadgen.options import SIDECAR_TIMEOUT, LoadOptions
 
 __all__ = ["SIDECAR_TIMEOUT", "Target", "open_target"]
-
-SIDECAR_TIMEOUT: Final = 30.0
-"""Seconds one sidecar request may take (a long prompt's KV is hundreds of MB)."""
 
 
 @dataclass(slots=True)
@@ -74,7 +71,7 @@ async def open_target(
         return
     url = str(options.url)
     async with RemoteCacheEngine.connect(
-        url, layout, model_name=options.model_name, timeout=SIDECAR_TIMEOUT
+        url, layout, model_name=options.model_name, timeout=options.sidecar_timeout
     ) as remote:
         chunk_size = remote.chunk_size
         if chunk_size is None:  # connect() has said hello, so this is a broken server
