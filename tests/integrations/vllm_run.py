@@ -14,6 +14,12 @@ caching off), so its time to first token can be measured with ``--ttft`` (a sepa
 every worker rank are fetched over the lookup socket (``instance_id`` must be in the
 config) and the per-request connector counts are reported (``request_stats`` is switched
 on).
+
+``--kv-load-failure-policy`` sets vLLM's policy for loads that fail after their count:
+``recompute`` (this script's default, which its existing callers rely on), ``fail``, or
+``vllm-default`` to leave vLLM's own default (``fail``) untouched. ``--null-connector`` runs
+with a connector that does nothing (tests/integrations/vllm_null_connector.py), the
+reference for outputs of runs whose connector loads nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Final
+
+POLICIES: Final = ("recompute", "fail", "vllm-default")
+"""``--kv-load-failure-policy`` values; ``vllm-default`` leaves vLLM's field unset."""
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -31,6 +40,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True, help="JSON file: a list of token lists")
     parser.add_argument("--connector-config", default=None, help="kv_connector_extra_config")
+    add_connector_options(parser, default_policy="recompute")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--logprobs", type=int, default=3)
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -45,6 +55,53 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "default: everything in this process, which starts much faster",
     )
     return parser.parse_args(argv)
+
+
+def add_connector_options(parser: argparse.ArgumentParser, *, default_policy: str) -> None:
+    """``--kv-load-failure-policy`` and ``--null-connector`` (shared by the runners)."""
+    parser.add_argument(
+        "--kv-load-failure-policy",
+        choices=POLICIES,
+        default=default_policy,
+        help=f"vLLM's policy for loads failing after their count (default {default_policy})",
+    )
+    parser.add_argument(
+        "--null-connector",
+        action="store_true",
+        help="run with a connector that does nothing (no --connector-config)",
+    )
+
+
+def kv_transfer_config(extra: dict[str, Any] | None, *, null: bool, policy: str) -> Any:
+    """vLLM's ``KVTransferConfig`` for the connector (``extra`` is its extra config) or for
+    the do-nothing connector (``null``); None for neither.
+
+    Raises:
+        ValueError: both a connector config and ``null``.
+    """
+    from vllm.config import KVTransferConfig
+
+    if null and extra is not None:
+        raise ValueError("--null-connector takes no --connector-config")
+    if not null and extra is None:
+        return None
+    kwargs: dict[str, Any] = {}
+    if policy != "vllm-default":
+        kwargs["kv_load_failure_policy"] = policy
+    if null:
+        return KVTransferConfig(
+            kv_connector="NullConnector",
+            kv_connector_module_path="tests.integrations.vllm_null_connector",
+            kv_role="kv_both",
+            **kwargs,
+        )
+    return KVTransferConfig(
+        kv_connector="LMCacheAsyncConnector",
+        kv_connector_module_path="lmcache_async.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+        **kwargs,
+    )
 
 
 def _logprobs(entries: Any) -> list[list[list[float]]]:
@@ -73,7 +130,6 @@ def main(argv: list[str]) -> int:
     if not args.multiprocess:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     with open(args.prompts, encoding="utf-8") as f:
@@ -83,13 +139,11 @@ def main(argv: list[str]) -> int:
     if args.connector_config is not None:
         extra = dict(json.loads(args.connector_config))
         extra.setdefault("request_stats", True)
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMCacheAsyncConnector",
-            kv_connector_module_path="lmcache_async.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-            kv_load_failure_policy="recompute",
-        )
+    transfer = kv_transfer_config(
+        extra, null=args.null_connector, policy=args.kv_load_failure_policy
+    )
+    if transfer is not None:
+        kwargs["kv_transfer_config"] = transfer
     if not args.multiprocess:
         kwargs["distributed_executor_backend"] = "uni"
     started = time.perf_counter()
