@@ -256,6 +256,21 @@ class SyncCacheEngine:
         result: torch.Tensor = self._call(self._engine.retrieve, tokens, **_with_stream(kwargs))
         return result
 
+    def retrieve_soon(
+        self, tokens: Tokens | None = None, *, timeout: float, **kwargs: Any
+    ) -> concurrent.futures.Future[torch.Tensor]:
+        """As :meth:`retrieve`, started and returned at once: the future is the mask, or
+        raises TierUnavailableError once the retrieve was cancelled at ``timeout`` seconds
+        (a copy under way finished first): once it is done, nothing more is written.
+        Raises InvalidInputError for a bad ``timeout``, EngineClosedError after close."""
+        _check_timeout("timeout", timeout)
+        if self._closed:
+            raise EngineClosedError("the cache engine is closed")
+        call = functools.partial(self._engine.retrieve, tokens, **_with_stream(kwargs))
+        future: concurrent.futures.Future[torch.Tensor]
+        future = self._portal.start_task_soon(_bounded, call, timeout)
+        return future
+
     def lookup(self, tokens: Tokens | None = None, **kwargs: Any) -> int:
         """As ``engine.lookup``; returns the cached prefix tokens."""
         result: int = self._call(self._engine.lookup, tokens, **kwargs)
