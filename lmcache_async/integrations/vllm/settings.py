@@ -26,29 +26,51 @@ from lmcache_async.tenants import check_tenant
 
 __all__ = [
     "CONNECTOR_KEYS",
+    "DEFAULT_LOAD_TIMEOUT",
+    "DEFAULT_PREFETCH_TIMEOUT",
     "REQUEST_STATS_KEY",
     "SIDECAR_ENGINE_KEYS",
     "ConnectorSettings",
+    "load_failure_policy_warning",
     "open_engine",
 ]
 
 log = structlog.get_logger(__name__)
 
+DEFAULT_PREFETCH_TIMEOUT: Final = 2.0
+"""Seconds the scheduler waits for a prefetch into host memory before counting what came."""
+
+DEFAULT_LOAD_TIMEOUT: Final = 5.0
+"""Seconds an asynchronous load may take before its blocks are reported invalid."""
+
 CONNECTOR_KEYS: Final = (
     "config_file",
     "instance_id",
+    "load_timeout",
     "lookup_timeout",
+    "prefetch_timeout",
+    "prefill_tokens_per_s",
     "request_stats",
     "sidecar_timeout",
     "sidecar_url",
     "socket_dir",
+    "store_decode_tokens",
     "tenant",
 )
 """``kv_connector_extra_config`` keys read by the connector itself, not by the engine:
 
 * ``config_file``: YAML file of engine settings (below the extra config in precedence);
 * ``instance_id``: names the lookup sockets (default: vLLM's ``engine_id``);
+* ``load_timeout``: seconds an asynchronous load (from host memory, between steps) may take
+  (default 5); what has not arrived by then is reported as invalid blocks, which vLLM
+  recomputes (with its ``kv_load_failure_policy="recompute"``);
 * ``lookup_timeout``: seconds the scheduler waits for the workers' answer (then 0 hits);
+* ``prefetch_timeout``: seconds the scheduler lets the workers bring a prompt's disk or
+  Redis hits into host memory before it counts what arrived (default 2); until then vLLM
+  is told to ask again and schedules other requests;
+* ``prefill_tokens_per_s``: the serving engine's prefill speed (a number > 0), which the
+  load-or-recompute decision weighs loads against; unset, the workers measure it from
+  vLLM's steps;
 * ``request_stats``: when true, each finished request's ``kv_transfer_params`` carry
   ``{"lmcache_async": {...}}`` with its external, loaded, failed and stored token counts;
 * ``sidecar_url``: ``ipc://PATH`` or ``tcp://HOST:PORT`` of a sidecar (``lmcache-async
@@ -58,6 +80,8 @@ CONNECTOR_KEYS: Final = (
 * ``sidecar_timeout``: seconds each request to the sidecar may take (default 5); a sidecar
   that does not answer in time is a miss;
 * ``socket_dir``: directory of the lookup sockets (default: the temporary directory);
+* ``store_decode_tokens``: when true, a finished request's generated tokens are stored too
+  (its whole chunks beyond the prompt, stored as it finishes; default false: prompts only);
 * ``tenant``: the tenant of requests without a ``cache_salt``; a request's tenant (its
   ``cache_salt``, else this) is bound into its chunk keys, so tenants never share cache
   entries.
@@ -83,6 +107,10 @@ class ConnectorSettings:
     request_stats: bool = False
     sidecar_url: str | None = None
     sidecar_timeout: float = DEFAULT_SIDECAR_TIMEOUT
+    prefetch_timeout: float = DEFAULT_PREFETCH_TIMEOUT
+    load_timeout: float = DEFAULT_LOAD_TIMEOUT
+    prefill_tokens_per_s: float | None = None
+    store_decode_tokens: bool = False
 
     @classmethod
     def from_extra_config(
@@ -118,9 +146,7 @@ class ConnectorSettings:
             except InvalidInputError as exc:
                 raise ConfigError("instance_id", str(exc)) from None
         timeout = _seconds(own, "lookup_timeout", DEFAULT_LOOKUP_TIMEOUT)
-        request_stats = own.get("request_stats", False)
-        if not isinstance(request_stats, bool):
-            raise ConfigError("request_stats", f"expected a bool, got {request_stats!r}")
+        request_stats = _flag(own, "request_stats")
         sidecar_url = _optional_str(own, "sidecar_url")
         if sidecar_url is not None:
             _check_sidecar(sidecar_url, engine, engine_keys)
@@ -135,6 +161,10 @@ class ConnectorSettings:
             request_stats=request_stats,
             sidecar_url=sidecar_url,
             sidecar_timeout=_seconds(own, "sidecar_timeout", DEFAULT_SIDECAR_TIMEOUT),
+            prefetch_timeout=_seconds(own, "prefetch_timeout", DEFAULT_PREFETCH_TIMEOUT),
+            load_timeout=_seconds(own, "load_timeout", DEFAULT_LOAD_TIMEOUT),
+            prefill_tokens_per_s=_speed(own, "prefill_tokens_per_s"),
+            store_decode_tokens=_flag(own, "store_decode_tokens"),
         )
 
 
@@ -148,6 +178,41 @@ def _seconds(values: Mapping[str, Any], key: str, default: float) -> float:
     ):
         raise ConfigError(key, f"expected a number of seconds > 0, got {value!r}")
     return float(value)
+
+
+def _speed(values: Mapping[str, Any], key: str) -> float | None:
+    value = values.get(key)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(key, f"expected a number of tokens per second > 0, got {value!r}")
+    return float(value)
+
+
+def _flag(values: Mapping[str, Any], key: str) -> bool:
+    value = values.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"expected a bool, got {value!r}")
+    return value
+
+
+def load_failure_policy_warning(policy: str | None) -> str | None:
+    """What vLLM's ``kv_load_failure_policy`` means for this connector's loads, when it is
+    worth a warning (``"fail"``, vLLM's default); None otherwise."""
+    if policy != "fail":
+        return None
+    return (
+        'kv_load_failure_policy is "fail" (vLLM\'s default). Promised hits are verified in '
+        "host memory before they are counted, so a corrupt or missing chunk never fails a "
+        "request; but a load that fails after its promise (e.g. a sidecar killed in "
+        'between) fails the request under "fail". Set kv_load_failure_policy="recompute" '
+        "to have vLLM recompute it instead."
+    )
 
 
 def _check_sidecar(url: str, engine: EngineConfig, engine_keys: Mapping[str, Any]) -> None:
