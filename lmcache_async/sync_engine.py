@@ -19,10 +19,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import inspect
-import math
 import threading
-from collections.abc import AsyncGenerator, Callable, Hashable, Sequence
+from collections.abc import AsyncGenerator, Callable, Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
@@ -32,13 +30,20 @@ import structlog
 import torch
 
 from .config import EngineConfig
-from .cuda_streams import current_stream
 from .engine import CacheEngine
 from .errors import EngineClosedError, InvalidInputError, TierUnavailableError
 from .events import KVEvent
 from .layouts import KVLayout
 from .promise import Promise
 from .stats import EngineStats
+from .sync_calls import (
+    SidecarLookups,
+    awaited,
+    bounded,
+    call_name,
+    check_timeout,
+    with_stream,
+)
 from .tokens import Tokens
 
 if TYPE_CHECKING:  # rpc sits above the engine: imported when a sidecar is used
@@ -115,7 +120,7 @@ class SyncCacheEngine:
             InvalidInputError: a bad ``call_timeout``; otherwise what CacheEngine.open
                 raises.
         """
-        _check_timeout("call_timeout", call_timeout, optional=True)
+        check_timeout("call_timeout", call_timeout, optional=True)
         context = functools.partial(
             CacheEngine.open,
             config,
@@ -157,8 +162,8 @@ class SyncCacheEngine:
         """
         from .rpc.client import RemoteCacheEngine  # noqa: PLC0415
 
-        _check_timeout("timeout", timeout)
-        _check_timeout("call_timeout", call_timeout, optional=True)
+        check_timeout("timeout", timeout)
+        check_timeout("call_timeout", call_timeout, optional=True)
         if call_timeout is None:
             call_timeout = _SIDECAR_CALL_ROUND_TRIPS * float(timeout)
         context = functools.partial(
@@ -233,27 +238,27 @@ class SyncCacheEngine:
         call = functools.partial(fn, *args, **kwargs)
         limit = self._call_timeout
         if limit is None:
-            return self._portal.call(_awaited, call)
-        future = self._portal.start_task_soon(_bounded, call, limit)
+            return self._portal.call(awaited, call)
+        future = self._portal.start_task_soon(bounded, call, limit)
         try:
             return future.result(timeout=limit + _STUCK_LOOP_GRACE)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            log.error("sync_engine_call_stuck", call=_name(fn), seconds=limit)
+            log.error("sync_engine_call_stuck", call=call_name(fn), seconds=limit)
             raise TierUnavailableError(
-                f"the cache engine's thread did not finish {_name(fn)} within {limit} s"
+                f"the cache engine's thread did not finish {call_name(fn)} within {limit} s"
             ) from None
 
     def store(self, tokens: Tokens | None = None, **kwargs: Any) -> int:
         """As ``engine.store``; returns the tokens stored. ``stream`` defaults to this
         thread's current stream of the caches' device."""
-        result: int = self._call(self._engine.store, tokens, **_with_stream(kwargs))
+        result: int = self._call(self._engine.store, tokens, **with_stream(kwargs))
         return result
 
     def retrieve(self, tokens: Tokens | None = None, **kwargs: Any) -> torch.Tensor:
         """As ``engine.retrieve``; returns the bool CPU mask of the tokens loaded.
         ``stream`` defaults to this thread's current stream of the caches' device."""
-        result: torch.Tensor = self._call(self._engine.retrieve, tokens, **_with_stream(kwargs))
+        result: torch.Tensor = self._call(self._engine.retrieve, tokens, **with_stream(kwargs))
         return result
 
     def retrieve_soon(
@@ -263,12 +268,12 @@ class SyncCacheEngine:
         raises TierUnavailableError once the retrieve was cancelled at ``timeout`` seconds
         (a copy under way finished first): once it is done, nothing more is written.
         Raises InvalidInputError for a bad ``timeout``, EngineClosedError after close."""
-        _check_timeout("timeout", timeout)
+        check_timeout("timeout", timeout)
         if self._closed:
             raise EngineClosedError("the cache engine is closed")
-        call = functools.partial(self._engine.retrieve, tokens, **_with_stream(kwargs))
+        call = functools.partial(self._engine.retrieve, tokens, **with_stream(kwargs))
         future: concurrent.futures.Future[torch.Tensor]
-        future = self._portal.start_task_soon(_bounded, call, timeout)
+        future = self._portal.start_task_soon(bounded, call, timeout)
         return future
 
     def lookup(self, tokens: Tokens | None = None, **kwargs: Any) -> int:
@@ -339,7 +344,7 @@ class SyncCacheEngine:
             EngineClosedError: after :meth:`close`.
         """
         engine = self._embedded("store_layer (layerwise transfer)")
-        iterator = self._call(engine.store_layer, tokens, **_with_stream(kwargs))
+        iterator = self._call(engine.store_layer, tokens, **with_stream(kwargs))
         return self._track(LayerSteps(self, iterator, engine.layout.num_layers + 1))
 
     def retrieve_layer(
@@ -355,7 +360,7 @@ class SyncCacheEngine:
             EngineClosedError: after :meth:`close`.
         """
         engine = self._embedded("retrieve_layer (layerwise transfer)")
-        iterator = self._call(engine.retrieve_layer, tokens, **_with_stream(kwargs))
+        iterator = self._call(engine.retrieve_layer, tokens, **with_stream(kwargs))
         return self._track(LayerSteps(self, iterator, engine.layout.num_layers + 1))
 
     def _track(self, steps: LayerSteps[T]) -> LayerSteps[T]:
@@ -394,7 +399,7 @@ class SyncCacheEngine:
             raise EngineClosedError("the cache engine is closed")
         answering: Any = self._engine
         if not isinstance(answering, CacheEngine):
-            answering = _SidecarLookups(answering)
+            answering = SidecarLookups(answering)
         context = self._portal.wrap_async_context_manager(
             LookupServer.serve(
                 answering,
@@ -530,85 +535,3 @@ class LayerSteps(Generic[T]):
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-class _SidecarLookups:
-    """What a :class:`~lmcache_async.rpc.lookup.LookupServer` needs of an engine (lookup,
-    lookup_unpin, stats), answered by a sidecar's client."""
-
-    def __init__(self, remote: RemoteCacheEngine) -> None:
-        self._remote = remote
-
-    async def lookup(
-        self,
-        tokens: Tokens | None = None,
-        *,
-        lookup_id: Hashable | None = None,
-        pin: bool = False,
-        hashes: Sequence[int | bytes] | None = None,
-        offsets: Sequence[int] | None = None,
-        tenant: str | None = None,
-    ) -> int:
-        return await self._remote.lookup(
-            tokens, lookup_id=lookup_id, pin=pin, hashes=hashes, offsets=offsets, tenant=tenant
-        )
-
-    async def promise(self, tokens: Tokens | None = None, **kwargs: Any) -> Promise:
-        return await self._remote.promise(tokens, **kwargs)
-
-    async def lookup_unpin(self, lookup_id: Hashable) -> None:
-        await self._remote.lookup_unpin(lookup_id)
-
-    def stats(self) -> dict[str, Any]:
-        """This client's view (the sidecar's own stats need a round trip: ask it)."""
-        remote = self._remote
-        return {
-            "sidecar": remote.url,
-            "healthy": remote.is_healthy(),
-            "shared_memory": remote.uses_shared_memory,
-            "chunk_size": remote.chunk_size,
-        }
-
-
-def _with_stream(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` of a store or retrieve with ``stream`` set, unless given, to the calling
-    thread's current stream of the caches' device (None for CPU caches): taken here,
-    because the engine runs the call on its own thread, whose current stream is another."""
-    if kwargs.get("stream") is None:
-        kwargs["stream"] = current_stream(kwargs.get("kv_caches"))
-    return kwargs
-
-
-async def _awaited(call: Callable[[], Any]) -> Any:
-    result = call()
-    if inspect.isawaitable(result):
-        result = await result
-    return result
-
-
-async def _bounded(call: Callable[[], Any], limit: float) -> Any:
-    """``call()`` awaited within ``limit`` seconds; cancelled (its cleanup awaited) then.
-
-    Raises:
-        TierUnavailableError: it did not finish in time.
-    """
-    with anyio.move_on_after(limit):
-        return await _awaited(call)
-    raise TierUnavailableError(f"{_name(call)} did not finish within {limit} s")
-
-
-def _name(fn: Callable[..., Any]) -> str:
-    inner = fn.func if isinstance(fn, functools.partial) else fn
-    return str(getattr(inner, "__name__", type(inner).__name__))
-
-
-def _check_timeout(name: str, value: object, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise InvalidInputError(f"{name} must be a positive number of seconds, got {value!r}")

@@ -97,6 +97,7 @@ LAYER_OF: Final[Mapping[str, str]] = {
     "distributed": "engine",
     "rpc": "rpc",
     "sync_engine": "sync_engine",
+    "sync_calls": "sync_engine",
     "integrations": "integrations",
     "cli": "cli/bench",
     "bench": "cli/bench",

@@ -208,10 +208,11 @@ class Promises:
         return chunks
 
     def _spent(self, entry: _Promised, lookup_id: Hashable) -> bool:
-        """Whether a given promise has lost its pins (loaded, released or expired)."""
-        return (
-            entry.final is not None and entry.pinned > 0 and not self._manager.holds_pins(lookup_id)
-        )
+        """Whether a given promise is stale: it pinned nothing (the chunks may be cached
+        since: ask again afresh), or lost its pins (loaded, released or expired)."""
+        if entry.final is None:
+            return False
+        return entry.pinned == 0 or not self._manager.holds_pins(lookup_id)
 
     def _settle(self, entry: _Promised, req_id: str | None) -> Promise:
         tokens = self._lookups.count_hits(entry.keys, entry.pinned, entry.ends, entry.num_tokens)
