@@ -10,13 +10,16 @@ from typing import Final
 __all__ = [
     "OTHER_TENANTS",
     "TENANT_TRAFFIC_TAGS",
+    "AdmissionStats",
     "Counters",
     "EngineStats",
+    "LoadCostStats",
     "PoolStats",
     "TenantCounters",
     "TenantStats",
     "TenantTraffic",
     "TenantUsage",
+    "TierSpeedStats",
     "TierStats",
 ]
 
@@ -88,6 +91,61 @@ class TierStats:
     tenants: Mapping[str, TenantUsage] = field(default_factory=lambda: MappingProxyType({}))
     """Usage by tenant tag (8 hex characters, :func:`lmcache_async.tenants.tag_hex`), for
     the tenants the tier has seen."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpeedStats:
+    """How fast one slow tier's reads were lately, as the load-or-recompute model sees it.
+
+    The model is ``seconds = latency_s + bytes / throughput_bytes_per_s`` per read call,
+    fit to recent reads (a moving average; the start probe's reads among the first).
+    """
+
+    throughput_bytes_per_s: float | None = None
+    """Payload bytes per second beyond the per-call latency; None until a read returned
+    bytes (``inf`` when the reads' time was all latency)."""
+    latency_s: float | None = None
+    """Seconds each read call costs whatever its size; None before any read."""
+    samples: int = 0
+    """Read calls measured (the start probe's too)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCostStats:
+    """The load-or-recompute decisions: each slow tier's measured speed, and what the
+    decisions promised and declined.
+
+    ``promised_tokens`` and ``declined_tokens`` are by tier: tokens of cached prefixes
+    worth loading, and tokens cached but cheaper to recompute (the sum of both is the
+    tokens the decisions found cached).
+    """
+
+    tiers: Mapping[str, TierSpeedStats] = field(default_factory=lambda: MappingProxyType({}))
+    prefill_tokens_per_s: float | None = None
+    """The serving engine's prefill speed the last decision used (None: unknown)."""
+    decisions: int = 0
+    cut_decisions: int = 0
+    """Decisions that declined part of what was cached."""
+    promised_tokens: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    declined_tokens: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionStats:
+    """Store admission to the slow tiers (``store_threshold``): a chunk goes to disk and
+    Redis only once its prefix was seen ``threshold`` times."""
+
+    threshold: int = 1
+    tracked_chunks: int = 0
+    """Chunks whose sightings are counted now (at most ``capacity``)."""
+    capacity: int = 0
+    """The most chunks counted at once (the least recently seen are forgotten)."""
+    admitted_chunks: int = 0
+    """Chunks a store put into the slow tiers at once."""
+    held_back_chunks: int = 0
+    """Chunks a store kept in the CPU tier only, seen too few times."""
+    written_behind_chunks: int = 0
+    """Chunks held back, then written to the slow tiers when a lookup saw them enough."""
 
 
 @dataclass(slots=True)
@@ -226,6 +284,10 @@ class EngineStats:
     healthy: bool
     frozen: bool
     hot_cache: bool
+    load_costs: LoadCostStats = field(default_factory=LoadCostStats)
+    """The load-or-recompute model: tier speeds and its decisions."""
+    admission: AdmissionStats = field(default_factory=AdmissionStats)
+    """Store admission to the slow tiers (``store_threshold``)."""
     tenants: Mapping[str, TenantStats] = field(default_factory=lambda: MappingProxyType({}))
     """Figures by tenant label: the tenant's name when this engine has keyed for it,
     ``"(none)"`` for the unnamed tenant, ``"tag:<8 hex>"`` for a tenant a tier holds that
