@@ -95,6 +95,7 @@ DEFAULT_STORE_LOCATION: Final = None
 DEFAULT_RETRIEVE_LOCATIONS: Final = None
 DEFAULT_WAIT_FOR_SLOW_TIERS: Final = False
 DEFAULT_SLOW_TIER_QUEUE_SIZE: Final = 64
+DEFAULT_STORE_THRESHOLD: Final = 1
 DEFAULT_HEALTH_CHECK_INTERVAL: Final = 1.0
 DEFAULT_REMOVE_AFTER_RETRIEVE: Final = False
 DEFAULT_USE_LAYERWISE: Final = False
@@ -121,6 +122,7 @@ _LOWER_BOUNDS: Final[Mapping[str, tuple[float, bool]]] = MappingProxyType(
         "remote_timeout": (0.0, False),
         "remote_ttl": (0.0, False),
         "slow_tier_queue_size": (1, True),
+        "store_threshold": (1, True),
         "health_check_interval": (0.0, False),
     }
 )
@@ -219,6 +221,12 @@ class EngineConfig:
     behind it through a bounded queue)."""
     slow_tier_queue_size: int = DEFAULT_SLOW_TIER_QUEUE_SIZE
     """Batches of chunks queued for each slow tier; beyond it writes are skipped, counted."""
+    store_threshold: int = DEFAULT_STORE_THRESHOLD
+    """Sightings of a chunk's prefix before it goes to disk and Redis (a lookup of a
+    prompt is one, a store of a chunk never seen one); until then a store keeps it in the
+    CPU tier only, and the lookup that brings it to the threshold writes it behind. 1:
+    every stored chunk goes to every tier at once. Sightings are counted for the chunks
+    of about eight CPU tiers (4096 to 262144 chunks), the least recently seen forgotten."""
     health_check_interval: float = DEFAULT_HEALTH_CHECK_INTERVAL
     """Seconds between probes of each slow tier."""
     remove_after_retrieve: bool = DEFAULT_REMOVE_AFTER_RETRIEVE

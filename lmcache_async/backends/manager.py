@@ -30,8 +30,10 @@ from ..keys import ChunkKey, ChunkSpan
 from ..memory import MemoryObj
 from ..stats import TierStats
 from . import erasure
+from .admission import Admission
 from .base import StorageBackend
 from .cpu import CPUBackend
+from .manager_admission import HeldWrites
 from .manager_pins import LookupPins
 from .pins import Clock, PinSets
 from .prefix import OnRead, chunk_keys, count_prefix, read_prefix
@@ -49,13 +51,15 @@ def _check_count(name: str, value: object, most: int) -> None:
         raise InvalidInputError(f"{name} must be an int from 0 to {most}, got {value!r}")
 
 
-class StorageManager(LookupPins):
+class StorageManager(LookupPins, HeldWrites):
     """Routes reads and writes to the tiers and keeps lookup pins.
 
     ``slow_tiers``: disk / Redis backends, fastest first. ``store_location`` and
     ``retrieve_locations`` name the tiers writes go to and reads come from (None: all).
     ``pin_timeout``: seconds after which pins a caller never released are released anyway.
     ``wait_for_slow_tiers``: stores wait for the slow tiers instead of writing behind.
+    ``admission``: which stored chunks go to the slow tiers at once (``store_threshold``;
+    None: all of them).
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class StorageManager(LookupPins):
         retrieve_locations: Sequence[str] | None = None,
         write_queue_size: int = 64,
         wait_for_slow_tiers: bool = False,
+        admission: Admission | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
         self._cpu = cpu
@@ -83,6 +88,7 @@ class StorageManager(LookupPins):
         self._want_read = None if retrieve_locations is None else tuple(retrieve_locations)
         self._write_queue_size = write_queue_size
         self._wait_for_slow = wait_for_slow_tiers
+        self._admission = admission
         self._tiers = TierSet(cpu)
         self._writers = TierWriters((), queue_size=write_queue_size, events=events)
         self.attach_slow_tiers(slow_tiers)
@@ -307,7 +313,9 @@ class StorageManager(LookupPins):
         ``tokens`` (the request's tokens, or None when keys came from engine block hashes)
         fill the KV events: one per tier written, all built from one copy of the tokens
         and sharing it. Nothing is written when frozen; the CPU tier keeps nothing new
-        with the hot cache off.
+        with the hot cache off. With admission (``store_threshold``), chunks the CPU tier
+        keeps and that were seen too few times are held back from the slow tiers
+        (:meth:`sighted` writes them behind later).
         """
         if self._frozen or not spans:
             return 0
@@ -315,19 +323,33 @@ class StorageManager(LookupPins):
         keys = [span.key for span in spans]
         stored = self._kv_events.stored(spans, tokens)  # built once, for every tier
         kept = 0
-        if self._cpu_writable(targets):
+        cpu_holds = self._cpu_writable(targets)
+        if cpu_holds:
             if self._cpu.put_nowait(keys, objs) and (event := stored.to(self._cpu.name)):
                 self._kv_events.add(event)
             kept = len(keys)
-        for tier in self._tiers.slow:
-            if tier.name not in targets or not tier.healthy():
-                continue
-            writer = self._writers[tier.name]
-            event = stored.to(tier.name)
-            if self._wait_for_slow:
-                kept = max(kept, await writer.write(keys, objs, event))
-            elif writer.submit(keys, objs, event):
-                kept = len(keys)
+        slow = [tier for tier in self._tiers.slow if tier.name in targets]
+        if not slow:
+            return kept
+        admission = self._admission
+        if admission is None or not cpu_holds:
+            parts = [(0, len(spans))]
+        else:
+            parts = self._admitted_parts(admission, spans, tuple(tier.name for tier in slow))
+        for start, stop in parts:
+            whole = stop - start == len(spans)
+            event_of = stored if whole else self._kv_events.stored(spans[start:stop], tokens)
+            part_keys = keys if whole else keys[start:stop]
+            part_objs = objs if whole else objs[start:stop]
+            for tier in slow:
+                if not tier.healthy():
+                    continue
+                writer = self._writers[tier.name]
+                event = event_of.to(tier.name)
+                if self._wait_for_slow:
+                    kept = max(kept, await writer.write(part_keys, part_objs, event))
+                elif writer.submit(part_keys, part_objs, event):
+                    kept = max(kept, stop)
         return kept
 
     async def flush(self, timeout: float) -> bool:
@@ -337,6 +359,8 @@ class StorageManager(LookupPins):
     def on_evicted(self, keys: list[ChunkKey]) -> None:
         """Record chunks the CPU tier dropped (eviction listener)."""
         self._kv_events.removed(keys, self._cpu.name)
+        if self._admission is not None:
+            self._admission.release(keys)  # nothing of theirs is left to write behind
 
     async def remove(self, keys: Sequence[ChunkKey], locations: Sequence[str] | None = None) -> int:
         """Forget ``keys`` in the named tiers (all by default); returns chunks removed."""
