@@ -6,6 +6,8 @@ is back."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,14 @@ def redis_config(url: str, **overrides: Any) -> EngineConfig:
     return EngineConfig(**values)
 
 
-def open_engine(url: str, **overrides: Any) -> Any:
-    return CacheEngine.open(redis_config(url, **overrides), layout(), model_name="redis-test")
+@asynccontextmanager
+async def open_engine(url: str, **overrides: Any) -> AsyncIterator[CacheEngine]:
+    """An engine over Redis, its start probe done (so its chunk is not counted)."""
+    async with CacheEngine.open(
+        redis_config(url, **overrides), layout(), model_name="redis-test"
+    ) as engine:
+        await engine._parts.probe.wait()
+        yield engine
 
 
 async def store(engine: CacheEngine, n: int, seed: int) -> int:

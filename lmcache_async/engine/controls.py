@@ -144,6 +144,7 @@ class TierControls(EngineBase):
             parts.events,
             healthy=self.is_healthy(),
             names=parts.hashers.names,
+            costs=parts.costs,
         )
 
     def tenant_stats(self, tenant: str | None = None) -> TenantStats:

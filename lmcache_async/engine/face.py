@@ -127,6 +127,7 @@ class CacheEngine(Queries, TierControls):
                 slow, interval=self.config.health_check_interval, timeout=self.config.remote_timeout
             )
             task_group.start_soon(self._watch_health, name="tier-health")
+        task_group.start_soon(self._parts.probe.run, name="tier-probe")
         self._parts.started = True
         log.info(
             "engine_started",
@@ -159,6 +160,7 @@ class CacheEngine(Queries, TierControls):
                 await self._parts.retrieve_pipe.wait_stopped()
         await self._parts.lookups.stop_reaping()
         self._parts.health_scope.cancel()
+        await self._parts.probe.stop()  # its chunk removed before the tiers close
         # Joining the copy and bridge threads blocks: do it off the event loop, and finish
         # it even when the closing task is being cancelled.
         with anyio.CancelScope(shield=True):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from anyio import CancelScope
 
+from ..backends.admission import Admission, admission_capacity
 from ..backends.cipher import RecordCipher
 from ..backends.cpu import CPUBackend
 from ..backends.manager import StorageManager
@@ -32,9 +33,11 @@ from ..pipelines.stage import Pipeline
 from ..pipelines.store import build_store_stages
 from ..stats import Counters
 from ..tenants import TenantNames
+from .costs import LoadCosts
 from .execute import Runner
 from .hashers import TenantHashers
 from .lookups import Lookups
+from .probe import TierProbe
 from .promises import Promises
 from .requests import RequestKeys
 from .tiers import check_tier_settings, record_cipher, tier_limits
@@ -69,6 +72,10 @@ class EngineParts:
     store_pipe: Pipeline
     retrieve_pipe: Pipeline
     promises: Promises
+    costs: LoadCosts
+    """The slow tiers' read speeds and the load-or-recompute decision."""
+    probe: TierProbe
+    """Seeds ``costs`` at start: a chunk written, read back and removed per slow tier."""
     cipher: RecordCipher | None = None
     """Seals disk and Redis records (config ``encryption_key_file``); None: in the clear."""
     health: HealthMonitor | None = None
@@ -134,6 +141,16 @@ def build_parts(
     check_tier_settings(config)
     cipher = record_cipher(config)  # the key file read once, before anything starts
     cpu = CPUBackend(pool, limits=tier_limits(config, "cpu"))
+    slow_names = [
+        name
+        for name, enabled in (("disk", config.local_disk), ("redis", config.remote_url))
+        if enabled is not None
+    ]
+    admission = None
+    if config.store_threshold > 1 and slow_names:
+        admission = Admission(
+            config.store_threshold, capacity=admission_capacity(pool.capacity_bytes, chunk_bytes)
+        )
     manager = StorageManager(
         cpu,
         events=events,
@@ -144,8 +161,16 @@ def build_parts(
         retrieve_locations=config.retrieve_locations,
         write_queue_size=config.slow_tier_queue_size,
         wait_for_slow_tiers=config.wait_for_slow_tiers,
+        admission=admission,
     )
     cpu.set_eviction_listener(manager.on_evicted)
+    costs = LoadCosts(
+        ["cpu", *slow_names],
+        chunk_size=config.chunk_size,
+        batch_chunks=config.pipeline_batch_chunks,
+    )
+    manager.set_read_observer(costs.observe)
+    probe = TierProbe(costs, pool, layout, lambda: manager.slow_tiers, chunk_size=config.chunk_size)
     counters = Counters()
     # CUDA copies to or from an unpinned arena (a shared-memory buffer, or pinning refused)
     # block the thread that queues them: they are queued off the event loop.
@@ -179,12 +204,20 @@ def build_parts(
         retrieve_timeout=config.retrieve_timeout,
         remove_after_retrieve=config.remove_after_retrieve,
     )
-    lookups = Lookups(config, manager, load, layerwise, counters, healthy=liveness)
+    lookups = Lookups(
+        config,
+        manager,
+        load,
+        layerwise,
+        counters,
+        healthy=liveness,
+        sighted=None if admission is None else manager.sighted,
+    )
     promises = Promises(
         manager,
         load,
         lookups,
-        costs=None,
+        costs=costs,
         chunk_size=config.chunk_size,
         token_bytes=layout.token_bytes,
         pin_timeout=config.pin_timeout,
@@ -237,6 +270,8 @@ def build_parts(
         store_pipe,
         retrieve_pipe,
         promises,
+        costs,
+        probe,
         cipher=cipher,
     )
     liveness.parts = parts

@@ -12,6 +12,7 @@ from ..stats import (
     OTHER_TENANTS,
     Counters,
     EngineStats,
+    LoadCostStats,
     TenantCounters,
     TenantStats,
     TenantTraffic,
@@ -19,6 +20,7 @@ from ..stats import (
     TierStats,
 )
 from ..tenants import TAG_BYTES, TenantNames, tag_hex
+from .costs import LoadCosts
 
 __all__ = ["engine_stats", "tenant_stats"]
 
@@ -31,9 +33,10 @@ def engine_stats(
     *,
     healthy: bool,
     names: TenantNames | None = None,
+    costs: LoadCosts | None = None,
 ) -> EngineStats:
     """A snapshot of traffic, memory, tiers and switches; with ``names``, the figures by
-    tenant labelled with them."""
+    tenant labelled with them; with ``costs``, the tier speeds and load decisions."""
     tiers = manager.tier_stats()
     cpu = tiers["cpu"]
     return EngineStats(
@@ -64,6 +67,8 @@ def engine_stats(
         healthy=healthy,
         frozen=manager.frozen,
         hot_cache=manager.hot_cache,
+        load_costs=LoadCostStats() if costs is None else costs.stats(),
+        admission=manager.admission_stats(),
         tenants=MappingProxyType(
             {} if names is None else tenant_stats(counters.tenants, tiers, names)
         ),

@@ -1,0 +1,192 @@
+"""The start probe: one chunk written, read back and removed on each far tier, timed.
+
+Until a slow tier has served reads, the load-or-recompute model knows nothing of its
+speed (and assumes it worth loading). :class:`TierProbe` seeds it at engine start, in the
+background: for each far tier (Redis), a read of a key that is not there (the latency of
+a call) and a read of a chunk it has just written (latency plus a chunk's bytes), fed to
+:meth:`~.costs.LoadCosts.observe` as the storage manager's observer feeds real reads;
+then the chunk is removed. The probe's key has a tag of its own (no tenant's name leads
+to it but by a 1 in 2³² chance) and 12 random bytes, so it never names a stored chunk and
+no two engines sharing a Redis meet on it; its payload is random values of the layout's
+dtype (what a codec makes of real KV, not of zeros), from the engine's pool.
+
+Each tier's probe is bounded by ``timeout``; a failure or timeout is logged and ignored.
+The tiers' own counters count the probe's calls (a put, a hit, a miss). The disk tier is
+not probed (:data:`UNPROBED_TIERS`): a chunk just written would be read back from the
+page cache, which says nothing of the disk (it would seed it as fast as memory, no better
+than "not measured", at the price of a write); its figures come from its real reads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import anyio
+import anyio.to_thread
+import blake3
+import structlog
+import torch
+
+from ..backends.base import StorageBackend
+from ..keys import ChunkKey
+from ..layouts import KVLayout
+from ..memory import MemoryObj, MemoryPool
+from ..tenants import TAG_BYTES
+from .costs import LoadCosts
+
+__all__ = ["DEFAULT_PROBE_TIMEOUT", "PROBE_TAG", "UNPROBED_TIERS", "TierProbe", "probe_key"]
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_PROBE_TIMEOUT: Final = 2.0
+"""Seconds each tier's probe may take."""
+
+PROBE_TAG: Final = blake3.blake3(b"lmcache_async/probe/v1\x00").digest(length=TAG_BYTES)
+"""The tag of the probe's keys (tenant tags come from another domain)."""
+
+UNPROBED_TIERS: Final = frozenset({"disk"})
+"""Tiers a write read back would not time (the page cache answers)."""
+
+_CLEANUP_TIMEOUT: Final = 1.0
+
+
+def probe_key() -> ChunkKey:
+    """A whole-chunk key no stored chunk has: the probe's tag and random bytes."""
+    return ChunkKey(PROBE_TAG + os.urandom(16 - TAG_BYTES))
+
+
+def _fill(tensor: torch.Tensor) -> None:
+    """Random values: normal ones for a float dtype torch can draw in, bytes otherwise."""
+    try:
+        tensor.normal_()
+    except (RuntimeError, NotImplementedError):
+        tensor.view(torch.uint8).random_(0, 120)  # finite in every 8-bit float format
+
+
+def _release(objs: Sequence[MemoryObj]) -> None:
+    for obj in objs:
+        obj.unref()
+
+
+class TierProbe:
+    """Probes each of ``tiers()`` (asked when it runs: the tiers are attached at start)
+    once, but those named in ``skip``, feeding ``costs``. :meth:`run` is the task body;
+    :meth:`stop` ends it and waits for its cleanup (bounded)."""
+
+    def __init__(
+        self,
+        costs: LoadCosts,
+        pool: MemoryPool,
+        layout: KVLayout,
+        tiers: Callable[[], Sequence[StorageBackend]],
+        *,
+        chunk_size: int,
+        timeout: float = DEFAULT_PROBE_TIMEOUT,
+        skip: frozenset[str] = UNPROBED_TIERS,
+    ) -> None:
+        self._costs = costs
+        self._pool = pool
+        self._shape = layout.payload_shape(chunk_size)
+        self._dtype = layout.dtype
+        self._tiers = tiers
+        self._timeout = timeout
+        self._skip = skip
+        self._scope = anyio.CancelScope()
+        self._done = anyio.Event()
+        self._began = False
+        self._stopped = False
+        self.probed: list[str] = []
+        """The tiers probed so far, in order (a tier whose probe failed is not)."""
+
+    async def run(self) -> None:
+        """Probe every tier in turn, unless stopped first (once: a second run returns)."""
+        if self._began:
+            return
+        if self._stopped:
+            self._done.set()
+            return
+        self._began = True
+        try:
+            with self._scope:
+                for tier in self._tiers():
+                    if tier.name not in self._skip and tier.healthy():
+                        await self._probe_bounded(tier)
+        finally:
+            self._done.set()
+
+    async def wait(self) -> None:
+        """Return once the probe has ended (or was stopped before it began)."""
+        await self._done.wait()
+
+    async def stop(self) -> None:
+        """End the probe and wait for it (its chunk is still removed, within a second),
+        even when the caller is being cancelled."""
+        self._stopped = True
+        self._scope.cancel()
+        if not self._began:
+            self._done.set()
+            return
+        with anyio.move_on_after(2 * _CLEANUP_TIMEOUT, shield=True):
+            await self.wait()
+
+    async def _probe_bounded(self, tier: StorageBackend) -> None:
+        try:
+            with anyio.move_on_after(self._timeout) as scope:
+                await self._probe(tier)
+            if scope.cancelled_caught:
+                log.warning("tier_probe_timed_out", tier=tier.name, timeout=self._timeout)
+        except Exception as exc:
+            log.warning("tier_probe_failed", tier=tier.name, error=str(exc))
+
+    async def _probe(self, tier: StorageBackend) -> None:
+        obj = self._pool.allocate_nowait(self._shape, self._dtype)
+        if obj is None:
+            log.info("tier_probe_skipped", tier=tier.name, reason="no_host_memory")
+            return
+        key = probe_key()
+        try:
+            await anyio.to_thread.run_sync(_fill, obj.tensor)
+            if not await tier.put([key], [obj]):
+                log.info("tier_probe_skipped", tier=tier.name, reason="not_stored")
+                return
+            try:
+                # The put opened the way (a connection, a directory): the reads time the
+                # tier, not its warming up.
+                miss = await self._timed_read(tier, probe_key())
+                hit = await self._timed_read(tier, key)
+            finally:
+                with anyio.move_on_after(_CLEANUP_TIMEOUT, shield=True):
+                    await tier.remove([key])
+        finally:
+            obj.unref()
+        if not hit[0]:
+            log.warning("tier_probe_unread", tier=tier.name)
+            return
+        self._costs.observe(tier.name, 0, miss[1])
+        self._costs.observe(tier.name, hit[0], hit[1])
+        self.probed.append(tier.name)
+        speed = self._costs.speed(tier.name)
+        log.info(
+            "tier_probed",
+            tier=tier.name,
+            latency_s=round(miss[1], 6),
+            read_s=round(hit[1], 6),
+            nbytes=hit[0],
+            throughput_bytes_per_s=None
+            if speed is None or not speed.per_byte
+            else math.floor(1 / speed.per_byte),
+        )
+
+    @staticmethod
+    async def _timed_read(tier: StorageBackend, key: ChunkKey) -> tuple[int, float]:
+        """The payload bytes one read call of ``key`` returned, and the seconds it took."""
+        began = time.perf_counter()
+        got = await tier.get_prefix([key])
+        elapsed = time.perf_counter() - began
+        nbytes = sum(obj.nbytes for obj in got)
+        _release(got)
+        return nbytes, elapsed
