@@ -8,8 +8,9 @@ the event loop, so a scrape reads the engine on the thread that changes it.
 
 Metric names start with ``lmcache_async_``: token, request and chunk counters
 (``*_total``), pool and tier gauges (bytes, chunks, usage, ``tier_healthy{tier}`` as 0/1),
-the ``request_latency_seconds{op}`` histogram and the series by tenant
-(:mod:`.metrics_tenants`, ``tenant_*{tenant}``, at most ``tenant_labels`` tenants labelled).
+the ``request_latency_seconds{op}`` histogram, the series by tenant
+(:mod:`.metrics_tenants`, ``tenant_*{tenant}``, at most ``tenant_labels`` tenants labelled)
+and those of tier read speeds, load decisions and store admission (:mod:`.metrics_costs`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from lmcache_async.errors import ConfigError, InvalidInputError
+from lmcache_async.rpc.metrics_costs import cost_metrics
 from lmcache_async.rpc.metrics_tenants import DEFAULT_TENANT_LABELS, TenantSeries
 from lmcache_async.stats import EngineStats
 from lmcache_async.tokens import is_strict_int
@@ -312,6 +314,7 @@ def _engine_metrics(s: EngineStats) -> Iterator[Metric]:
     yield _gauge("pool_usage_ratio", "Used over capacity of the host arena", usage)
 
     yield from _tier_metrics(s)
+    yield from cost_metrics(s)
 
 
 def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
