@@ -11,6 +11,7 @@ import anyio
 import pytest
 import redis
 
+from lmcache_async import Promise
 from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.engine.costs import LoadCosts
 from lmcache_async.engine.probe import PROBE_TAG, TierProbe, probe_key
@@ -20,7 +21,7 @@ from lmcache_async.tenants import TAG_BYTES, tenant_tag
 from tests.servers import RedisServer
 from tests.test_engine_redis import open_engine, retrieve_checked
 from tests.test_engine_redis import store as store_redis
-from tests.test_engine_tiers import TIMEOUT, engine_on, layout, retrieve, store
+from tests.test_engine_tiers import TIMEOUT, engine_on, layout, retrieve, store, tokens_of
 
 
 @pytest.mark.anyio
@@ -130,3 +131,32 @@ def test_probe_keys_carry_their_own_tag_and_never_repeat() -> None:
     assert all(key[:TAG_BYTES] == PROBE_TAG for key in keys)
     assert tenant_tag(None) != PROBE_TAG
     assert all(key.layer is None for key in keys)
+
+
+@pytest.mark.anyio
+async def test_promises_decline_what_is_cheaper_to_recompute(redis_server: RedisServer) -> None:
+    """Redis measured by the probe: against a prefill that is all but free nothing there is
+    worth loading; against a slow one all of it is."""
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(redis_server.url) as engine:
+            assert engine._parts.probe.probed == ["redis"]
+            assert await store_redis(engine, 64, 8) == 64
+            assert await engine.flush()
+            await engine.clear(locations=["cpu"])
+            prompt = tokens_of(64, 8)
+            fast = await engine.promise(prompt, lookup_id="fast", prefill_tokens_per_s=1e12)
+            assert fast == Promise(0, False)
+            costs = engine.stats().load_costs
+            assert dict(costs.declined_tokens) == {"redis": 64}
+            assert costs.prefill_tokens_per_s == 1e12
+            slow = await engine.promise(prompt, lookup_id="slow", prefill_tokens_per_s=1.0)
+            while slow.pending:
+                prefetch = engine._parts.core.load.prefetching("slow")
+                assert prefetch is not None
+                await prefetch.done.wait()
+                slow = await engine.promise(prompt, lookup_id="slow", prefill_tokens_per_s=1.0)
+            assert slow == Promise(64, False)
+            costs = engine.stats().load_costs
+            assert (costs.decisions, costs.cut_decisions) == (2, 1)
+            assert dict(costs.promised_tokens) == {"redis": 64}
+            await retrieve_checked(engine, 64, 8, 64)
