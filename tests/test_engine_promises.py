@@ -155,3 +155,22 @@ async def test_bad_arguments_are_refused_by_name(
             arguments: dict[str, object] = {"lookup_id": "r1", **kwargs}
             with pytest.raises(InvalidInputError, match=message):
                 await engine.promise(tokens_of(16, 1), **arguments)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_chunks_the_serving_engine_has_are_not_read(tmp_path: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path) as engine:
+            await store(engine, 64)
+        async with engine_on(tmp_path) as engine:
+            tokens = tokens_of(64, 1)
+            first = await engine.promise(tokens, lookup_id="r1", computed_tokens=2 * CHUNK + 3)
+            assert first.pending
+            prefetch = engine._parts.core.load.prefetching("r1")
+            assert prefetch is not None
+            await prefetch.done.wait()
+            assert await engine.promise(tokens, lookup_id="r1") == Promise(64, False)
+            stats = engine.stats()
+            assert stats.promoted_chunks == 2  # chunks 2 and 3: the one holding token 35 on
+            assert stats.pinned_chunks == 2
+            await engine.lookup_unpin("r1")

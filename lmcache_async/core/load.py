@@ -122,18 +122,22 @@ class LoadCore:
         lookup_id: Hashable,
         *,
         pinned: int = 0,
+        skip: int = 0,
     ) -> Prefetch | None:
         """Start reading ``keys`` (a prompt's leading hits) into host memory in the
         background, pinned for ``lookup_id`` until its load (or ``pin_timeout``); None when
         nothing was started (no keys, or not started). A prefetch under way for the same
         id is stopped first. ``pinned``: leading ``keys`` already pinned for the id (the
-        CPU tier's); those pins stay unless the prefetch gets further."""
+        CPU tier's); those pins stay unless the prefetch gets further. ``skip``: leading
+        ``keys`` not to read (the serving engine has their KV); counted as read."""
         if not keys or self._background is None:
             return None
         self.stop_prefetch(lookup_id)
         prefetch = Prefetch(chunks=pinned)
         self._prefetches[lookup_id] = prefetch
-        self._background.start_soon(self._prefetch, list(keys), locations, lookup_id, prefetch)
+        self._background.start_soon(
+            self._prefetch, list(keys), skip, locations, lookup_id, prefetch
+        )
         return prefetch
 
     def prefetching(self, lookup_id: Hashable) -> Prefetch | None:
@@ -151,6 +155,7 @@ class LoadCore:
     async def _prefetch(
         self,
         keys: list[bytes],
+        skip: int,
         locations: tuple[str, ...] | None,
         lookup_id: Hashable,
         prefetch: Prefetch,
@@ -161,17 +166,17 @@ class LoadCore:
                 if prefetch.stopped:
                     prefetch.scope.cancel()
                 step = self._batch_chunks
-                as_keys = chunk_keys(keys)
+                as_keys = chunk_keys(keys[skip:])
                 for start in range(0, len(as_keys), step):
                     batch = as_keys[start : start + step]
                     got = await self._manager.fetch_prefix(batch, locations)
                     objs.extend(got)
                     if len(got) < len(batch):
                         break
-            if not prefetch.abandoned and len(objs) > prefetch.chunks:
-                self._manager.pin_objects(keys[: len(objs)], objs, lookup_id)
+            if not prefetch.abandoned and skip + len(objs) > prefetch.chunks:
+                self._manager.pin_objects(keys[skip : skip + len(objs)], objs, lookup_id)
                 self._pins_changed()
-                prefetch.chunks = len(objs)
+                prefetch.chunks = skip + len(objs)
                 log.debug("prefetched", lookup_id=str(lookup_id), chunks=len(objs))
         except Exception:
             log.exception("prefetch_failed", lookup_id=str(lookup_id))

@@ -168,9 +168,15 @@ class Promises:
         worth = self._worth_loading(
             entry, runs, computed_tokens, prefill_tokens_per_s, req_id=req_id
         )
-        if worth > entry.pinned:
+        # Chunks wholly within what the serving engine has are not read (nor loaded).
+        skip = self._chunks_within(entry, computed_tokens, worth)
+        if worth > max(entry.pinned, skip):
             entry.prefetch = self._load.prefetch(
-                keys[:worth], locations, lookup_id, pinned=entry.pinned
+                keys[:worth],
+                locations,
+                lookup_id,
+                pinned=entry.pinned,
+                skip=skip if skip > entry.pinned else 0,
             )
         return entry
 

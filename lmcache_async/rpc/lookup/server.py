@@ -4,6 +4,7 @@ PING and STATS from its :class:`CacheEngine` on a ROUTER socket (asyncio only)."
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket as socketlib
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -262,6 +263,8 @@ class LookupServer:
         if len(message.payloads) != 1:
             raise ProtocolError("a promise carries exactly one token payload frame")
         speed = self._prefill_speed() if self._prefill_speed is not None else None
+        if speed is not None and not (isinstance(speed, int | float) and 0 < speed < math.inf):
+            speed = None  # a meter's odd reading never fails the scheduler's promise
         return await self._engine.promise(
             tokens_from_payload(message.payloads[0]),
             lookup_id=lookup_id,
