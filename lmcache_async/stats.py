@@ -204,6 +204,10 @@ class Counters:
     partial_stores: int = 0
     failed_requests: int = 0
     timed_out_requests: int = 0
+    promises: int = 0
+    promised_tokens: int = 0
+    promises_cut_short: int = 0
+    promise_shortfall_tokens: int = 0
     tenants: TenantCounters = field(default_factory=TenantCounters)
     """Lookups by tenant."""
 
@@ -284,6 +288,15 @@ class EngineStats:
     healthy: bool
     frozen: bool
     hot_cache: bool
+    promises: int = 0
+    """Promises given (:meth:`CacheEngine.promise`: their final answers)."""
+    promised_tokens: int = 0
+    """Prompt tokens those promises counted, verified in host memory."""
+    promises_cut_short: int = 0
+    """Promises whose prefetch the scheduler stopped (``finish``) before it was done."""
+    promise_shortfall_tokens: int = 0
+    """Tokens the cost model chose to load that did not arrive verified (corrupt, gone,
+    no memory, cut short): the serving engine recomputes them."""
     load_costs: LoadCostStats = field(default_factory=LoadCostStats)
     """The load-or-recompute model: tier speeds and its decisions."""
     admission: AdmissionStats = field(default_factory=AdmissionStats)

@@ -84,6 +84,8 @@ async def test_a_bad_file_ends_the_promise_before_it(tmp_path: Path, damage: str
             await retrieve(engine, 64, 2 * CHUNK, lookup_id="r1")
             stats = engine.stats()
             assert stats.pinned_chunks == 0
+            assert (stats.promises, stats.promised_tokens) == (1, 2 * CHUNK)
+            assert stats.promise_shortfall_tokens == 2 * CHUNK  # chosen, never verified
             if damage != "delete":
                 assert stats.tiers["disk"].corrupt == 1
                 assert not victim.exists()
@@ -98,6 +100,7 @@ async def test_finish_stops_the_reading_and_promises_what_arrived(tmp_path: Path
             assert (await engine.promise(tokens_of(64, 1), lookup_id="r1")).pending
             final = await engine.promise(tokens_of(64, 1), lookup_id="r1", finish=True)
             assert not final.pending
+            assert engine.stats().promises_cut_short == 1
             assert final.tokens % CHUNK == 0
             assert engine.stats().pinned_chunks == final.tokens // CHUNK
             assert engine._parts.core.load.prefetching("r1") is not None  # the load waits on it

@@ -217,6 +217,7 @@ def build_parts(
         manager,
         load,
         lookups,
+        counters,
         costs=costs,
         chunk_size=config.chunk_size,
         token_bytes=layout.token_bytes,

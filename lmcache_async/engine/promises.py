@@ -25,6 +25,7 @@ import structlog
 from ..backends.manager import StorageManager
 from ..core import LoadCore, Prefetch
 from ..promise import Promise
+from ..stats import Counters
 from .lookups import Lookups
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class _Promised:
     num_tokens: int
     deadline: float  # when its pins expire (pin_timeout), the entry with them
     pinned: int  # leading chunks pinned so far
+    wanted: int = 0  # leading chunks the cost model chose to load
     prefetch: Prefetch | None = None
     final: Promise | None = None
 
@@ -60,6 +62,7 @@ class Promises:
         manager: StorageManager,
         load: LoadCore,
         lookups: Lookups,
+        counters: Counters,
         *,
         costs: LoadCosts | None,
         chunk_size: int,
@@ -70,6 +73,7 @@ class Promises:
         self._manager = manager
         self._load = load
         self._lookups = lookups
+        self._counters = counters
         self._costs = costs
         self._chunk_size = chunk_size
         self._token_bytes = token_bytes
@@ -129,6 +133,7 @@ class Promises:
             if not finish:
                 return Promise(self._tokens(entry, entry.pinned), True)
             prefetch.stop()
+            self._counters.promises_cut_short += 1
             await prefetch.done.wait()  # stopping ends the reads at once; what came is pinned
         if prefetch is not None:
             entry.pinned = prefetch.chunks
@@ -168,6 +173,7 @@ class Promises:
         worth = self._worth_loading(
             entry, runs, computed_tokens, prefill_tokens_per_s, req_id=req_id
         )
+        entry.wanted = worth
         # Chunks wholly within what the serving engine has are not read (nor loaded).
         skip = self._chunks_within(entry, computed_tokens, worth)
         if worth > max(entry.pinned, skip):
@@ -223,6 +229,11 @@ class Promises:
     def _settle(self, entry: _Promised, req_id: str | None) -> Promise:
         tokens = self._lookups.count_hits(entry.keys, entry.pinned, entry.ends, entry.num_tokens)
         entry.final = Promise(tokens, False)
+        counters = self._counters
+        counters.promises += 1
+        counters.promised_tokens += tokens
+        if entry.wanted > entry.pinned:
+            counters.promise_shortfall_tokens += self._tokens(entry, entry.wanted) - tokens
         log.debug("promised", req_id=req_id, tokens=tokens, chunks=entry.pinned)
         return entry.final
 

@@ -67,6 +67,10 @@ def engine_stats(
         healthy=healthy,
         frozen=manager.frozen,
         hot_cache=manager.hot_cache,
+        promises=counters.promises,
+        promised_tokens=counters.promised_tokens,
+        promises_cut_short=counters.promises_cut_short,
+        promise_shortfall_tokens=counters.promise_shortfall_tokens,
         load_costs=LoadCostStats() if costs is None else costs.stats(),
         admission=manager.admission_stats(),
         tenants=MappingProxyType(

@@ -283,6 +283,16 @@ def _engine_metrics(s: EngineStats) -> Iterator[Metric]:
     yield _counter("partial_stores", "Stores cut short for lack of memory", s.partial_stores)
     yield _counter("failed_requests", "Requests that failed", s.failed_requests)
     yield _counter("timed_out_requests", "Requests that ran out of time", s.timed_out_requests)
+    yield _counter("promises", "Promises given to schedulers", s.promises)
+    yield _counter("promised_tokens", "Tokens promised, verified in host memory", s.promised_tokens)
+    yield _counter(
+        "promises_cut_short", "Promises whose prefetch the scheduler stopped", s.promises_cut_short
+    )
+    yield _counter(
+        "promise_shortfall_tokens",
+        "Tokens chosen for loading that did not arrive verified",
+        s.promise_shortfall_tokens,
+    )
     yield _counter("evicted_chunks", "Chunks the CPU tier evicted", s.evicted_chunks)
     yield _counter("expired_pins", "Lookup pins released by timeout", s.expired_pins)
     yield _counter("promoted_chunks", "Chunks read from a slow tier into CPU", s.promoted_chunks)
