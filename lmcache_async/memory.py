@@ -10,7 +10,10 @@ copied in a single transfer.
 Allocation is asynchronous: :meth:`MemoryPool.allocate` waits, bounded by a timeout, until
 pages are returned by :meth:`MemoryObj.unref` or released by the *evictor* (the CPU tier's
 hook that evicts unpinned, unreferenced entries). Waiters are served strictly in FIFO order,
-so a large request is never starved by a stream of small ones.
+so a large request is never starved by a stream of small ones. Inside an
+:class:`~lmcache_async.memory_budget.AllocationBudget`'s scope the waits of one request
+share one allowance, and a batch that has taken memory does not wait for more
+(:mod:`lmcache_async.memory_budget`).
 
 Threading: a pool and its objects belong to one event-loop thread. ``allocate*``,
 ``ref``/``unref``, ``pin``/``unpin`` and ``close`` must be called from that thread (a worker
@@ -38,10 +41,20 @@ import torch
 
 from lmcache_async.errors import AllocationTimeoutError, EngineClosedError, InvalidInputError
 from lmcache_async.memory_arena import Buffer, alignment_skip, buffer_tensor, host_arena
+from lmcache_async.memory_budget import AllocationBudget, current_budget, waited_in_vain
 from lmcache_async.memory_obj import MemoryObj
 from lmcache_async.stats import PoolStats
 
-__all__ = ["DEFAULT_PAGE_SIZE", "Evictor", "MemoryObj", "MemoryPool", "PoolStats"]
+__all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "AllocationBudget",
+    "Evictor",
+    "MemoryObj",
+    "MemoryPool",
+    "PoolStats",
+    "current_budget",
+    "waited_in_vain",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +82,66 @@ class _Request(NamedTuple):
     itemsize: int
     nbytes: int
     npages: int
+
+
+class _Requests:
+    """Allocation requests checked against one arena's pages; payload shapes repeat (one
+    per chunk length), so each one's check is remembered."""
+
+    def __init__(self, arena: torch.Tensor, page_size: int, num_pages: int) -> None:
+        self._arena = arena
+        self._page_size = page_size
+        self._num_pages = num_pages
+        self._itemsizes: dict[torch.dtype, int] = {}
+        self._known: dict[tuple[tuple[int, ...], torch.dtype], _Request] = {}
+
+    def check(self, shape: Sequence[int], dtype: torch.dtype) -> _Request:
+        """The request's dims, strides, exact byte size and page count.
+
+        Raises:
+            InvalidInputError: a bad shape or dtype, or more than the whole arena.
+        """
+        key = (shape, dtype) if type(shape) is tuple else None
+        if key is not None and (known := self._known.get(key)) is not None:
+            return known
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidInputError(f"dtype must be a torch.dtype, got {dtype!r}")
+        try:
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError as exc:
+            raise InvalidInputError(f"shape must be a sequence of ints, got {shape!r}") from exc
+        if any(d < 0 for d in dims):
+            raise InvalidInputError(f"shape has a negative dimension: {dims}")
+        itemsize = self._itemsize(dtype)
+        nbytes = math.prod(dims) * itemsize
+        if nbytes == 0:
+            raise InvalidInputError(f"zero-size allocations are not supported: shape {dims}")
+        npages = -(-nbytes // self._page_size)
+        if npages > self._num_pages:
+            raise InvalidInputError(
+                f"request of {nbytes} bytes exceeds the pool capacity of "
+                f"{self._num_pages * self._page_size} bytes"
+            )
+        strides = [1] * len(dims)
+        for i in range(len(dims) - 2, -1, -1):
+            strides[i] = strides[i + 1] * dims[i + 1]
+        request = _Request(dims, tuple(strides), dtype, itemsize, nbytes, npages)
+        if key is not None and len(self._known) < _MAX_REMEMBERED_SHAPES:
+            self._known[key] = request
+        return request
+
+    def _itemsize(self, dtype: torch.dtype) -> int:
+        size = self._itemsizes.get(dtype)
+        if size is None:
+            try:
+                self._arena[:0].view(dtype)
+            except RuntimeError as exc:
+                raise InvalidInputError(f"unsupported dtype {dtype}: {exc}") from exc
+            size = dtype.itemsize
+            if size <= 0:
+                raise InvalidInputError(f"unsupported dtype {dtype}")
+            self._itemsizes[dtype] = size
+        return size
 
 
 class _Waiter:
@@ -152,9 +225,7 @@ class MemoryPool:
         self._num_objects = 0
         self._pinned = 0
         self._waiters: deque[_Waiter] = deque()
-        self._itemsizes: dict[torch.dtype, int] = {}
-        # Payload shapes repeat (one per chunk length), so their validation is remembered.
-        self._requests: dict[tuple[tuple[int, ...], torch.dtype], _Request] = {}
+        self._requests = _Requests(self._arena, page_size, num_pages)
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         log.debug(
             "memory_pool_created",
@@ -244,6 +315,9 @@ class MemoryPool:
         page = self._take(request.npages)
         if page is None:
             return None
+        budget = current_budget()
+        if budget is not None:
+            budget.took(0.0)
         return self._make_obj(page, request)
 
     async def allocate(
@@ -258,6 +332,9 @@ class MemoryPool:
         Waiting callers queue in FIFO order; only the head of the queue is retried (asking
         the evictor again) each time pages are freed, a reference is dropped or a pin is
         released. Cancelling a waiting call removes it from the queue and leaks nothing.
+        Inside an :class:`~lmcache_async.memory_budget.AllocationBudget`'s scope the wait
+        is at most what the budget allows now (possibly none: then the payload is had at
+        once or not at all).
 
         Raises:
             InvalidInputError: bad shape, dtype or timeout, or a request larger than the
@@ -273,12 +350,40 @@ class MemoryPool:
         npages = request.npages
         await anyio.lowlevel.checkpoint_if_cancelled()
         self._check_open()
+        budget = current_budget()
+        if budget is not None:
+            timeout = budget.allowed_wait(timeout)
         if not self._waiters:
             page = self._take(npages)
             if page is not None:
+                if budget is not None:
+                    budget.took(0.0)
                 return self._make_obj(page, request)
+        waited = 0.0
+        if timeout > 0:
+            began = anyio.current_time()
+            obj = await self._wait(request, timeout)
+            waited = anyio.current_time() - began
+            if obj is not None:
+                if budget is not None:
+                    budget.took(waited)
+                return obj
+        if budget is not None:
+            budget.missed(waited)
+        log.debug(
+            "allocation_timeout",
+            nbytes=request.nbytes,
+            timeout=timeout,
+            free_bytes=self._free_pages * self._page_size,
+            waiters=len(self._waiters),
+        )
+        raise AllocationTimeoutError(
+            f"no room for {request.nbytes} bytes ({npages} pages) within {timeout:.3g} s"
+        )
 
-        waiter = _Waiter(npages)
+    async def _wait(self, request: _Request, timeout: float) -> MemoryObj | None:
+        """Queue for room, FIFO, for at most ``timeout`` seconds; None when none came."""
+        waiter = _Waiter(request.npages)
         self._waiters.append(waiter)
         try:
             with anyio.move_on_after(timeout):
@@ -288,7 +393,7 @@ class MemoryPool:
                     if self._waiters[0] is not waiter:
                         waiter.event = anyio.Event()
                         continue
-                    page = self._take(npages)
+                    page = self._take(request.npages)
                     if page is not None:
                         return self._make_obj(page, request)
                     # Nothing can change between the failed attempt and the wait below (no
@@ -299,16 +404,7 @@ class MemoryPool:
             self._waiters.remove(waiter)
             if was_head:
                 self._wake_head()
-        log.debug(
-            "allocation_timeout",
-            nbytes=request.nbytes,
-            timeout=timeout,
-            free_bytes=self._free_pages * self._page_size,
-            waiters=len(self._waiters),
-        )
-        raise AllocationTimeoutError(
-            f"no room for {request.nbytes} bytes ({npages} pages) within {timeout} s"
-        )
+        return None
 
     def stats(self) -> PoolStats:
         """Return a snapshot of occupancy (O(number of free runs))."""
@@ -351,47 +447,7 @@ class MemoryPool:
     def _check_request(self, shape: Sequence[int], dtype: torch.dtype) -> _Request:
         """Validate a request; return its dims, strides, exact byte size and page count."""
         self._check_open()
-        key = (shape, dtype) if type(shape) is tuple else None
-        if key is not None and (known := self._requests.get(key)) is not None:
-            return known
-        if not isinstance(dtype, torch.dtype):
-            raise InvalidInputError(f"dtype must be a torch.dtype, got {dtype!r}")
-        try:
-            dims = tuple(operator.index(d) for d in shape)
-        except TypeError as exc:
-            raise InvalidInputError(f"shape must be a sequence of ints, got {shape!r}") from exc
-        if any(d < 0 for d in dims):
-            raise InvalidInputError(f"shape has a negative dimension: {dims}")
-        itemsize = self._itemsize(dtype)
-        nbytes = math.prod(dims) * itemsize
-        if nbytes == 0:
-            raise InvalidInputError(f"zero-size allocations are not supported: shape {dims}")
-        npages = -(-nbytes // self._page_size)
-        if npages > self._num_pages:
-            raise InvalidInputError(
-                f"request of {nbytes} bytes exceeds the pool capacity of "
-                f"{self.capacity_bytes} bytes"
-            )
-        strides = [1] * len(dims)
-        for i in range(len(dims) - 2, -1, -1):
-            strides[i] = strides[i + 1] * dims[i + 1]
-        request = _Request(dims, tuple(strides), dtype, itemsize, nbytes, npages)
-        if key is not None and len(self._requests) < _MAX_REMEMBERED_SHAPES:
-            self._requests[key] = request
-        return request
-
-    def _itemsize(self, dtype: torch.dtype) -> int:
-        size = self._itemsizes.get(dtype)
-        if size is None:
-            try:
-                self._arena[:0].view(dtype)
-            except RuntimeError as exc:
-                raise InvalidInputError(f"unsupported dtype {dtype}: {exc}") from exc
-            size = dtype.itemsize
-            if size <= 0:
-                raise InvalidInputError(f"unsupported dtype {dtype}")
-            self._itemsizes[dtype] = size
-        return size
+        return self._requests.check(shape, dtype)
 
     def _make_obj(self, page: int, request: _Request) -> MemoryObj:
         typed = self._typed.get(request.dtype)

@@ -36,7 +36,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final
+from typing import Final, TypeAlias
 
 import anyio
 import anyio.to_thread
@@ -49,7 +49,7 @@ from ..errors import (
     TierError,
 )
 from ..keys import ChunkKey
-from ..memory import MemoryObj, MemoryPool
+from ..memory import MemoryObj, MemoryPool, current_budget, waited_in_vain
 from ..stats import TierStats
 from ..tenants import TenantLimits, tag_hex
 from .base import StorageBackend, leading_run
@@ -74,6 +74,10 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_HEALTH_TIMEOUT: Final = 5.0
 """Seconds :meth:`DiskBackend.check_health` waits for its probe write and read."""
+
+
+_Job: TypeAlias = tuple[int, bytes, DiskEntry, MemoryObj]
+"""A read to do: the key's position in the get, the key, its index entry, its object."""
 
 
 class _State(enum.Enum):
@@ -221,31 +225,28 @@ class DiskBackend(StorageBackend):
         unreadable files and keys left when the pool had no room in time are ``None``.
         The files are read in worker threads (two for a large get, so one verifies while
         the other reads), straight into pool memory when the payload is stored uncompressed.
+        Under a request's :class:`~lmcache_async.memory.AllocationBudget` the memory comes
+        within it, and nothing is read once the request can take no more.
 
         Raises:
             EngineClosedError: the tier or the pool is closed.
         """
         self._check_open()
         out: list[MemoryObj | None] = [None] * len(keys)
-        jobs: list[tuple[int, bytes, DiskEntry, MemoryObj]] = []
+        budget = current_budget()
+        if budget is not None and budget.exhausted:
+            return out  # nothing read would find room: not a miss, so not counted
+        jobs: list[_Job] = []
         settled = False
         try:
-            for i, key in enumerate(keys):
-                entry = self._index.get(key)
-                if entry is None:
-                    continue
-                try:
-                    obj = await self._pool.allocate(
-                        entry.shape, self._spec.dtype, timeout=self._allocation_timeout
-                    )
-                except AllocationTimeoutError:
-                    log.warning(
-                        "disk_tier_allocation_timeout",
-                        keys=len(keys) - i,
-                        timeout=self._allocation_timeout,
-                    )
-                    break
-                jobs.append((i, key, entry, obj))
+            await _allocate(
+                self._pool,
+                self._spec,
+                self._index,
+                keys,
+                timeout=self._allocation_timeout,
+                jobs=jobs,
+            )
             if jobs:
                 reads = [(key, obj.tensor) for _, key, _, obj in jobs]
                 nbytes = sum(obj.nbytes for *_, obj in jobs)
@@ -484,10 +485,35 @@ class DiskBackend(StorageBackend):
             raise EngineClosedError(f"disk tier is {self._state.value}, not open")
 
 
+async def _allocate(
+    pool: MemoryPool,
+    spec: RecordSpec,
+    index: DiskIndex,
+    keys: Sequence[ChunkKey],
+    *,
+    timeout: float,
+    jobs: list[_Job],
+) -> None:
+    """A pool object for each key ``index`` holds, in order, into ``jobs``; stops at the
+    first that gets no memory in time."""
+    for i, key in enumerate(keys):
+        entry = index.get(key)
+        if entry is None:
+            continue
+        try:
+            obj = await pool.allocate(entry.shape, spec.dtype, timeout=timeout)
+        except AllocationTimeoutError:
+            (log.warning if waited_in_vain() else log.debug)(
+                "disk_tier_allocation_timeout", keys=len(keys) - i, timeout=timeout
+            )
+            return
+        jobs.append((i, key, entry, obj))
+
+
 def _settle_reads(
     index: DiskIndex,
     counts: TierCounters,
-    jobs: list[tuple[int, bytes, DiskEntry, MemoryObj]],
+    jobs: list[_Job],
     outcomes: list[ReadOutcome],
     out: list[MemoryObj | None],
 ) -> None:

@@ -32,7 +32,7 @@ import structlog
 
 from ..errors import ConfigError, InvalidInputError, TierError
 from ..keys import ChunkKey
-from ..memory import MemoryObj, MemoryPool
+from ..memory import MemoryObj, MemoryPool, current_budget
 from ..stats import TierStats
 from ..tenants import TenantLimits
 from .base import StorageBackend, leading_run
@@ -256,11 +256,18 @@ class RedisBackend(StorageBackend):
 
     async def _get(self, keys: Sequence[ChunkKey], *, prefix: bool) -> list[MemoryObj | None]:
         """Fetch and load ``keys`` batch by batch; with ``prefix``, stop at the batch with
-        the first value missing or corrupt, and load nothing past that value."""
+        the first value missing or corrupt, and load nothing past that value. Under a
+        request's :class:`~lmcache_async.memory.AllocationBudget`, no batch is fetched
+        once the request can take no more memory (its values would find no room)."""
         out: list[MemoryObj | None] = [None] * len(keys)
         batches = self._batches(len(keys))
+        budget = current_budget()
+        if budget is not None and budget.exhausted:
+            return out
 
         async def fetch(n: int) -> list[bytes | None]:
+            if budget is not None and budget.exhausted:
+                return [None] * len(batches[n])  # loads nothing: the run stops here
             rkeys = [self._key(keys[i]) for i in batches[n]]
             return await self._conn.get_values(rkeys, len(rkeys) * self._chunk_bytes)
 

@@ -25,7 +25,7 @@ import structlog
 
 from ..errors import AllocationTimeoutError, ForeignRecordError, IntegrityError
 from ..keys import ChunkKey
-from ..memory import MemoryObj, MemoryPool
+from ..memory import MemoryObj, MemoryPool, waited_in_vain
 from .record import RecordHeader, RecordSpec
 from .redis_conn import WRITE_PIECE
 
@@ -233,7 +233,7 @@ class RecordLoader:
                         header.shape, self._spec.dtype, timeout=self._allocation_timeout
                     )
                 except AllocationTimeoutError:
-                    log.warning(
+                    (log.warning if waited_in_vain() else log.debug)(
                         "redis_get_allocation_timeout",
                         loaded=len(loaded),
                         skipped=len(keys) - index,
