@@ -138,7 +138,14 @@ class Connection:
         """
         assert self._context is not None and self._task_group is not None
         identity = f"{self._label}/{next(self._serial)}/{secrets.token_hex(4)}".encode()
-        link = Link(self._context, self.url, identity, self._server_key, self._limits)
+        link = Link(
+            self._context,
+            self.url,
+            identity,
+            self._server_key,
+            self._limits,
+            on_disconnect=self._disconnected,
+        )
         self._links.add(link)
         try:
             reply = await link.request(MessageType.HELLO, self._hello, timeout=self.timeout)
@@ -206,6 +213,15 @@ class Connection:
     def _close_link(self, link: Link) -> None:
         self._links.discard(link)
         link.close()
+
+    def _disconnected(self, link: Link) -> None:
+        """The connection under ``link`` dropped (the sidecar died or restarted): its
+        requests end now, as misses, and the keeper says hello again (to a hello in
+        flight, the same: it fails now and is retried)."""
+        if link is self.link:
+            self._lost(link, "the connection to the sidecar dropped")
+        elif link in self._links:
+            self._close_link(link)
 
     def _lost(self, link: Link, reason: str) -> None:
         """Give up on ``link`` (calls are misses) and let the keeper reconnect."""
@@ -285,17 +301,18 @@ class Connection:
         payloads: Sequence[object] = (),
         *,
         meanwhile: Callable[[], object] | None = None,
+        timeout: float | None = None,
     ) -> Message:
-        """A request on ``link``; a timeout or lost session gives up the link.
+        """A request on ``link``, waiting ``timeout`` seconds (default: the client's) for
+        its reply; a timeout or lost session gives up the link.
 
         Raises:
             Unavailable, InvalidInputError, ProtocolError: as :meth:`Link.request`.
         """
         self.counters.requests += 1
+        wait = self.timeout if timeout is None else timeout
         try:
-            return await link.request(
-                msg_type, header, payloads, timeout=self.timeout, meanwhile=meanwhile
-            )
+            return await link.request(msg_type, header, payloads, timeout=wait, meanwhile=meanwhile)
         except SessionLost:
             self._lost(link, "the sidecar has no session for this client")
             raise

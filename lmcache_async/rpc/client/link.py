@@ -1,5 +1,7 @@
 """One DEALER socket to the sidecar and the session it holds: requests with ids, their
-replies matched in the reader callback, and one timer for all their deadlines."""
+replies matched in the reader callback, one timer for all their deadlines, and a monitor
+that tells at once when the connection to the sidecar drops (it died or restarted), so
+the requests waiting on it end then, not at their deadline."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -28,6 +31,7 @@ log = structlog.get_logger(__name__)
 
 _RECONNECT_IVL_MS: Final = 100
 _ZERO_COPY_BYTES: Final = 4 << 20
+_EVENT_BYTES: Final = 6
 
 
 class Link:
@@ -36,7 +40,8 @@ class Link:
     Replies are read in the event loop's reader callback (:class:`LoopSocket`): each goes
     straight to the future of the request with its id; a reply nobody waits for (it came
     after its request timed out) is dropped, its transaction given back. ``welcome`` and
-    ``segment`` are what the server's HELLO reply gave this link.
+    ``segment`` are what the server's HELLO reply gave this link. ``on_disconnect`` is
+    called (soon after, on the loop) when an established connection to the server drops.
     """
 
     def __init__(
@@ -46,6 +51,8 @@ class Link:
         identity: bytes,
         server_public_key: bytes | None,
         limits: MessageLimits,
+        *,
+        on_disconnect: Callable[[Link], None] | None = None,
     ) -> None:
         self.identity = identity
         self.url = url
@@ -61,6 +68,16 @@ class Link:
             socket.curve_serverkey = server_public_key
             socket.curve_publickey = public
             socket.curve_secretkey = secret
+        self._on_disconnect = on_disconnect
+        self._monitor: LoopSocket | None = None
+        if on_disconnect is not None:
+            # Before the connect, so that no drop of the connection goes unseen.
+            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = LoopSocket(monitor, self._on_event)
+            # One read now, which finds nothing: only a reader that found its queue empty
+            # is signalled when the next event arrives (the descriptor fires on changes).
+            self._monitor.pause()
+            self._monitor.resume()
         socket.connect(url)
         self._socket = LoopSocket(socket, self._on_message)
         self._ids = itertools.count(1)
@@ -93,6 +110,20 @@ class Link:
             future.set_result(message)
         elif "txn" in message.header:
             self._give_back(message)
+
+    def _on_event(self, frames: list[zmq.Frame]) -> None:
+        """A socket event: a dropped connection is told to ``on_disconnect`` on the next
+        loop iteration (it closes this link, whose monitor is reading now)."""
+        head = frames[0].bytes if frames else b""
+        if len(head) != _EVENT_BYTES:  # not a monitor event (16-bit id, 32-bit value)
+            return
+        (event,) = struct.unpack_from("=H", head)
+        if event & zmq.EVENT_DISCONNECTED and not self.dead and self._on_disconnect:
+            asyncio.get_running_loop().call_soon(self._disconnected)
+
+    def _disconnected(self) -> None:
+        if not self.dead and self._on_disconnect is not None:
+            self._on_disconnect(self)
 
     def _give_back(self, reply: Message) -> None:
         """End the transaction of a reply that came after its request timed out, so the
@@ -205,6 +236,11 @@ class Link:
             if not future.done():
                 future.set_result(None)
         self._pending.clear()
+        if self._monitor is not None:
+            self._monitor.detach()
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.socket.disable_monitor()
+            self._monitor.close()
         self._socket.close()
         if self.segment is not None:
             self.segment.retire()

@@ -170,6 +170,8 @@ class DataPath:
         link = await conn.usable()
         if link is None or prepared.num_tokens == 0:
             return 0
+        # STORE and COMMIT together wait no longer than the client's timeout.
+        deadline = anyio.current_time() + conn.timeout
         try:
             reply = await conn.ask(link, MessageType.STORE, header, prepared.payloads)
             if "stored" in reply.header:
@@ -182,7 +184,12 @@ class DataPath:
                 abort = {"txn": txn, "abort": True}
                 await link.notify(MessageType.COMMIT, abort, conn.timeout)
                 raise
-            reply = await conn.ask(link, MessageType.COMMIT, {"txn": txn}, payloads)
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                abort = {"txn": txn, "abort": True}
+                await link.notify(MessageType.COMMIT, abort, conn.timeout)
+                return 0
+            reply = await conn.ask(link, MessageType.COMMIT, {"txn": txn}, payloads, timeout=left)
             return count(reply, "stored")
         except (Unavailable, ProtocolError) as exc:
             log.debug("sidecar_store_missed", error=str(exc))
@@ -266,30 +273,72 @@ class DataPath:
             header["lookup_id"] = check_lookup_id(lookup_id)
         if req_id is not None:
             header["req_id"] = str(req_id)
-        header["timeout"] = conn.timeout
         link = await conn.usable()
         if link is None or prepared.num_tokens == 0:
             return loaded
         header["inline"] = link.segment is None
+        header["stream"] = True
         try:
-            reply = await conn.ask(link, MessageType.RETRIEVE, header, prepared.payloads)
-            txn = reply.header.get("txn")
-            if txn is None:
-                return loaded
-            tokens_loaded = 0
-            try:
-                chunks = self._chunks(reply, prepared)
-                if chunks:
-                    await self._scatter(link, prepared, chunks, reply.payloads)
-                    tokens_loaded = mark_loaded(
-                        loaded, prepared.plan, prepared.slots_cpu, chunks[0][0], chunks[-1][1]
-                    )
-            finally:
-                release = {"txn": txn, "loaded": tokens_loaded}
-                await link.notify(MessageType.RELEASE, release, conn.timeout)
+            await self._load_parts(link, prepared, header, loaded)
         except (Unavailable, ProtocolError) as exc:
             log.debug("sidecar_retrieve_missed", error=str(exc))
         return loaded
+
+    async def _load_parts(
+        self, link: Link, prepared: _Prepared, header: dict[str, Any], loaded: torch.Tensor
+    ) -> None:
+        """Load the run part by part (a RETRIEVE, the scatter, a RELEASE each), marking
+        ``loaded``, all within the client's timeout; a part the server says is not the last
+        (``"more"``) is followed by one from where it ended. A load given up before its last
+        part lets go of the lookup's pins on the server.
+
+        Raises:
+            Unavailable, ProtocolError: a part could not be had (what came before it is
+                loaded and marked).
+        """
+        conn = self._conn
+        deadline = anyio.current_time() + conn.timeout
+        start, part = prepared.start, 0
+        more = False  # the last reply's: the server holds the lookup's pins for a next part
+        ended = False
+        try:
+            while True:
+                left = deadline - anyio.current_time()
+                if left <= 0:
+                    return
+                header["timeout"] = left
+                reply = await conn.ask(
+                    link, MessageType.RETRIEVE, header, prepared.payloads, timeout=left
+                )
+                txn = reply.header.get("txn")
+                more = reply.header.get("more") is True
+                if txn is None:
+                    ended = True
+                    return
+                tokens_loaded = 0
+                try:
+                    chunks = self._chunks(reply, prepared)
+                    if chunks and chunks[0][0] != start:
+                        raise ProtocolError(f"a part from token {chunks[0][0]}, not {start}")
+                    if chunks:
+                        await self._scatter(link, prepared, chunks, reply.payloads)
+                        tokens_loaded = mark_loaded(
+                            loaded, prepared.plan, prepared.slots_cpu, chunks[0][0], chunks[-1][1]
+                        )
+                finally:
+                    release = {"txn": txn, "loaded": tokens_loaded}
+                    await link.notify(MessageType.RELEASE, release, conn.timeout)
+                if not more or not chunks:
+                    ended = True
+                    return
+                start, part = chunks[-1][1], part + 1
+                header.update(start=start, part=part, alloc_wait=reply.header.get("alloc_wait"))
+        finally:
+            if not ended and (more or part) and "lookup_id" in header:
+                # Given up between parts (out of time, or a part failed): the server may
+                # hold the lookup's pins for the next one.
+                unpin = {"lookup_id": header["lookup_id"]}
+                await link.notify(MessageType.UNPIN, unpin, conn.timeout)
 
     async def _scatter(
         self,

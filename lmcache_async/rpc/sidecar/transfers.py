@@ -7,7 +7,11 @@ that tenant, so no other tenant's request finds them.
   allocated and their offsets replied in a *transaction* → the client gathers its KV into
   them → COMMIT (payloads inline from another host) → they go into the engine's tiers;
 - retrieve: RETRIEVE → the chunks are fetched (from disk or Redis too) and held in a
-  transaction, replied as offsets (or inline) → the client scatters them → RELEASE;
+  transaction, replied as offsets (or inline) → the client scatters them → RELEASE. A
+  client that says it streams (``"stream"``) is served a batch of chunks at a time
+  (``"more"`` in the reply: ask again from where it ended, ``"part"`` counting up), so a
+  load never holds more than a batch of new memory; the lookup's pins hold until the last
+  part;
 - PUSH: another instance's payloads, inline with their checksums, each copied in and
   verified before the leading run that passes is cached; MOVE: the engine moves a prefix
   to another sidecar.
@@ -17,10 +21,18 @@ STORE is the core's store reserve, its COMMIT the core's commit (or abort), a RE
 core's load reserve and its RELEASE the core's release, exactly as the embedded pipelines
 run them. Nothing here decides what is stored or loaded; the payloads live in the
 shared-memory arena.
+
+Deadlines: a STORE or RETRIEVE says how long its client waits (``"timeout"``); the work
+here takes at most half of that (:data:`SERVE_SHARE`), so the answer, a miss at worst,
+comes before the client gives up. Its waits for pool memory share one
+:class:`~lmcache_async.memory.AllocationBudget` (``allocation_timeout`` at most, over every
+part of a streamed load: ``"alloc_wait"`` goes back and forth with what is left), and a
+batch that has taken memory does not wait for more.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Final
 
 import anyio
@@ -34,7 +46,7 @@ from lmcache_async.core.store import release
 from lmcache_async.engine import CacheEngine
 from lmcache_async.errors import InvalidInputError, ProtocolError
 from lmcache_async.keys import ChunkSpan
-from lmcache_async.memory import MemoryObj
+from lmcache_async.memory import AllocationBudget, MemoryObj
 from lmcache_async.rpc.move import move
 from lmcache_async.rpc.protocol import Message, MessageType, tenant_of, tokens_from_payload
 from lmcache_async.rpc.sidecar.fields import (
@@ -57,6 +69,14 @@ __all__ = ["TransferHandlers"]
 log = structlog.get_logger(__name__)
 
 _INLINE_COPY_BYTES: Final = 4 << 20  # bigger inline payloads are copied in a worker thread
+
+SERVE_SHARE: Final = 0.5
+"""The share of a client's wait (its request's ``"timeout"``) that serving the request here
+may take: the rest is for the reply, the client's copies and its next part."""
+
+LOAD_POOL_SHARE: Final = 8
+"""A part of a streamed load holds at most this fraction of the pool (and at most
+``pipeline_batch_chunks`` chunks), so several loads stream through the pool at once."""
 
 
 class TransferHandlers:
@@ -111,7 +131,11 @@ class TransferHandlers:
             limit=limit,
             locations=locations,
         )
-        objs = await core.store.reserve(txn, txn.todo)
+        objs: list[MemoryObj] = []
+        patience = _patience(header, engine.config.store_timeout)
+        budget = AllocationBudget(min(engine.config.allocation_timeout, patience))
+        with budget.scope(), anyio.move_on_after(patience):
+            objs = await core.store.reserve(txn, txn.todo)
         if not objs:
             return {"stored": core.store.finish(txn)}, ()
         lent = Transaction(
@@ -186,21 +210,43 @@ class TransferHandlers:
         header = message.header
         lookup_id = lookup_id_field(header, required=False)
         scoped = None if lookup_id is None else session.scoped(lookup_id)
+        stream = flag_field(header, "stream")
+        part = int_field(header, "part", 0) if stream else 0
+        patience = _patience(header, engine.config.retrieve_timeout)
+        budget = AllocationBudget(_allowance(header, engine.config.allocation_timeout, patience))
         objs: list[MemoryObj] = []
+        more = False
         try:
             locations = engine.check_locations(
                 locations_field(header, "retrieve_locations"), "retrieve_locations"
             )
             spans, _ = await self._spans(engine, message)
-            if await load.begin(scoped):
-                objs = await load.reserve([span.key for span in spans], locations, scoped)
+            keys = [span.key for span in spans]
+            # A later part of a streamed load was counted (and its prefetch waited for)
+            # with the first.
+            serving = part > 0 or await load.begin(scoped)
+            if serving and keys:
+                limit = self._part_chunks(engine) if stream else len(keys)
+                with budget.scope(), anyio.move_on_after(patience):
+                    objs = await load.reserve(keys[:limit], locations, scoped)
+                # More to come: the part was full, or cut short for memory it held (the
+                # next part starts holding none); not after a miss or a refusal.
+                more = (
+                    stream
+                    and 0 < len(objs) < len(keys)
+                    and (len(objs) == limit or (budget.cut and not budget.refused))
+                )
         finally:
-            if lookup_id is not None:
+            if lookup_id is not None and not more:
                 # The payloads are referenced now: the pins have done their job.
                 session.lookup_ids.discard(lookup_id)
                 load.finish(scoped, 0)
+        reply: dict[str, Any] = {"chunks": []}
+        if stream:
+            reply["more"] = more
+            reply["alloc_wait"] = budget.left
         if not objs:
-            return {"chunks": []}, ()
+            return reply, ()
         spans = spans[: len(objs)]
         lent = Transaction(
             self._sessions.next_txn_id(),
@@ -211,10 +257,11 @@ class TransferHandlers:
         )
         session.transactions[lent.txn_id] = lent
         offsets = [engine.core.buffer_offset(obj) for obj in objs]
-        chunks = [
+        reply["chunks"] = [
             [span.start, span.end, offset, obj.nbytes]
             for span, obj, offset in zip(spans, objs, offsets, strict=True)
         ]
+        reply["txn"] = lent.txn_id
         payloads: list[memoryview] = []
         if flag_field(header, "inline"):
             buffer = self._host.need_buffer()
@@ -222,7 +269,16 @@ class TransferHandlers:
                 buffer[offset : offset + obj.nbytes]
                 for obj, offset in zip(objs, offsets, strict=True)
             ]
-        return {"txn": lent.txn_id, "chunks": chunks}, payloads
+        return reply, payloads
+
+    def _part_chunks(self, engine: CacheEngine) -> int:
+        """Chunks in one part of a streamed load: ``pipeline_batch_chunks``, and no more
+        than :data:`LOAD_POOL_SHARE` parts fill the pool."""
+        config = engine.config
+        namespace = self._host.namespace
+        chunk_bytes = config.chunk_size * (1 if namespace is None else namespace.layout.token_bytes)
+        fits = engine.core.pool.capacity_bytes // (LOAD_POOL_SHARE * max(1, chunk_bytes))
+        return max(1, min(config.pipeline_batch_chunks, fits))
 
     async def on_release(self, session: Session | None, message: Message) -> None:
         assert session is not None
@@ -356,3 +412,25 @@ class TransferHandlers:
             timeout=seconds_field(header, "timeout"),
         )
         return {"moved": moved}, ()
+
+
+def _patience(header: dict[str, Any], longest: float) -> float:
+    """How long serving a request may take: :data:`SERVE_SHARE` of the wait its client
+    said (``"timeout"``), at most ``longest``."""
+    wait = seconds_field(header, "timeout")
+    return longest if wait is None else min(longest, wait * SERVE_SHARE)
+
+
+def _allowance(header: dict[str, Any], allocation_timeout: float, patience: float) -> float:
+    """The seconds a load's waits for memory may add up to: ``allocation_timeout``, what an
+    earlier part of the same load left (``"alloc_wait"``), and no more than its patience.
+
+    Raises:
+        ProtocolError: ``alloc_wait`` is not a number >= 0.
+    """
+    left = header.get("alloc_wait")
+    if left is None:
+        return min(allocation_timeout, patience)
+    if isinstance(left, bool) or not isinstance(left, int | float) or not math.isfinite(left):
+        raise ProtocolError("'alloc_wait' must be a number of seconds >= 0")
+    return max(0.0, min(allocation_timeout, patience, float(left)))
