@@ -38,9 +38,10 @@ import anyio.to_thread
 import zmq
 import zmq.asyncio
 
-from lmcache_async import EngineConfig
+from lmcache_async import EngineConfig, LMCacheAsyncError
 from lmcache_async.bench.loadgen import LoadOptions, format_summary, run_load_async
 from lmcache_async.bench.loadgen.tally import Tally
+from lmcache_async.rpc.admin import AdminClient
 from lmcache_async.rpc.protocol import MessageType, decode, encode
 from tests.servers import RedisServer
 
@@ -49,6 +50,10 @@ __all__ = ["Chaos", "ChaosResult", "SidecarProcess", "chaos_run", "figures"]
 READY_TIMEOUT: Final = 90.0
 """Seconds a sidecar gets to answer a PING after it is started (torch imports slowly)."""
 STOP_TIMEOUT: Final = 30.0
+STATS_TIMEOUT: Final = 5.0
+_MOST_REQUESTS: Final = 20
+"""A run starts at most this many times :attr:`Chaos.requests` requests (a bound, should
+the restarted sidecar never serve)."""
 
 
 def serve_command() -> list[str]:
@@ -103,6 +108,11 @@ class SidecarProcess:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def crash_and_restart(self) -> None:
+        """SIGKILL the running sidecar and start a new one on the same socket."""
+        self.kill()
+        self.start()
+
     def kill(self) -> None:
         """SIGKILL, as a crash, and reap it."""
         if self.process is not None and self.alive():
@@ -129,7 +139,11 @@ class SidecarProcess:
             self._log_file = None
 
     def log(self) -> str:
-        return "".join(path.read_text(errors="replace") for path in self.logs)
+        return "".join(self.each_log())
+
+    def each_log(self) -> list[str]:
+        """The log of each sidecar started, in order."""
+        return [path.read_text(errors="replace") for path in self.logs]
 
     async def wait_ready(self) -> None:
         """PING until the sidecar answers (bounded; no fixed sleep)."""
@@ -144,7 +158,8 @@ class Chaos:
     """When the faults come, in requests ended since the previous stage was carried out:
     Redis is SIGKILLed after ``kill_redis`` requests, restarted after ``restart_redis``
     more, and the sidecar SIGKILLed after ``kill_sidecar`` more (and started again at
-    once); the run then goes on for ``after`` more requests."""
+    once); the run then goes on until the new sidecar has served ``after`` requests (the
+    calls made while it starts are misses and do not count)."""
 
     kill_redis: int = 20
     restart_redis: int = 20
@@ -153,19 +168,25 @@ class Chaos:
 
     @property
     def requests(self) -> int:
-        """The requests the load generator starts (a few more end than the stages need,
-        those in flight at each stage)."""
+        """The requests the stages need at least (more end: those in flight at each stage,
+        the misses while the sidecar starts)."""
         return self.kill_redis + self.restart_redis + self.kill_sidecar + self.after
 
 
 @dataclass(slots=True)
 class ChaosResult:
     """The load run's results, when each stage was carried out (``(stage, requests ended,
-    seconds into the run)``), and the sidecars' logs."""
+    seconds into the run)``), and the log of each sidecar started."""
 
     results: dict[str, Any]
     stages: list[tuple[str, int, float]]
-    sidecar_log: str
+    sidecar_logs: list[str]
+    first_stats: dict[str, Any]
+    """The first sidecar's engine stats just before it was killed (empty: no answer)."""
+
+    @property
+    def sidecar_log(self) -> str:
+        return "".join(self.sidecar_logs)
 
 
 def figures(result: ChaosResult) -> str:
@@ -189,6 +210,13 @@ def figures(result: ChaosResult) -> str:
     lines.append(
         "stages: " + ", ".join(f"{name} at {n} ({t:.1f} s)" for name, n, t in result.stages)
     )
+    first = result.first_stats
+    if first:
+        lines.append(
+            f"first sidecar before its kill: {first.get('evicted_chunks')} chunks evicted, "
+            f"{first.get('partial_stores')} partial stores, "
+            f"{first.get('promoted_chunks', '-')} chunks promoted from disk/Redis"
+        )
     return "\n".join(lines)
 
 
@@ -233,12 +261,19 @@ async def chaos_run(
     ]
     progress = anyio.Event()  # set when a request ends
     ended = 0
+    served_after = 0  # requests the restarted sidecar served (they stored or loaded)
+    moved = 0
     began = time.perf_counter()
 
-    def on_request(tally: Tally) -> None:
-        nonlocal ended
+    def on_request(tally: Tally) -> bool:
+        nonlocal ended, served_after, moved
         ended += 1
         progress.set()
+        now = tally.tokens_stored + tally.tokens_loaded
+        if len(stages) == len(plan) and now > moved:
+            served_after += 1
+        moved = now
+        return served_after >= chaos.after
 
     try:
         async with _redis(workdir / "redis") as redis:
@@ -256,12 +291,13 @@ async def chaos_run(
                 actions: dict[str, Callable[[], None]] = {
                     "kill_redis": lambda: _kill_redis(redis),
                     "restart_redis": redis.restart,
-                    "kill_sidecar": lambda: (sidecar.kill(), sidecar.start()),
+                    "kill_sidecar": sidecar.crash_and_restart,
                 }
                 run_options = dataclasses.replace(
-                    options, target="sidecar", url=url, requests=chaos.requests
+                    options, target="sidecar", url=url, requests=_MOST_REQUESTS * chaos.requests
                 )
                 results: dict[str, Any] = {}
+                first_stats: dict[str, Any] = {}
 
                 async def faults() -> None:
                     nonlocal progress
@@ -270,6 +306,12 @@ async def chaos_run(
                         while ended - mark < after:
                             await progress.wait()
                             progress = anyio.Event()
+                        if name == "kill_sidecar":
+                            with (
+                                contextlib.suppress(LMCacheAsyncError),
+                                AdminClient(url, timeout=STATS_TIMEOUT) as admin,
+                            ):
+                                first_stats.update((await admin.stats()).get("stats") or {})
                         await anyio.to_thread.run_sync(actions[name])
                         mark = ended
                         stages.append((name, ended, time.perf_counter() - began))
@@ -289,9 +331,12 @@ async def chaos_run(
                 await anyio.to_thread.run_sync(sidecar.stop)
     finally:
         shutil.rmtree(short, ignore_errors=True)
-    if len(stages) < len(plan):
-        raise RuntimeError(f"the run ended after {ended} requests, before every stage: {stages}")
-    return ChaosResult(results, stages, sidecar.log())
+    if len(stages) < len(plan) or served_after < chaos.after:
+        raise RuntimeError(
+            f"the run ended after {ended} requests, {served_after} served after the "
+            f"restart, before every stage: {stages}"
+        )
+    return ChaosResult(results, stages, sidecar.each_log(), first_stats)
 
 
 # -- the sizes ------------------------------------------------------------------------------

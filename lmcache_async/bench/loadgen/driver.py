@@ -27,6 +27,8 @@ class Requester(Protocol):
     """What :func:`drive` needs of a runner."""
 
     start: float
+    stopping: bool
+    """Set when no more requests are to start (the run's ``on_request`` said so)."""
 
     async def request(self, slot: int, prompt: Prompt, arrived: float) -> None: ...
 
@@ -38,8 +40,8 @@ async def drive(
     in_flight: int,
     deadline: float,
 ) -> None:
-    """Start requests until ``deadline`` (and at most ``options.requests`` of them, when
-    set), then wait for those in flight."""
+    """Start requests until ``deadline`` (at most ``options.requests`` of them, when set,
+    and none once the runner is ``stopping``), then wait for those in flight."""
     sessions = workload.sessions if workload.sessions is not None else in_flight
     send_sessions, free_sessions = anyio.create_memory_object_stream[int](sessions)
     send_slots, free_slots = anyio.create_memory_object_stream[int](in_flight)
@@ -61,7 +63,7 @@ async def drive(
 
     def more() -> bool:
         """Whether another request may start: before the deadline, within the limit."""
-        return clock() < deadline and (not limit or started < limit)
+        return clock() < deadline and (not limit or started < limit) and not runner.stopping
 
     with send_sessions, free_sessions, send_slots, free_slots:
         async with anyio.create_task_group() as tg:
@@ -89,7 +91,7 @@ async def drive(
                 if options.arrival == "poisson":
                     gap = gaps.expovariate(options.rate)
                 arrival += gap
-                if arrival >= deadline or (limit and started >= limit):
+                if arrival >= deadline or not more():
                     break
                 await anyio.sleep(max(0.0, arrival - clock()))
                 slot = await free_slots.receive()

@@ -38,7 +38,8 @@ async def run_load_async(
             a sidecar has its own. With target ``vllm``, the connector's configuration.
         progress_stream: where progress goes when ``options.progress``; stderr when None.
         on_request: told of each request that ended, with the run's tally (a test drives
-            faults from it); it runs on the event loop and must not block.
+            faults from it); True from it starts no more requests. It runs on the event
+            loop and must not block.
 
     Raises:
         InvalidInputError: the options are invalid, or the sidecar serves another

@@ -30,8 +30,9 @@ log = structlog.get_logger(__name__)
 VERIFY_SAMPLE: Final = 256
 """Random tokens checked per verified retrieve (besides each chunk's first and last)."""
 
-OnRequest = Callable[[Tally], None]
-"""Told of each request that ended (the tally counts it already); it must not block."""
+OnRequest = Callable[[Tally], bool | None]
+"""Told of each request that ended (the tally counts it already); True: start no more
+requests (those in flight finish). It must not block."""
 
 
 class CacheRunner:
@@ -59,6 +60,7 @@ class CacheRunner:
         self.blocks_per_slot = math.ceil(max_prompt_tokens / options.block_size)
         self.kv_caches = layout.allocate_kv_caches(slots * self.blocks_per_slot, random=False)
         self.start = 0.0
+        self.stopping = False
 
     def slot_mapping(self, slot: int, num_tokens: int) -> torch.Tensor:
         """Slots for ``num_tokens`` tokens in a fresh block permutation of ``slot``'s range.
@@ -190,8 +192,8 @@ class CacheRunner:
             samples["failed"].append(float(failed))
             for op_name, seconds in timing.items():
                 samples[f"{op_name}_ms"].append(seconds * 1e3)
-            if self.on_request is not None:
-                self.on_request(tally)
+            if self.on_request is not None and self.on_request(tally):
+                self.stopping = True
 
 
 class VllmRunner:
@@ -204,6 +206,7 @@ class VllmRunner:
         self.tally = tally
         self.on_request = on_request
         self.start = 0.0
+        self.stopping = False
 
     async def request(self, slot: int, prompt: Prompt, arrived: float) -> None:
         """Run one request; failures are counted, never raised. Its times count from
@@ -249,5 +252,5 @@ class VllmRunner:
             samples["failed"].append(float(failed))
             for op_name, seconds in timing.items():
                 samples[f"{op_name}_ms"].append(seconds * 1e3)
-            if self.on_request is not None:
-                self.on_request(tally)
+            if self.on_request is not None and self.on_request(tally):
+                self.stopping = True
