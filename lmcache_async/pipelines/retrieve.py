@@ -23,7 +23,7 @@ from ..core import LoadCore
 from ..core.copy import mark_loaded, scatter
 from ..cuda import Transfers
 from ..keys import ChunkSpan
-from ..memory import MemoryObj
+from ..memory import AllocationBudget, MemoryObj
 from .common import Request, batched, compute_spans
 from .stage import Completion, Emit, drive
 
@@ -40,6 +40,8 @@ class RetrieveRequest(Request):
     copy_failed: bool = False
     completion: Completion[torch.Tensor] = field(default_factory=Completion)
     loaded_tokens: int = 0
+    # The request's waits for pool memory, over all its batches, share one allowance.
+    budget: AllocationBudget = field(default_factory=AllocationBudget)
 
     def finish_batch(self) -> None:
         self.batches_done += 1
@@ -97,8 +99,9 @@ class LookupStage:
 
 class ReserveStage:
     """Reserves the payloads of a batch with the core (referenced, so they stay put until
-    copied); chunks held only by a slow tier are read into host memory here. The first
-    chunk no tier holds ends the request's run."""
+    copied); chunks held only by a slow tier are read into host memory here, within the
+    request's :class:`~lmcache_async.memory.AllocationBudget`. The first chunk no tier
+    holds (or none has memory for) ends the request's run."""
 
     name = "retrieve-reserve"
 
@@ -117,9 +120,10 @@ class ReserveStage:
         if request.skip:
             request.finish_batch()
             return
-        batch.objs = await self._core.reserve(
-            [span.key for span in batch.spans], request.locations, request.lookup_id
-        )
+        with request.budget.scope():
+            batch.objs = await self._core.reserve(
+                [span.key for span in batch.spans], request.locations, request.lookup_id
+            )
         if len(batch.objs) < len(batch.spans):
             # The run ends here (not held, or evicted since): serve the run we have.
             request.stopped = True
