@@ -59,7 +59,8 @@ BLOCK = 128  # vLLM's CPU block size
 SHORT = 700  # chunks [0, 256), [256, 512) and a short [512, 700)
 LONG = 2048  # eight whole chunks, 4 MiB of KV (2 layers x K, V x 2 heads x 64 x fp32)
 SLOW = 1792  # the prefix loaded through the slow proxy in the decode test
-REPS = 7  # time-to-first-token repetitions per configuration
+REPS = 9  # time-to-first-token repetitions per configuration
+COST_RATE = 5e6  # bytes/s of the proxy in the cost-model test
 DAMAGES = ("flip", "truncate", "delete")
 WARNING_KEY = "kv_load_failure_policy"
 
@@ -353,8 +354,7 @@ def test_sidecar_with_a_damaged_disk_then_killed_between_count_and_load(
             "recompute",
             "--kill-on-alloc",
             str(sidecar.process.pid),
-            warm_up=False,
-        )
+        )  # warmed up (fresh prompts: no external tokens, no kill), so no first-step compile
         assert process.ready["kv_load_failure_policy"] == "recompute"
         reply = process.generate([request(0, hits.corrupt[0])])
         (result,) = reply["results"]
@@ -366,8 +366,8 @@ def test_sidecar_with_a_damaged_disk_then_killed_between_count_and_load(
         assert result["connector"]["failed_tokens"] == promised
         after_kill = result["finished_s"] - reply["killed_s"]
         print(f"sidecar killed: request done {after_kill:.2f} s after the kill")
-        # Far below the sidecar's own 20 s timeout: load_timeout bounded the wait.
-        assert after_kill < load_timeout + 8, after_kill
+        # Far below the sidecar's own 20 s timeout: the dead sidecar held no step.
+        assert after_kill < load_timeout + 2, after_kill
         assert _policy_warnings(process.log()) == []  # "recompute": nothing to warn about
         hits.close(process)
     finally:
@@ -427,49 +427,69 @@ def test_a_slow_load_does_not_delay_another_requests_decode_steps(
 def test_the_cost_model_loads_only_what_beats_recomputing(
     hits: Hits, slow_redis: tuple[ThrottleProxy, StepsProcess]
 ) -> None:
-    """At 20 MB/s loading 4 MiB (0.2 s) loses to recomputing 2048 tokens of this model:
-    the cost model's TTFT is within 1.1x of the better of loading everything (the
-    ``slow_redis`` process) and recomputing everything, all measured here, in turn.
-
-    "Recompute everything" is the connector with nothing cached: it stores the prompt as
-    the cost model's process does when it recomputes. The do-nothing connector (no
-    stores at all) is measured alongside for the record."""
+    """At 5 MB/s loading 4 MiB (0.8 s) loses clearly to recomputing 2048 tokens of this
+    model (about 80 ms; at 20 MB/s it loses only by 3x, which a busy machine can undo).
+    The cost model's TTFT (prefill speed measured) is within 1.1x of the better of loading
+    everything and recomputing everything, all three measured here, in turn, each process
+    reading Redis through a proxy of its own at that rate: the same tiers, the same
+    write-through of what it computes; only the decision differs (``prefill_tokens_per_s``
+    1, so that loading always wins, or 1e12, so that it never does). The do-nothing
+    connector is measured alongside for the record."""
     load_all_proxy, load_all = slow_redis
-    load_all_proxy.set_rate(20e6)
-    with ThrottleProxy("127.0.0.1", hits.redis.port, bytes_per_s=20e6) as proxy:
-        costed = hits.process("costed", {"remote_url": proxy.url, "prefetch_timeout": 60})
-        recompute = hits.process("recompute", {})
+    load_all_proxy.set_rate(COST_RATE)
+    with (
+        ThrottleProxy("127.0.0.1", hits.redis.port, bytes_per_s=COST_RATE) as costed_proxy,
+        ThrottleProxy("127.0.0.1", hits.redis.port, bytes_per_s=COST_RATE) as recompute_proxy,
+    ):
+        costed = hits.process("costed", {"remote_url": costed_proxy.url, "prefetch_timeout": 60})
+        recompute = hits.process(
+            "recompute-all",
+            {"remote_url": recompute_proxy.url, "prefill_tokens_per_s": 1e12},
+        )
         hits.warm_up(costed, 3)  # its prefill speed is measured from these steps
-        _quiesce(costed)
         processes = {
             "costed": costed,
             "load_all": load_all,
-            "recompute": recompute,
+            "recompute_all": recompute,
             "no_connector": hits.reference,
         }
+        proxies = {
+            "costed": costed_proxy,
+            "load_all": load_all_proxy,
+            "recompute_all": recompute_proxy,
+        }
+        for name in proxies:
+            _quiesce(processes[name])
         ttfts: dict[str, list[float]] = {name: [] for name in processes}
         counts: dict[str, list[dict[str, int]]] = {name: [] for name in processes}
+        sent: dict[str, list[int]] = {name: [] for name in proxies}
         names = list(processes)
         for rep, prompt in enumerate(hits.cost):
             for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                before = proxies[name].statistics() if name in proxies else None
                 (result,) = processes[name].generate(
                     [request(f"{name}{rep}", prompt, max_tokens=1)]
                 )["results"]
                 ttfts[name].append(result["first_token_s"] - result["added_s"])
                 counts[name].append(result["connector"])
-                if name != "no_connector":
+                if before is not None:
                     _quiesce(processes[name])
+                    sent[name].append(
+                        proxies[name].statistics().upstream_bytes - before.upstream_bytes
+                    )
         medians = {name: statistics.median(values) for name, values in ttfts.items()}
         (stats,) = costed.stats()
         _report("TTFT medians (ms)", {n: round(v * 1000, 1) for n, v in medians.items()})
         _report("TTFT (ms)", {n: [round(v * 1000, 1) for v in vs] for n, vs in ttfts.items()})
+        _report("bytes sent to Redis per request", sent)
         _report("cost model counts", counts["costed"])
         _report("cost model stats", {k: v for k, v in stats.items() if "cost" in k})
         hits.close(costed)
         hits.close(recompute)
     assert all(_loaded_whole(c, LONG) for c in counts["load_all"]), counts["load_all"]
-    assert medians["load_all"] > medians["recompute"], "loading should lose at this rate"
-    assert medians["costed"] <= 1.1 * min(medians["load_all"], medians["recompute"]), medians
+    assert all(c["loaded_tokens"] == 0 for c in counts["recompute_all"]), counts["recompute_all"]
+    assert medians["load_all"] > 2 * medians["recompute_all"], "loading should lose at this rate"
+    assert medians["costed"] <= 1.1 * min(medians["load_all"], medians["recompute_all"]), medians
 
 
 def _report(label: str, value: Any) -> None:
@@ -513,12 +533,6 @@ def test_store_threshold_and_store_decode_tokens(hits: Hits) -> None:
     hits.warm_up(process, 2)
     assert sorted(disk.rglob("*.chunk")) == [], "prompts seen once reached the disk tier"
 
-    # A prefix only in Redis, fast to reach: loading beats recomputing, all of it loads.
-    (direct,) = process.generate([request("direct", hits.direct)])["results"]
-    (want,) = hits.expected([hits.direct])
-    _assert_same([want], [direct], tolerance=LOGPROB_TOLERANCE)
-    assert _loaded_whole(direct["connector"], LONG), direct["connector"]
-
     prompt = hits.prompt(SHORT)
     names = hits.chunk_files(prompt)  # [0, 256), [256, 512), [512, 700)
 
@@ -536,4 +550,11 @@ def test_store_threshold_and_store_decode_tokens(hits: Hits) -> None:
     # [0, 256) of the prompt and [256, 512), mostly generated tokens, both hits.
     assert extended["connector"]["external_tokens"] == 2 * CHUNK, extended["connector"]
     assert extended["connector"]["loaded_tokens"] == 2 * CHUNK
+
+    # A prefix only in Redis, fast to reach: loading beats recomputing, all of it loads.
+    (direct,) = process.generate([request("direct", hits.direct)])["results"]
+    (want,) = hits.expected([hits.direct])
+    _assert_same([want], [direct], tolerance=LOGPROB_TOLERANCE)
+    (stats,) = process.stats()
+    assert _loaded_whole(direct["connector"], LONG), (direct["connector"], stats.get("load_costs"))
     hits.close(process)

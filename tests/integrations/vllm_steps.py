@@ -13,6 +13,9 @@ with one ``STEPS REPLY {...}`` line on stdout:
   The reply holds each request's tokens, logprobs, finish reason, connector counts and
   times (added, first token, finished; seconds from the command's start), and every step
   that produced a token or took over 2 ms (``start``, ``end``, tokens per request).
+  Once all have finished it steps on while vLLM's scheduler has finished requests to
+  clear, as vLLM's engine-core loop does (a connector's work for requests that just
+  finished, such as storing their generated tokens, is ordered in that step).
 * ``{"op": "stats"}``: the engine statistics of every worker rank (over the lookup
   socket: the connector config needs ``instance_id``).
 * ``{"op": "quit"}``: shut the engine down (the connector closes its cache engine,
@@ -347,16 +350,30 @@ def _generate(llm: Any, command: dict[str, Any], record: dict[str, Any]) -> dict
             break
         if time.perf_counter() > deadline:
             raise TimeoutError(f"generate did not finish in {command.get('timeout_s', 300)} s")
+    drained = _drain(engine)
     killed_at = record.get("killed_at")
     return {
         "results": [r.result() for r in requests.values()],
         "steps": steps,
         "quiet_steps": quiet_steps,
+        "drain_steps": drained,
         "seconds": time.perf_counter() - began,
         "killed_s": None if killed_at is None or killed_at == killed_before else killed_at - began,
         "killed_request": record.get("killed_request"),
         "killed_external_tokens": record.get("killed_external_tokens"),
     }
+
+
+def _drain(engine: Any, limit: int = 100) -> int:
+    """Step while the scheduler still has finished requests to clear, as vLLM's engine-core
+    loop does after the last output (the step in which a connector orders work for
+    requests that just finished, e.g. storing their generated tokens); the steps taken."""
+    scheduler = getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)
+    steps = 0
+    while scheduler is not None and scheduler.has_requests() and steps < limit:
+        engine.step()
+        steps += 1
+    return steps
 
 
 def _stats(extra: dict[str, Any] | None) -> dict[str, Any]:
