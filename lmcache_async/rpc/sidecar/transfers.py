@@ -222,13 +222,15 @@ class TransferHandlers:
             )
             spans, _ = await self._spans(engine, message)
             keys = [span.key for span in spans]
-            # A later part of a streamed load was counted (and its prefetch waited for)
-            # with the first.
-            serving = part > 0 or await load.begin(scoped)
-            if serving and keys:
-                limit = self._part_chunks(engine) if stream else len(keys)
-                with budget.scope(), anyio.move_on_after(patience):
-                    objs = await load.reserve(keys[:limit], locations, scoped)
+            limit = self._part_chunks(engine) if stream else len(keys)
+            # Waiting for a prefetch, for memory and for the tiers, all within patience.
+            with anyio.move_on_after(patience):
+                # A later part of a streamed load was counted (and its prefetch waited
+                # for) with the first.
+                serving = part > 0 or await load.begin(scoped)
+                if serving and keys:
+                    with budget.scope():
+                        objs = await load.reserve(keys[:limit], locations, scoped)
                 # More to come: the part was full, or cut short for memory it held (the
                 # next part starts holding none); not after a miss or a refusal.
                 more = (

@@ -1,23 +1,29 @@
-"""A sidecar serves a long load in parts, within the client's deadline, and a client whose
-sidecar dies ends the requests waiting on it at once (misses, not timeouts).
+"""A sidecar under memory pressure answers within its client's deadline (a miss at worst),
+serves a long load in parts, and a client whose sidecar dies ends the requests waiting on
+it at once (misses, not timeouts).
 
 Real ``lmcache-async serve`` processes (:class:`tests.rpc.chaos.SidecarProcess`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Final
 
 import anyio
 import pytest
 import torch
+import zmq.asyncio
 
 from lmcache_async import KVLayout, RemoteCacheEngine
+from lmcache_async.rpc.client.link import Link
+from lmcache_async.rpc.client.settings import DEFAULT_CLIENT_LIMITS, ClientSettings
+from lmcache_async.rpc.protocol import MessageType, tokens_payload
 from tests.rpc.chaos import SidecarProcess
 
 CHUNK: Final = 16
@@ -68,6 +74,26 @@ def start_sidecar(short_dir: Path, tmp_path: Path) -> Iterator[Any]:
     yield start
     for sidecar in started:
         sidecar.stop()
+
+
+@contextlib.asynccontextmanager
+async def pool_held(url: str, num_tokens: int) -> AsyncIterator[int]:
+    """A client that reserves a store of ``num_tokens`` and holds what it was lent (yields
+    the chunks) until the block ends; then it aborts the store."""
+    context = zmq.asyncio.Context()
+    link = Link(context, url, b"holder", None, DEFAULT_CLIENT_LIMITS)
+    try:
+        hello = ClientSettings(url=url, layout=LAYOUT, model_name=MODEL).hello()
+        await link.request(MessageType.HELLO, hello, timeout=30)
+        header = {"start": 0, "limit": num_tokens, "timeout": 60.0}
+        payload = tokens_payload(prompt(num_tokens, 99))
+        reply = await link.request(MessageType.STORE, header, [payload], timeout=30)
+        yield len(reply.header["chunks"])
+        abort = {"txn": reply.header["txn"], "abort": True}
+        await link.request(MessageType.COMMIT, abort, timeout=30)
+    finally:
+        link.close()
+        context.term()
 
 
 async def state(engine: RemoteCacheEngine) -> dict[str, Any]:
@@ -144,3 +170,46 @@ async def test_a_killed_sidecar_ends_the_requests_waiting_on_it_at_once(
             assert await engine.lookup(tokens) == 0  # a new, empty cache
             client = (await engine.stats())["client"]
     assert client["timeouts"] == 0 and client["reconnects"] == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.subprocess
+async def test_a_full_pool_is_a_miss_before_the_client_gives_up(
+    start_sidecar: Any, tmp_path: Path
+) -> None:
+    # The pool waits far longer than the client: the sidecar must answer within the
+    # client's patience anyway.
+    sidecar = start_sidecar(
+        "--local-disk",
+        str(tmp_path / "disk"),
+        "--wait-for-slow-tiers",
+        "true",
+        "--allocation-timeout",
+        "60",
+    )
+    num_tokens = 8 * CHUNK
+    tokens = prompt(num_tokens, 5)
+    kv, slots = kv_for(num_tokens, 6)
+    target = LAYOUT.allocate_kv_caches(8, random=False)
+    pool_tokens = int(0.02 * (1 << 30)) // LAYOUT.token_bytes  # more than the pool holds
+    with anyio.fail_after(LIMIT):
+        await sidecar.wait_ready()
+        async with RemoteCacheEngine.connect(
+            sidecar.url, LAYOUT, model_name=MODEL, timeout=2.0
+        ) as engine:
+            assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == num_tokens
+            async with pool_held(sidecar.url, pool_tokens) as held:
+                full = await state(engine)
+                # The holder took the whole pool, evicting the stored chunks (on disk now).
+                assert full["pool"]["free_bytes"] < LAYOUT.token_bytes * CHUNK
+                assert full["cached_chunks"] == 0 and held > 0
+                mask = await engine.retrieve(tokens, kv_caches=target, slot_mapping=slots)
+                assert not mask.any()  # no room for the disk's chunks: a miss, in time
+                assert (await state(engine))["client"]["timeouts"] == 0
+            # The holder gave its memory back: the chunks come from disk now.
+            assert (await state(engine))["transactions"] == 0
+            mask = await engine.retrieve(tokens, kv_caches=target, slot_mapping=slots)
+            client = (await state(engine))["client"]
+    assert bool(mask.all())
+    assert torch.equal(payload_of(target, slots), payload_of(kv, slots))
+    assert client["timeouts"] == 0
