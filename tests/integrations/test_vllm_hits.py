@@ -59,7 +59,7 @@ BLOCK = 128  # vLLM's CPU block size
 SHORT = 700  # chunks [0, 256), [256, 512) and a short [512, 700)
 LONG = 2048  # eight whole chunks, 4 MiB of KV (2 layers x K, V x 2 heads x 64 x fp32)
 SLOW = 1792  # the prefix loaded through the slow proxy in the decode test
-REPS = 9  # time-to-first-token repetitions per configuration
+REPS = 15  # time-to-first-token repetitions per configuration
 COST_RATE = 5e6  # bytes/s of the proxy in the cost-model test
 DAMAGES = ("flip", "truncate", "delete")
 WARNING_KEY = "kv_load_failure_policy"
@@ -463,9 +463,10 @@ def test_the_cost_model_loads_only_what_beats_recomputing(
         ttfts: dict[str, list[float]] = {name: [] for name in processes}
         counts: dict[str, list[dict[str, int]]] = {name: [] for name in processes}
         sent: dict[str, list[int]] = {name: [] for name in proxies}
-        names = list(processes)
         for rep, prompt in enumerate(hits.cost):
-            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            # The two close contenders back to back, first one then the other.
+            pair = ["costed", "recompute_all"][:: 1 if rep % 2 else -1]
+            for name in [*pair, "load_all", "no_connector"]:
                 before = proxies[name].statistics() if name in proxies else None
                 (result,) = processes[name].generate(
                     [request(f"{name}{rep}", prompt, max_tokens=1)]
