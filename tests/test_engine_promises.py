@@ -9,6 +9,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import torch
 
 from lmcache_async import CacheEngine, InvalidInputError, Promise
 from tests.test_engine_tiers import (
@@ -177,3 +178,25 @@ async def test_chunks_the_serving_engine_has_are_not_read(tmp_path: Path) -> Non
             assert stats.promoted_chunks == 2  # chunks 2 and 3: the one holding token 35 on
             assert stats.pinned_chunks == 2
             await engine.lookup_unpin("r1")
+
+
+@pytest.mark.anyio
+async def test_a_full_pool_promises_what_could_be_reserved_without_waiting_for_room(
+    tmp_path: Path,
+) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path) as engine:
+            await store(engine, 64)
+        async with engine_on(tmp_path, allocation_timeout=60) as engine:
+            pool = engine._parts.pool
+            held = []
+            while (obj := pool.allocate_nowait((4096,), torch.float16)) is not None:
+                held.append(obj)  # the pool is full of memory nobody may evict
+            try:
+                with anyio.fail_after(20):  # far below the 60 s a wait for room would take
+                    assert await settled(engine, 64, "r1") == Promise(0, False)
+                assert engine.stats().pinned_chunks == 0
+            finally:
+                for obj in held:
+                    obj.unref()
+            assert engine.stats().pool.used_bytes == 0

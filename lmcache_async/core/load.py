@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import anyio
 import structlog
@@ -22,11 +23,15 @@ from anyio.abc import TaskGroup
 
 from ..backends.manager import StorageManager, chunk_keys
 from ..keys import ChunkKey
-from ..memory import MemoryObj
+from ..memory import AllocationBudget, MemoryObj
 from ..stats import Counters
 from .store import release
 
-__all__ = ["LoadCore", "Prefetch"]
+__all__ = ["PREFETCH_ALLOCATION_WAIT", "LoadCore", "Prefetch"]
+
+PREFETCH_ALLOCATION_WAIT: Final = 0.25
+"""Seconds a prefetch's allocations may wait for pool memory, in all (eviction is never
+waited for: the evictor runs at once)."""
 
 log = structlog.get_logger(__name__)
 
@@ -167,9 +172,14 @@ class LoadCore:
                     prefetch.scope.cancel()
                 step = self._batch_chunks
                 as_keys = chunk_keys(keys[skip:])
+                # A short allowance of waiting for pool memory over the whole prefetch,
+                # and a batch holding memory takes only what is free: a promise is what
+                # could be reserved, never memory others wait for.
+                budget = AllocationBudget(PREFETCH_ALLOCATION_WAIT)
                 for start in range(0, len(as_keys), step):
                     batch = as_keys[start : start + step]
-                    got = await self._manager.fetch_prefix(batch, locations)
+                    with budget.scope():
+                        got = await self._manager.fetch_prefix(batch, locations)
                     objs.extend(got)
                     if len(got) < len(batch):
                         break
