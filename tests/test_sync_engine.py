@@ -211,7 +211,7 @@ def test_the_callers_stream_is_taken_on_the_callers_thread(
     """The engine runs each call on its own thread, whose current CUDA stream is not the
     caller's: store, retrieve and both layerwise transfers are handed the stream taken on
     the calling thread. CPU caches ignore it (here a stand-in, to see it pass through)."""
-    import lmcache_async.sync_calls as sync_calls
+    from lmcache_async import sync_calls
 
     taken_on: list[int] = []
     caller_side = object()  # stands in for the caller's torch.cuda.Stream
