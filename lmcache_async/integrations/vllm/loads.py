@@ -102,19 +102,10 @@ class AsyncLoads:
         try:
             if engine is None:
                 raise InvalidInputError("KV caches were never registered")
-            slots, mask = load.slots_and_mask(
-                block_size=self._block_size, chunk_size=self._chunk_size
+            arguments = load.retrieve_args(
+                kv_caches, block_size=self._block_size, chunk_size=self._chunk_size
             )
-            future = engine.retrieve_soon(
-                load.tokens,
-                timeout=self._timeout,
-                kv_caches=kv_caches,
-                slot_mapping=slots,
-                mask=mask,
-                req_id=load.req_id,
-                lookup_id=load.req_id,
-                tenant=load.tenant,
-            )
+            future = engine.retrieve_soon(load.tokens, timeout=self._timeout, **arguments)
         except Exception as exc:
             log.exception("vllm_load_failed", req_id=load.req_id)
             if engine is not None:  # no retrieve ran to release the promise's pins

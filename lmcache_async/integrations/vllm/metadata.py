@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -74,6 +75,26 @@ class LoadSpec:
         mask = torch.zeros(num, dtype=torch.bool)
         mask[mask_start:] = True
         return slots, mask
+
+    def retrieve_args(
+        self, kv_caches: Sequence[torch.Tensor], *, block_size: int, chunk_size: int
+    ) -> dict[str, Any]:
+        """The keyword arguments of the engine's retrieve (whole, layerwise or in the
+        background) of this load into ``kv_caches``, under the request's id as its lookup
+        id (its promise's pins) and its tenant.
+
+        Raises:
+            InvalidInputError: as :meth:`slots_and_mask`.
+        """
+        slots, mask = self.slots_and_mask(block_size=block_size, chunk_size=chunk_size)
+        return {
+            "kv_caches": kv_caches,
+            "slot_mapping": slots,
+            "mask": mask,
+            "req_id": self.req_id,
+            "lookup_id": self.req_id,
+            "tenant": self.tenant,
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,19 +111,15 @@ class WorkerTransfers:
         try:
             if engine is None:
                 raise InvalidInputError("KV caches were never registered")
-            slots, mask = load.slots_and_mask(block_size=self._block_size, chunk_size=self._chunk)
-            loaded = engine.retrieve(
-                load.tokens,
-                kv_caches=self._kv_caches,
-                slot_mapping=slots,
-                mask=mask,
-                req_id=load.req_id,
-                lookup_id=load.req_id,
-                tenant=load.tenant,
-            )
+            loaded = engine.retrieve(load.tokens, **self._retrieve_args(load))
         except Exception:
             self._load_failed(load)
         self._loaded(load, loaded)
+
+    def _retrieve_args(self, load: LoadSpec) -> dict[str, Any]:
+        return load.retrieve_args(
+            self._kv_caches, block_size=self._block_size, chunk_size=self._chunk
+        )
 
     def _load_failed(self, load: LoadSpec) -> None:
         log.exception("vllm_load_failed", req_id=load.req_id)
@@ -146,16 +142,7 @@ class WorkerTransfers:
         try:
             if engine is None:
                 raise InvalidInputError("KV caches were never registered")
-            slots, mask = load.slots_and_mask(block_size=self._block_size, chunk_size=self._chunk)
-            steps = engine.retrieve_layer(
-                load.tokens,
-                kv_caches=self._kv_caches,
-                slot_mapping=slots,
-                mask=mask,
-                req_id=load.req_id,
-                lookup_id=load.req_id,
-                tenant=load.tenant,
-            )
+            steps = engine.retrieve_layer(load.tokens, **self._retrieve_args(load))
             steps.step()  # the lookup: references on every layer of the cached chunks
         except Exception:
             self._load_failed(load)
