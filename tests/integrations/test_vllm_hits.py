@@ -23,18 +23,14 @@ chunk boundary leaves vLLM the same steps as the reference: bit-identical logpro
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import shutil
 import statistics
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-import torch
 
 from tests.integrations.test_vllm import (
     HAVE_VLLM,
@@ -44,8 +40,22 @@ from tests.integrations.test_vllm import (
     _run,
     _sidecar_stats,
 )
+from tests.integrations.vllm_hits import (
+    CHUNK,
+    LONG,
+    SHORT,
+    SLOW,
+    WARNING_KEY,
+    Hits,
+    assert_same,
+    loaded_whole,
+    policy_warnings,
+    quiesce,
+    report,
+    request,
+    require_keys,
+)
 from tests.integrations.vllm_steps import StepsProcess
-from tests.servers import RedisServer
 from tests.throttle_proxy import ThrottleProxy
 
 pytestmark = [
@@ -55,170 +65,11 @@ pytestmark = [
     pytest.mark.timeout(1800),
 ]
 
-CHUNK = 256
-BLOCK = 128  # vLLM's CPU block size
-SHORT = 700  # chunks [0, 256), [256, 512) and a short [512, 700)
-LONG = 2048  # eight whole chunks, 4 MiB of KV (2 layers x K, V x 2 heads x 64 x fp32)
-SLOW = 1792  # the prefix loaded through the slow proxy in the decode test
-REPS = 15  # time-to-first-token repetitions per configuration
 HEAVY = ("--hidden", "1024", "--heads", "16", "--intermediate", "4096")
 """tiny_llama.py flags of a wider model with the small one's KV (2 layers, 2 KV heads of 64)."""
 BASELINE = 20  # decode steps of the other request before the slow one arrives
 COST_RATE = 5e6  # bytes/s of the proxy in the cost-model test
 DAMAGES = ("flip", "truncate", "delete")
-WARNING_KEY = "kv_load_failure_policy"
-
-
-def _require(*keys: str) -> None:
-    """Fail at once, naming them, when connector or engine keys these tests set are not
-    known yet (the features they configure are not built)."""
-    from lmcache_async.config import EngineConfig
-    from lmcache_async.integrations.vllm.settings import CONNECTOR_KEYS
-
-    known = set(CONNECTOR_KEYS) | set(EngineConfig.field_names())
-    missing = [key for key in keys if key not in known]
-    if missing:
-        pytest.fail(f"kv_connector_extra_config keys not known yet: {missing}")
-
-
-def _loaded_whole(counts: dict[str, int], tokens: int) -> bool:
-    """Whether the connector loaded a prompt cached whole: all but its last token (down to
-    a block boundary at most), every offered token loaded."""
-    offered = counts["external_tokens"]
-    return counts["loaded_tokens"] == offered and (tokens - 1) // BLOCK * BLOCK <= offered < tokens
-
-
-class Hits:
-    """The model, the prompts, a Redis server, the reference process and the storing run."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.model = root / "model"
-        _run([str(MODEL_SCRIPT), str(self.model)], timeout=300)
-        self._generator = torch.Generator().manual_seed(18)
-        self.corrupt = [self.prompt(SHORT) for _ in range(3)]
-        self.slow = self.prompt(SLOW)
-        self.cost = [self.prompt(LONG) for _ in range(REPS)]
-        self.redis = RedisServer(root / "redis").start()
-        self.disk = root / "disk-stored"
-        self._processes: list[StepsProcess] = []
-        self.reference = self.process("ref", None)
-        self._stored = False
-
-    def prompt(self, length: int) -> list[int]:
-        """A fresh random prompt (token ids 3..999)."""
-        return torch.randint(3, 1000, (length,), generator=self._generator).tolist()
-
-    def config(self, name: str, **extra: Any) -> dict[str, Any]:
-        """A connector config of process ``name`` (its own lookup sockets)."""
-        config: dict[str, Any] = {
-            "chunk_size": CHUNK,
-            "instance_id": f"h{os.getpid()}{name}",
-            "socket_dir": str(self.root),
-        }
-        if "sidecar_url" not in extra:
-            config["max_local_cpu_size"] = 0.25
-        config.update(extra)
-        return config
-
-    def process(
-        self,
-        name: str,
-        extra: dict[str, Any] | None,
-        *flags: str,
-        warm_up: bool = True,
-        model: Path | None = None,
-    ) -> StepsProcess:
-        """Start vllm_steps.py with the connector config ``extra`` (None: the do-nothing
-        connector) on ``model`` (default: the small one), then warm it up with two fresh
-        prompts (the first steps of a process are slow)."""
-        model = model or self.model
-        args = ["--model", str(model), "--max-batched-tokens", str(CHUNK), *flags]
-        if extra is None:
-            args.append("--null-connector")
-        else:
-            args += ["--connector-config", json.dumps(self.config(name, **extra))]
-        process = StepsProcess(args, self.root / f"{name}.log")
-        self._processes.append(process)
-        process.start()
-        if warm_up:
-            self.warm_up(process, 2)
-        return process
-
-    def warm_up(self, process: StepsProcess, count: int, length: int = LONG) -> None:
-        for index in range(count):
-            process.generate([{"id": f"warm{index}", "tokens": self.prompt(length)}])
-
-    def close(self, process: StepsProcess) -> None:
-        status = process.close()
-        assert status == 0, f"runner exited with {status}:\n{process.log()[-3000:]}"
-
-    def expected(self, prompts: list[list[int]], **spec: Any) -> list[dict[str, Any]]:
-        """The reference outputs of ``prompts``, each generated alone."""
-        return [
-            self.reference.generate([request(i, p, **spec)])["results"][0]
-            for i, p in enumerate(prompts)
-        ]
-
-    def store(self) -> None:
-        """Once per module: a process with a disk tier and Redis stores the prompts the
-        other tests look up, and checks that generated tokens are not stored by default."""
-        if self._stored:
-            return
-        stored = self.process(
-            "store",
-            {
-                "local_disk": str(self.disk),
-                "remote_url": self.redis.url,
-                "wait_for_slow_tiers": True,
-            },
-        )
-        for index, prompt in enumerate([*self.corrupt, self.slow, *self.cost]):
-            (result,) = stored.generate([request(index, prompt)])["results"]
-            assert result["connector"]["stored_tokens"] == len(prompt)
-        extended = self.extend_decoded(stored)
-        # store_decode_tokens is off by default: only the prompt's whole chunk is a hit.
-        assert extended["connector"]["external_tokens"] == CHUNK
-        self.close(stored)
-        self._stored = True
-
-    def extend_decoded(self, process: StepsProcess) -> dict[str, Any]:
-        """Generate 300 tokens after a fresh 300-token prompt, then run that prompt
-        extended by what was generated (and 20 tokens more); the second result."""
-        prompt = self.prompt(300)
-        decode = request("d", prompt, max_tokens=300, ignore_eos=True)
-        (first,) = process.generate([decode])["results"]
-        assert len(first["token_ids"]) == 300
-        extended = prompt + first["token_ids"] + self.prompt(20)
-        second: dict[str, Any]
-        (second,) = process.generate([request("e", extended)])["results"]
-        (want,) = self.reference.generate([request("e", extended)])["results"]
-        _assert_same([want], [second], tolerance=LOGPROB_TOLERANCE)
-        return second
-
-    def chunk_files(self, prompt: list[int]) -> list[str]:
-        """The disk tier's file names of ``prompt``'s chunks (the default tenant's)."""
-        from lmcache_async.keys import ChunkHasher, ChunkKey, Namespace
-        from lmcache_async.layouts import KVLayout
-
-        layout = KVLayout.vllm_cpu(num_layers=2, num_kv_heads=2, head_size=64, dtype=torch.float32)
-        hasher = ChunkHasher(
-            Namespace(model_name=str(self.model), layout_fingerprint=layout.fingerprint),
-            chunk_size=CHUNK,
-        )
-        return [f"{ChunkKey(digest).to_str()}.chunk" for digest in hasher.digests(prompt)]
-
-    def shutdown(self) -> None:
-        for process in self._processes:
-            process.close()
-        self.redis.stop()
-
-
-def request(name: int | str, tokens: list[int], **spec: Any) -> dict[str, Any]:
-    """A ``generate`` request (id ``name``, ``r<name>`` for a number): greedy, 4 tokens,
-    3 logprobs unless ``spec`` says otherwise."""
-    request_id = f"r{name}" if isinstance(name, int) else name
-    return {"id": request_id, "tokens": tokens, "max_tokens": 4, "logprobs": 3, **spec}
 
 
 @pytest.fixture(scope="module")
@@ -228,32 +79,6 @@ def hits(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hits]:
         yield runs
     finally:
         runs.shutdown()
-
-
-def _assert_same(
-    expected: list[dict[str, Any]], got: list[dict[str, Any]], *, tolerance: float = 0.0
-) -> None:
-    """Every request completed with the reference's tokens; logprobs bit-identical (or
-    within ``tolerance``), the same candidates."""
-    assert len(got) == len(expected)
-    for index, (want, have) in enumerate(zip(expected, got, strict=True)):
-        assert have["finish_reason"] == "length" and not have["aborted"], (index, have)
-        assert have["token_ids"] == want["token_ids"], f"request {index}: tokens differ"
-        if not tolerance:
-            assert have["logprobs"] == want["logprobs"], f"request {index}: logprobs differ"
-            continue
-        for position, (ranked, ranked_want) in enumerate(
-            zip(have["logprobs"], want["logprobs"], strict=True)
-        ):
-            assert [t for t, _ in ranked] == [t for t, _ in ranked_want], (index, position)
-            assert [lp for _, lp in ranked] == pytest.approx(
-                [lp for _, lp in ranked_want], abs=tolerance
-            ), (index, position)
-
-
-def _policy_warnings(log: str) -> list[str]:
-    """The connector's warning lines that name vLLM's kv_load_failure_policy."""
-    return [line for line in log.splitlines() if "[warning" in line and WARNING_KEY in line]
 
 
 # -- corrupt, truncated and deleted disk chunks -----------------------------------------------
@@ -302,7 +127,7 @@ def test_damaged_disk_chunks_never_fail_a_request(hits: Hits) -> None:
     process = hits.process("damaged", {"local_disk": str(disk)}, warm_up=False)
     assert process.ready["kv_load_failure_policy"] == "fail"  # vLLM's default, untouched
     got = [process.generate([request(i, p)])["results"][0] for i, p in enumerate(hits.corrupt)]
-    _assert_same(expected, got)
+    assert_same(expected, got)
     # Every first chunk is bad: nothing is offered, so nothing fails to load.
     for result in got:
         assert result["connector"] == {
@@ -313,14 +138,14 @@ def test_damaged_disk_chunks_never_fail_a_request(hits: Hits) -> None:
         }, result["connector"]
     (stats,) = process.stats()
     assert stats["tiers"]["disk"]["corrupt"] == BAD_CHUNKS, stats["tiers"]["disk"]
-    assert _policy_warnings(process.log()), "no startup warning names " + WARNING_KEY
+    assert policy_warnings(process.log()), "no startup warning names " + WARNING_KEY
     hits.close(process)
 
 
 def test_sidecar_with_a_damaged_disk_then_killed_between_count_and_load(
     hits: Hits, tmp_path: Path
 ) -> None:
-    _require("load_timeout")
+    require_keys("load_timeout")
     hits.store()
     disk = tmp_path / "disk"
     shutil.copytree(hits.disk, disk)
@@ -341,9 +166,9 @@ def test_sidecar_with_a_damaged_disk_then_killed_between_count_and_load(
         process = hits.process("sc-damaged", {"sidecar_url": sidecar.url}, warm_up=False)
         assert process.ready["kv_load_failure_policy"] == "fail"
         got = [process.generate([request(i, p)])["results"][0] for i, p in enumerate(hits.corrupt)]
-        _assert_same(expected, got)
+        assert_same(expected, got)
         assert [r["connector"]["external_tokens"] for r in got] == [0, 0, 0]
-        assert _policy_warnings(process.log()), "no startup warning names " + WARNING_KEY
+        assert policy_warnings(process.log()), "no startup warning names " + WARNING_KEY
         hits.close(process)
         stats = anyio.run(_sidecar_stats, sidecar.url, str(hits.model))
         assert stats["tiers"]["disk"]["corrupt"] == BAD_CHUNKS, stats["tiers"]["disk"]
@@ -366,14 +191,14 @@ def test_sidecar_with_a_damaged_disk_then_killed_between_count_and_load(
         assert reply["killed_s"] is not None, "the sidecar was not killed: no external tokens"
         promised = reply["killed_external_tokens"]
         assert promised >= 2 * CHUNK
-        _assert_same(expected[:1], [result])
+        assert_same(expected[:1], [result])
         assert result["connector"]["loaded_tokens"] == 0
         assert result["connector"]["failed_tokens"] == promised
         after_kill = result["finished_s"] - reply["killed_s"]
         print(f"sidecar killed: request done {after_kill:.2f} s after the kill")
         # Far below the sidecar's own 20 s timeout: the dead sidecar held no step.
         assert after_kill < load_timeout + 2, after_kill
-        assert _policy_warnings(process.log()) == []  # "recompute": nothing to warn about
+        assert policy_warnings(process.log()) == []  # "recompute": nothing to warn about
         hits.close(process)
     finally:
         sidecar.stop()
@@ -386,7 +211,7 @@ def test_sidecar_with_a_damaged_disk_then_killed_between_count_and_load(
 def slow_redis(hits: Hits) -> Iterator[tuple[ThrottleProxy, StepsProcess]]:
     """A process reading Redis through a throttling proxy, told that prefill is slow
     (``prefill_tokens_per_s`` = 1): it loads every hit, however slow."""
-    _require("prefill_tokens_per_s", "prefetch_timeout")
+    require_keys("prefill_tokens_per_s", "prefetch_timeout")
     hits.store()
     with ThrottleProxy("127.0.0.1", hits.redis.port, bytes_per_s=3e6) as proxy:
         process = hits.process(
@@ -412,8 +237,8 @@ def test_a_slow_load_does_not_delay_another_requests_decode_steps(
     results = {r["id"]: r for r in reply["results"]}
     got = results["slow"]
     (want,) = hits.expected([hits.slow])
-    _assert_same([want], [got], tolerance=LOGPROB_TOLERANCE)
-    assert _loaded_whole(got["connector"], SLOW), got["connector"]
+    assert_same([want], [got], tolerance=LOGPROB_TOLERANCE)
+    assert loaded_whole(got["connector"], SLOW), got["connector"]
     began, loaded = got["added_s"], got["first_token_s"]
     waited = loaded - began
     decodes = [step for step in reply["steps"] if "other" in step["tokens"]]
@@ -431,7 +256,7 @@ def test_a_slow_load_does_not_delay_another_requests_decode_steps(
         "median_during_ms": round(statistics.median(during) * 1000, 1),
         "median_before_ms": round(statistics.median(before) * 1000, 1),
     }
-    _report("slow load", figures)
+    report("slow load", figures)
     assert waited > 0.5, "the slow prefix loaded too fast to tell"
     assert results["other"]["aborted"], "the other request finished before the load"
     # No step waits for the load, and the request is never left out meanwhile...
@@ -457,7 +282,7 @@ def test_the_cost_model_loads_only_what_beats_recomputing(
     either prompt from being written to Redis at its first sighting, so the two requests
     differ only in the lookup and the decision. The do-nothing connector is measured
     alongside for the record."""
-    _require("store_threshold")
+    require_keys("store_threshold")
     load_all_proxy, load_all = slow_redis
     load_all_proxy.set_rate(COST_RATE)
     with ThrottleProxy("127.0.0.1", hits.redis.port, bytes_per_s=COST_RATE) as proxy:
@@ -473,7 +298,7 @@ def test_the_cost_model_loads_only_what_beats_recomputing(
             "no_connector": hits.reference,
         }
         for process in (costed, load_all):
-            _quiesce(process)
+            quiesce(process)
         ttfts: dict[str, list[float]] = {name: [] for name in processes}
         counts: dict[str, list[dict[str, int]]] = {name: [] for name in processes}
         for rep, cached in enumerate(hits.cost):
@@ -488,35 +313,19 @@ def test_the_cost_model_loads_only_what_beats_recomputing(
                 ttfts[name].append(result["first_token_s"] - result["added_s"])
                 counts[name].append(result["connector"])
                 if name != "no_connector":
-                    _quiesce(processes[name])
+                    quiesce(processes[name])
         medians = {name: statistics.median(values) for name, values in ttfts.items()}
         (stats,) = costed.stats()
-        _report("TTFT medians (ms)", {n: round(v * 1000, 1) for n, v in medians.items()})
-        _report("TTFT (ms)", {n: [round(v * 1000, 1) for v in vs] for n, vs in ttfts.items()})
-        _report("bytes through the cost model's proxy", proxy.statistics()._asdict())
-        _report("cost model loaded", [c["loaded_tokens"] for c in counts["costed"]])
-        _report("cost model stats", {k: v for k, v in stats.items() if "cost" in k})
+        report("TTFT medians (ms)", {n: round(v * 1000, 1) for n, v in medians.items()})
+        report("TTFT (ms)", {n: [round(v * 1000, 1) for v in vs] for n, vs in ttfts.items()})
+        report("bytes through the cost model's proxy", proxy.statistics()._asdict())
+        report("cost model loaded", [c["loaded_tokens"] for c in counts["costed"]])
+        report("cost model stats", {k: v for k, v in stats.items() if "cost" in k})
         hits.close(costed)
-    assert all(_loaded_whole(c, LONG) for c in counts["load_all"]), counts["load_all"]
+    assert all(loaded_whole(c, LONG) for c in counts["load_all"]), counts["load_all"]
     assert all(c["external_tokens"] == 0 for c in counts["recompute"]), counts["recompute"]
     assert medians["load_all"] > 2 * medians["recompute"], "loading should lose at this rate"
     assert medians["costed"] <= 1.1 * min(medians["load_all"], medians["recompute"]), medians
-
-
-def _report(label: str, value: Any) -> None:
-    """Print a measured figure (shown with ``pytest -s``)."""
-    print(f"{label}: {json.dumps(value)}")
-
-
-def _quiesce(process: StepsProcess, timeout: float = 30.0) -> None:
-    """Wait until ``process`` has no slow-tier write queued, so the next measurement runs
-    on a quiet machine."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(rank.get("tier_writes_pending", 0) == 0 for rank in process.stats()):
-            return
-        time.sleep(0.01)
-    raise AssertionError("slow-tier writes still pending")
 
 
 # -- admission -------------------------------------------------------------------------------------
@@ -526,7 +335,7 @@ def test_store_threshold_and_store_decode_tokens(hits: Hits) -> None:
     """``store_threshold`` 2: a prompt's chunks reach the disk tier only once the prompt
     was seen twice; ``store_decode_tokens``: generated tokens are stored, so a prompt
     extended by them hits their chunks."""
-    _require("store_threshold", "store_decode_tokens", "prefetch_timeout")
+    require_keys("store_threshold", "store_decode_tokens", "prefetch_timeout")
     hits.store()
     disk = hits.root / "disk-threshold"
     process = hits.process(
@@ -552,9 +361,9 @@ def test_store_threshold_and_store_decode_tokens(hits: Hits) -> None:
     (first,) = process.generate([request("t1", prompt)])["results"]
     assert on_disk() == [False] * 3, "a prompt seen once reached the disk tier"
     (second,) = process.generate([request("t2", prompt)])["results"]
-    _report("store_threshold 2, second sighting", second["connector"])
+    report("store_threshold 2, second sighting", second["connector"])
     assert on_disk() == [True] * 3, "a prompt seen twice did not reach the disk tier"
-    _assert_same(hits.expected([prompt]) * 2, [first, second], tolerance=LOGPROB_TOLERANCE)
+    assert_same(hits.expected([prompt]) * 2, [first, second], tolerance=LOGPROB_TOLERANCE)
 
     extended = hits.extend_decoded(process)
     # [0, 256) of the prompt and [256, 512), mostly generated tokens, both hits.
@@ -570,7 +379,7 @@ def test_with_redis_reached_directly_the_cost_model_loads_everything(hits: Hits)
     same-KV model, ``HEAVY``, takes about 0.55 s). The cost model (prefill speed measured)
     loads each Redis-only prefix whole; the outputs are those the storing process
     computed; loading beat recomputing, as measured here."""
-    _require("prefetch_timeout")
+    require_keys("prefetch_timeout")
     model = hits.root / "model-heavy"
     _run([str(MODEL_SCRIPT), str(model), *HEAVY], timeout=300)
     prompts = [hits.prompt(LONG) for _ in range(3)]
@@ -595,15 +404,15 @@ def test_with_redis_reached_directly_the_cost_model_loads_everything(hits: Hits)
         (fresh,) = costed.generate([request(f"fresh{index}", hits.prompt(LONG))])["results"]
         ttfts["recompute"].append(fresh["first_token_s"] - fresh["added_s"])
     (stats,) = costed.stats()
-    _report(
+    report(
         "heavy model TTFT (ms)", {n: [round(v * 1000, 1) for v in vs] for n, vs in ttfts.items()}
     )
-    _report("heavy model cost stats", stats.get("load_costs"))
+    report("heavy model cost stats", stats.get("load_costs"))
     hits.close(costed)
     for result in got:
-        assert _loaded_whole(result["connector"], LONG), (
+        assert loaded_whole(result["connector"], LONG), (
             result["connector"],
             stats.get("load_costs"),
         )
-    _assert_same(expected, got, tolerance=LOGPROB_TOLERANCE)
+    assert_same(expected, got, tolerance=LOGPROB_TOLERANCE)
     assert statistics.median(ttfts["load"]) < statistics.median(ttfts["recompute"]), ttfts
