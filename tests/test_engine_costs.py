@@ -117,10 +117,42 @@ async def test_the_probe_seeds_a_tier_or_logs_its_failure(fail: bool) -> None:
     costs = LoadCosts(["cpu", "far"], chunk_size=16)
     probe = TierProbe(costs, pool, layout(), lambda: [tier], chunk_size=16)
     with anyio.fail_after(TIMEOUT):
-        await probe.run()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(probe.run)
+            await probe.wait()
+            await probe.stop()
     assert probe.probed == ([] if fail else ["far"])
     assert costs.stats().tiers["far"].samples == (0 if fail else 2)
     assert len(tier) == 0  # the probe's chunk was removed
+    assert pool.stats().num_objects == 0
+    pool.close()
+
+
+@pytest.mark.anyio
+async def test_a_declined_tier_is_probed_again_at_most_once_an_interval() -> None:
+    pool = MemoryPool(1 << 20)
+    tier = FarTier(pool)
+    costs = LoadCosts(["cpu", "far"], chunk_size=16)
+    now = [0.0]
+    probe = TierProbe(costs, pool, layout(), lambda: [tier], chunk_size=16, clock=lambda: now[0])
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(probe.run)
+            await probe.wait()
+            assert probe.probed == ["far"]
+            now[0] = 10.0
+            assert not probe.want("far")  # probed 10 s ago: its figures are fresh
+            assert not probe.want("disk")  # never probed (the page cache would answer)
+            now[0] = 31.0
+            assert probe.want("far")
+            assert not probe.want("far")  # asked already: once an interval
+            with anyio.fail_after(TIMEOUT):
+                while len(probe.probed) < 2:
+                    await anyio.wait_all_tasks_blocked()
+            await probe.stop()
+    assert probe.probed == ["far", "far"]
+    assert costs.stats().tiers["far"].samples == 4
+    assert len(tier) == 0
     assert pool.stats().num_objects == 0
     pool.close()
 

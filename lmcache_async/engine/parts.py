@@ -223,6 +223,7 @@ def build_parts(
         token_bytes=layout.token_bytes,
         pin_timeout=config.pin_timeout,
         layerwise=config.use_layerwise,
+        declined=probe.want,
     )
     core = RequestCore(store, load, pool)
     runner = Runner(

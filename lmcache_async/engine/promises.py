@@ -16,7 +16,7 @@ lookup's pins released) or ``pin_timeout``.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,8 +53,10 @@ class _Promised:
 class Promises:
     """The promises of one engine over its tiers, lookups and load core.
 
-    ``costs``: the load-or-recompute model (None: every hit is worth loading).
-    ``token_bytes``: payload bytes per token, to weigh a run of chunks.
+    ``costs``: the load-or-recompute model (None: every hit is worth loading);
+    ``declined`` is told each slow tier it declined hits of (its figures get no real reads
+    to correct them: the probe measures it again). ``token_bytes``: payload bytes per
+    token, to weigh a run of chunks.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class Promises:
         token_bytes: int,
         pin_timeout: float,
         layerwise: bool,
+        declined: Callable[[str], object] | None = None,
     ) -> None:
         self._manager = manager
         self._load = load
@@ -79,6 +82,7 @@ class Promises:
         self._token_bytes = token_bytes
         self._pin_timeout = pin_timeout
         self._layerwise = layerwise
+        self._declined = declined
         self._promised: dict[Hashable, _Promised] = {}
 
     def __len__(self) -> int:
@@ -215,6 +219,10 @@ class Promises:
             prefill_tokens_per_s=prefill_tokens_per_s,
         )
         self._costs.record(decision)
+        if self._declined is not None:
+            for tier, tokens in decision.declined_by_tier.items():
+                if tokens:
+                    self._declined(tier)
         chunks = self._chunks_within(entry, decision.tokens, held)
         _log_decision(req_id, decision, chunks, held)
         return chunks
