@@ -259,6 +259,32 @@ def test_the_worker_reports_loads_and_their_bad_blocks_in_one_step(
     assert transfers.finished(set()) == (None, None)
 
 
+def test_an_idle_step_waits_a_moment_for_a_load_but_never_for_long(
+    engine: SyncCacheEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lmcache_async.integrations.vllm import LMCacheAsyncConnectorMetadata
+    from lmcache_async.integrations.vllm.loads import IDLE_STEP_WAIT
+
+    tokens = prompt(41, 2 * CHUNK)
+    store(engine, tokens, caches(41))
+    held = HeldRetrieves(engine, monkeypatch)
+    transfers = worker(engine, caches(42))
+    meta = LMCacheAsyncConnectorMetadata(
+        async_loads=[load_spec("r", tokens, [4, 5, 6, 7], 0, 2 * CHUNK)]
+    )
+    transfers.start_loads(meta)
+    # A load that does not end: the idle step gives up its moment and reports nothing.
+    assert transfers.finished(set(), idle=True) == (None, None)
+    held.release()
+    reported: Any = (None, None)
+    for _ in range(int(WAIT / IDLE_STEP_WAIT)):  # vLLM's idle steps, back to back
+        reported = transfers.finished(set(), idle=True)
+        if reported != (None, None):
+            break
+    assert reported == (None, {"r"})
+    assert transfers.take_errors() == set()
+
+
 def test_a_failed_asynchronous_load_does_not_void_the_later_stores(
     engine: SyncCacheEngine,
 ) -> None:

@@ -233,8 +233,11 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished sending: the finished requests whose blocks were kept for a last store,
-        now done. Finished receiving: the requests whose asynchronous loads are over."""
-        return self._worker.finished(finished_req_ids)
+        now done. Finished receiving: the requests whose asynchronous loads are over (a
+        step that computed nothing waits a few milliseconds for one first)."""
+        meta = self._orders()
+        idle = meta is not None and meta.scheduled_tokens == 0
+        return self._worker.finished(finished_req_ids, idle=idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed (this step's, and those of the asynchronous loads

@@ -26,9 +26,14 @@ from lmcache_async.sync_engine import SyncCacheEngine
 
 from .metadata import LoadSpec
 
-__all__ = ["AsyncLoads", "unfilled_blocks"]
+__all__ = ["IDLE_STEP_WAIT", "AsyncLoads", "unfilled_blocks"]
 
 log = structlog.get_logger(__name__)
+
+IDLE_STEP_WAIT: Final = 0.005
+"""Seconds a step that computes nothing waits for a load under way before it reports:
+vLLM runs such steps back to back while a request waits for its KV, and a loop that never
+lets go of the interpreter starves the load it waits for."""
 
 STUCK_GRACE: Final = 1.0
 """Seconds past ``load_timeout`` after which a load still not over is logged as stuck (the
@@ -143,6 +148,15 @@ class AsyncLoads:
         self._in_flight = left
         done -= {entry.load.req_id for entry in left}  # reported once all its loads are over
         return done, bad
+
+    def wait_any(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for any load under way to be over (none under
+        way: return at once)."""
+        futures = [entry.future for entry in self._in_flight]
+        if futures:
+            concurrent.futures.wait(
+                futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED
+            )
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for every load started to be over (to be reported

@@ -23,7 +23,7 @@ import torch
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.sync_engine import LayerSteps, SyncCacheEngine
 
-from .loads import STUCK_GRACE, AsyncLoads, unfilled_blocks
+from .loads import IDLE_STEP_WAIT, STUCK_GRACE, AsyncLoads, unfilled_blocks
 from .metadata import LMCacheAsyncConnectorMetadata, LoadSpec, SaveSpec
 
 __all__ = ["WorkerTransfers"]
@@ -267,13 +267,18 @@ class WorkerTransfers:
 
     # -- reports ------------------------------------------------------------------------------
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def finished(
+        self, finished_req_ids: set[str], *, idle: bool = False
+    ) -> tuple[set[str] | None, set[str] | None]:
         """vLLM's ``get_finished``: the finished requests whose kept blocks were stored
         (finished sending) and the requests whose asynchronous loads are over (finished
         receiving; the blocks they did not fill are reported by :meth:`take_errors` in the
-        same step). Forgets finished requests."""
+        same step). Forgets finished requests. ``idle``: the step computed nothing; it
+        waits a moment (:data:`~.loads.IDLE_STEP_WAIT`) for a load under way first."""
         for req_id in finished_req_ids:
             self._failed_epochs.pop(req_id, None)
+        if idle:
+            self._async.wait_any(IDLE_STEP_WAIT)
         recving, bad = self._async.poll(finished_req_ids)
         self._load_errors |= bad
         sending, self._released = self._released, set()
