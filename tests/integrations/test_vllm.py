@@ -1097,17 +1097,25 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> VllmRuns:
 def _assert_same_outputs(expected: Any, got: Any, *, tolerance: float = 0.0) -> None:
     """Same tokens; logprobs bit-identical (or within ``tolerance``), same candidates."""
     for index, (want, have) in enumerate(zip(expected["results"], got["results"], strict=True)):
-        assert have["token_ids"] == want["token_ids"], f"prompt {index}: tokens differ"
-        if not tolerance:
-            assert have["logprobs"] == want["logprobs"], f"prompt {index}: logprobs differ"
-            continue
-        for position, (ranked, ranked_want) in enumerate(
-            zip(have["logprobs"], want["logprobs"], strict=True)
-        ):
-            assert [t for t, _ in ranked] == [t for t, _ in ranked_want], (index, position)
-            assert [lp for _, lp in ranked] == pytest.approx(
-                [lp for _, lp in ranked_want], abs=tolerance
-            ), (index, position)
+        assert_same_result(index, want, have, tolerance=tolerance)
+
+
+def assert_same_result(
+    index: int, want: dict[str, Any], have: dict[str, Any], *, tolerance: float = 0.0
+) -> None:
+    """One prompt's result as the reference's: the same tokens, logprobs bit-identical (or
+    within ``tolerance``), the same candidates."""
+    assert have["token_ids"] == want["token_ids"], f"prompt {index}: tokens differ"
+    if not tolerance:
+        assert have["logprobs"] == want["logprobs"], f"prompt {index}: logprobs differ"
+        return
+    for position, (ranked, ranked_want) in enumerate(
+        zip(have["logprobs"], want["logprobs"], strict=True)
+    ):
+        assert [t for t, _ in ranked] == [t for t, _ in ranked_want], (index, position)
+        assert [lp for _, lp in ranked] == pytest.approx(
+            [lp for _, lp in ranked_want], abs=tolerance
+        ), (index, position)
 
 
 def _connector_counts(run: Any) -> list[dict[str, int]]:

@@ -13,7 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integrations.test_vllm import LOGPROB_TOLERANCE, MODEL_SCRIPT, _run
+from tests.integrations.test_vllm import (
+    LOGPROB_TOLERANCE,
+    MODEL_SCRIPT,
+    _run,
+    assert_same_result,
+)
 from tests.integrations.vllm_steps import StepsProcess
 from tests.servers import RedisServer
 
@@ -204,17 +209,7 @@ def assert_same(
     assert len(got) == len(expected)
     for index, (want, have) in enumerate(zip(expected, got, strict=True)):
         assert have["finish_reason"] == "length" and not have["aborted"], (index, have)
-        assert have["token_ids"] == want["token_ids"], f"request {index}: tokens differ"
-        if not tolerance:
-            assert have["logprobs"] == want["logprobs"], f"request {index}: logprobs differ"
-            continue
-        for position, (ranked, ranked_want) in enumerate(
-            zip(have["logprobs"], want["logprobs"], strict=True)
-        ):
-            assert [t for t, _ in ranked] == [t for t, _ in ranked_want], (index, position)
-            assert [lp for _, lp in ranked] == pytest.approx(
-                [lp for _, lp in ranked_want], abs=tolerance
-            ), (index, position)
+        assert_same_result(index, want, have, tolerance=tolerance)
 
 
 def policy_warnings(log: str) -> list[str]:

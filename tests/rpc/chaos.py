@@ -35,14 +35,12 @@ from typing import IO, Any, Final
 
 import anyio
 import anyio.to_thread
-import zmq
-import zmq.asyncio
 
 from lmcache_async import EngineConfig, LMCacheAsyncError
 from lmcache_async.bench.loadgen import LoadOptions, format_summary, run_load_async
 from lmcache_async.bench.loadgen.tally import Tally
 from lmcache_async.rpc.admin import AdminClient
-from lmcache_async.rpc.protocol import MessageType, decode, encode
+from tests.rpc.test_sidecar import ping
 from tests.servers import RedisServer
 
 __all__ = ["Chaos", "ChaosResult", "SidecarProcess", "chaos_run", "figures"]
@@ -60,24 +58,6 @@ def serve_command() -> list[str]:
     """``lmcache-async`` as installed next to this interpreter (else ``-m``)."""
     script = Path(sys.executable).with_name("lmcache-async")
     return [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_async.cli"]
-
-
-async def ping(url: str, timeout: float) -> bool:
-    """One PING round trip (no session needed): True when the sidecar answered in time."""
-    context = zmq.asyncio.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IMMEDIATE, 1)
-    sock.connect(url)
-    try:
-        with anyio.move_on_after(timeout):
-            await sock.send_multipart(encode(MessageType.PING, request_id=1))
-            reply = decode(await sock.recv_multipart())
-            return reply.type is MessageType.PING
-        return False
-    finally:
-        sock.close(linger=0)
-        context.term()
 
 
 @dataclass
