@@ -200,3 +200,14 @@ async def test_a_full_pool_promises_what_could_be_reserved_without_waiting_for_r
                 for obj in held:
                     obj.unref()
             assert engine.stats().pool.used_bytes == 0
+
+
+@pytest.mark.anyio
+async def test_a_promise_of_nothing_is_asked_afresh(tmp_path: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path, local_disk=None) as engine:
+            assert await engine.promise(tokens_of(64, 1), lookup_id="r1") == Promise(0, False)
+            await store(engine, 64)  # stored since (a preempted request asks again)
+            assert await engine.promise(tokens_of(64, 1), lookup_id="r1") == Promise(64, False)
+            await engine.lookup_unpin("r1")
+            assert engine.stats().pinned_chunks == 0

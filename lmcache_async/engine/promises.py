@@ -105,13 +105,8 @@ class Promises:
         starts it; later calls, with the same keys, follow it)."""
         self._expire()
         entry = self._promised.get(lookup_id)
-        if entry is not None and (
-            entry.keys != list(keys)  # another prompt under the same id
-            or (
-                entry.final is not None and entry.pinned and not self._manager.holds_pins(lookup_id)
-            )
-        ):
-            self.forget(lookup_id)  # start again
+        if entry is not None and (entry.keys != list(keys) or self._spent(entry, lookup_id)):
+            self.forget(lookup_id)  # another prompt under the id, or a stale promise
             entry = None
         if entry is None:
             if self._layerwise:
