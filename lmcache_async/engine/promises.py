@@ -85,9 +85,6 @@ class Promises:
         self._declined = declined
         self._promised: dict[Hashable, _Promised] = {}
 
-    def __len__(self) -> int:
-        return len(self._promised)
-
     async def promise(
         self,
         keys: Sequence[bytes],
@@ -99,7 +96,6 @@ class Promises:
         computed_tokens: int,
         prefill_tokens_per_s: float | None,
         finish: bool,
-        req_id: str | None = None,
     ) -> Promise:
         """The promise for a prompt's chunk ``keys`` under ``lookup_id`` (the first call
         starts it; later calls, with the same keys, follow it)."""
@@ -115,16 +111,15 @@ class Promises:
                     keys, ends, num_tokens, lookup_id=lookup_id, pin=True, locations=locations
                 )
                 return Promise(hits, False)
-            entry = await self._begin(
-                keys,
+            entry = _Promised(
+                list(keys),
                 ends,
                 num_tokens,
-                lookup_id=lookup_id,
-                locations=locations,
-                computed_tokens=computed_tokens,
-                prefill_tokens_per_s=prefill_tokens_per_s,
-                req_id=req_id,
+                deadline=time.monotonic() + self._pin_timeout,
+                pinned=0,
             )
+            self._promised[lookup_id] = entry
+            await self._begin(entry, lookup_id, locations, computed_tokens, prefill_tokens_per_s)
         if entry.final is not None:
             return entry.final
         prefetch = entry.prefetch
@@ -136,41 +131,32 @@ class Promises:
             await prefetch.done.wait()  # stopping ends the reads at once; what came is pinned
         if prefetch is not None:
             entry.pinned = prefetch.chunks
-        return self._settle(entry, req_id)
+        return self._settle(entry, str(lookup_id))
 
     async def _begin(
         self,
-        keys: Sequence[bytes],
-        ends: list[int],
-        num_tokens: int,
-        *,
+        entry: _Promised,
         lookup_id: Hashable,
         locations: tuple[str, ...] | None,
         computed_tokens: int,
         prefill_tokens_per_s: float | None,
-        req_id: str | None,
-    ) -> _Promised:
+    ) -> None:
+        """Start ``entry``'s promise: the CPU tier's part pinned, the worthwhile rest
+        prefetched (or the final answer when there is nothing to read)."""
         lookups, manager = self._lookups, self._manager
+        keys, num_tokens = entry.keys, entry.num_tokens
         lookups.count_request(num_tokens)
         lookups.sight(keys)
-        entry = _Promised(
-            list(keys),
-            ends,
-            num_tokens,
-            deadline=time.monotonic() + self._pin_timeout,
-            pinned=0,
-        )
-        self._promised[lookup_id] = entry
         if not lookups.healthy():
             entry.final = Promise(0, False)
             lookups.count_tenant(keys, num_tokens, 0)
-            return entry
+            return
         entry.pinned = lookups.pin_cpu(keys, lookup_id)
         if entry.pinned == len(keys) or not manager.reads_slow_tiers(locations):
-            return entry
+            return
         runs = await manager.locate_prefix(keys, locations, cpu_hits=entry.pinned)
         worth = self._worth_loading(
-            entry, runs, computed_tokens, prefill_tokens_per_s, req_id=req_id
+            entry, runs, computed_tokens, prefill_tokens_per_s, req_id=str(lookup_id)
         )
         entry.wanted = worth
         # Chunks wholly within what the serving engine has are not read (nor loaded).
@@ -183,7 +169,6 @@ class Promises:
                 pinned=entry.pinned,
                 skip=skip if skip > entry.pinned else 0,
             )
-        return entry
 
     def _worth_loading(
         self,

@@ -180,7 +180,6 @@ class Queries(EngineBase):
             computed_tokens=computed_tokens,
             prefill_tokens_per_s=prefill_tokens_per_s,
             finish=bool(finish),
-            req_id=str(lookup_id),
         )
 
     async def lookup_unpin(self, lookup_id: Hashable) -> None:
