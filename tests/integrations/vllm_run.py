@@ -72,6 +72,34 @@ def add_connector_options(parser: argparse.ArgumentParser, *, default_policy: st
     )
 
 
+def open_llm(args: argparse.Namespace, extra: dict[str, Any] | None, *, in_process: bool) -> Any:
+    """vLLM's offline ``LLM`` on ``args.model`` as the tests run it (token-id prompts,
+    eager, vLLM's prefix cache off, seeded), with the connector of ``extra`` or the
+    do-nothing one (``args.null_connector``) under ``args.kv_load_failure_policy``;
+    ``in_process``: the engine core and worker in this process."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    transfer = kv_transfer_config(
+        extra, null=args.null_connector, policy=args.kv_load_failure_policy
+    )
+    if transfer is not None:
+        kwargs["kv_transfer_config"] = transfer
+    if in_process:
+        kwargs["distributed_executor_backend"] = "uni"
+    return LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_batched_tokens,
+        seed=0,
+        **kwargs,
+    )
+
+
 def kv_transfer_config(extra: dict[str, Any] | None, *, null: bool, policy: str) -> Any:
     """vLLM's ``KVTransferConfig`` for the connector (``extra`` is its extra config) or for
     the do-nothing connector (``null``); None for neither.
@@ -129,35 +157,17 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gb)
     if not args.multiprocess:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     with open(args.prompts, encoding="utf-8") as f:
         prompts: list[TokensPrompt] = [_prompt(item, TokensPrompt) for item in json.load(f)]
     extra: dict[str, Any] | None = None
-    kwargs: dict[str, Any] = {}
     if args.connector_config is not None:
         extra = dict(json.loads(args.connector_config))
         extra.setdefault("request_stats", True)
-    transfer = kv_transfer_config(
-        extra, null=args.null_connector, policy=args.kv_load_failure_policy
-    )
-    if transfer is not None:
-        kwargs["kv_transfer_config"] = transfer
-    if not args.multiprocess:
-        kwargs["distributed_executor_backend"] = "uni"
     started = time.perf_counter()
-    llm = LLM(
-        model=args.model,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_batched_tokens,
-        seed=0,
-        **kwargs,
-    )
+    llm = open_llm(args, extra, in_process=not args.multiprocess)
     startup = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=args.logprobs)
     first_token = SamplingParams(temperature=0.0, max_tokens=1)

@@ -391,9 +391,8 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gb)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector lives here too
-    from vllm import LLM
 
-    from tests.integrations.vllm_run import kv_transfer_config
+    from tests.integrations.vllm_run import open_llm
 
     extra: dict[str, Any] | None = None
     if args.connector_config is not None:
@@ -402,25 +401,8 @@ def main(argv: list[str]) -> int:
     record: dict[str, Any] = {}
     if args.kill_on_alloc is not None:
         _kill_on_alloc(args.kill_on_alloc, record)
-    kwargs: dict[str, Any] = {}
-    transfer = kv_transfer_config(
-        extra, null=args.null_connector, policy=args.kv_load_failure_policy
-    )
-    if transfer is not None:
-        kwargs["kv_transfer_config"] = transfer
     started = time.perf_counter()
-    llm = LLM(
-        model=args.model,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_batched_tokens,
-        distributed_executor_backend="uni",
-        seed=0,
-        **kwargs,
-    )
+    llm = open_llm(args, extra, in_process=True)
     effective = llm.llm_engine.vllm_config.kv_transfer_config
     _reply(
         READY,
