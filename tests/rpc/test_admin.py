@@ -41,6 +41,9 @@ LAYOUT = KVLayout.vllm_flash_attn(
     num_layers=2, num_kv_heads=2, head_size=8, block_size=CHUNK, dtype=torch.float16
 )
 
+# The CLI configures logging for its process: put it back after each test.
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
 
 def prompt(length: int, salt: int = 0) -> list[int]:
     return [(i * 7919 + 13 + salt) % 50_000 for i in range(length)]
