@@ -438,4 +438,18 @@ static struct PyModuleDef module = {
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+/* setup.py defines the digest of the sources this module was compiled from, so a test can
+   tell a stale build from a current one. */
+#ifndef LMCACHE_ASYNC_SOURCE_HASH
+#define LMCACHE_ASYNC_SOURCE_HASH "unknown"
+#endif
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddStringConstant(m, "SOURCE_HASH", LMCACHE_ASYNC_SOURCE_HASH) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

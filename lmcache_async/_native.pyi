@@ -6,6 +6,9 @@ from _typeshed import ReadableBuffer
 
 _V = TypeVar("_V")
 
+SOURCE_HASH: str
+"""SHA-256 of the C sources this module was compiled from (setup.py's ``source_hash``)."""
+
 def blake3_chain(
     seed: bytes, data: bytes | memoryview, step: int, tag: bytes = ..., /
 ) -> list[bytes]: ...
