@@ -20,9 +20,9 @@
 #   BENCH_TOKENS      tokens per store/retrieve in the benchmark (default 8192)
 #   BENCH_DEVICE      the benchmark's device (default cuda; cuda:N for another one)
 #
-# Exit status: 0 all passed; 1 the CUDA tests or the benchmark failed; 2 no usable python,
-# bad settings, the wheels did not install, or an import is missing or older than
-# pyproject.toml asks; 3 no CUDA device.
+# Exit status: 0 all passed; 1 the CUDA tests or the benchmark failed, or no CUDA test ran
+# (every one skipped, or none collected); 2 no usable python, bad settings, the wheels did not
+# install, or an import is missing or older than pyproject.toml asks; 3 no CUDA device.
 set -euo pipefail
 
 # OUT is taken relative to the caller's directory, before the cd into the repository.
@@ -241,9 +241,15 @@ say "$probe"
 # budget is left for it to finish; at the budget pytest gets SIGINT, which still writes the
 # summary and the junit file, and is killed GRACE seconds later.
 mapfile -t test_files < <(grep -rl --include='*.py' 'pytest.mark.cuda' tests | sort)
+# CUDA tests that ran (not skipped), by the junit summary.
+tests_run() {
+    "$PY" "${PY_FLAGS[@]}" -c 'import sys, xml.etree.ElementTree as ET
+suites = ET.parse(sys.argv[1]).getroot().iter("testsuite")
+print(sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites))' "$TESTS_XML"
+}
 tests_status=0
 if ((${#test_files[@]} == 0)); then
-    say "no test file has a pytest.mark.cuda test"
+    say "no CUDA test ran: no test file has a pytest.mark.cuda test"
     tests_status=5
 else
     say "CUDA tests (${TEST_TIMEOUT}s in all, ${PER_TEST_TIMEOUT}s each): ${test_files[*]}"
@@ -255,6 +261,20 @@ else
         -o faulthandler_timeout=$((PER_TEST_TIMEOUT - 5)) \
         --junitxml="$TESTS_XML" "${test_files[@]}" ||
         tests_status=$?
+    # pytest passes a run whose every test skipped (torch sees no device, an extension is
+    # missing): that checks nothing, so it counts as pytest's own "no tests ran" (5).
+    if ((tests_status == 0)); then
+        ran=$(tests_run 2>/dev/null) || ran=""
+        if [[ ! $ran =~ ^[0-9]+$ ]]; then
+            say "no CUDA test ran: no readable junit summary in $TESTS_XML"
+            tests_status=5
+        elif ((ran == 0)); then
+            say "no CUDA test ran: every one was skipped (the reasons are above)"
+            tests_status=5
+        fi
+    elif ((tests_status == 5)); then
+        say "no CUDA test ran: pytest collected none"
+    fi
 fi
 
 # -- the benchmark ----------------------------------------------------------------------------
@@ -279,7 +299,9 @@ written=""
 for file in "$LOG" "$TESTS_XML" "$BENCH_JSON"; do
     [[ -f $file ]] && written+=" ${file##*/}"
 done
-say "CUDA tests: $(describe "$tests_status"); bench: $(describe "$bench_status");" \
+tests_said=$(describe "$tests_status")
+((tests_status != 5)) || tests_said="no CUDA test ran"
+say "CUDA tests: $tests_said; bench: $(describe "$bench_status");" \
     "${SECONDS}s in all; in $OUT:$written"
 if ((tests_status != 0 || bench_status != 0)); then
     exit 1

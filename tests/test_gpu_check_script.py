@@ -1,28 +1,36 @@
 """scripts/gpu_check.sh on a machine without a GPU: it prints every dependency's version and
 checks it and the imports first, then stops with a clear "no CUDA device" and its own exit
-status, and logs what it printed under $OUT. Every python runs unbuffered and with
-faulthandler, each test's timeout is well under the tests' budget, and (with a python that
-claims a device) the tests and the benchmark write their summary and figures to $OUT."""
+status, and logs what it printed under $OUT. Past the device check (a python that claims a
+device) every python runs unbuffered and with faulthandler, pytest gets per-test and session
+timeouts that fit the machine's budget, the summary and figures land in $OUT, and a run in
+which no CUDA test ran (all skipped, or none collected) fails and says so."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
+FAKE_PYTHON = Path(__file__).with_name("fake_gpu_python.py")
 # The most the script may take on a GPU machine, and what its steps before the tests take
 # at most there (wheels, imports, the device probe).
 WHOLE_BUDGET = 480
 SET_UP = 60
+# Seconds the script lets a step run past its limit before it is killed.
+GRACE = 15
 
 pytestmark = [
     pytest.mark.skipif(
@@ -32,27 +40,30 @@ pytestmark = [
 
 
 def _run(
-    tmp_path: Path, *, cwd: Path | None = None, out: Path | None = None, **env: str
+    tmp_path: Path, *, cwd: Path | None = None, out: Path | None = None, **env: str | None
 ) -> tuple[subprocess.CompletedProcess[str], str]:
     """Run the script with a CPU python, no wheels and its output under ``tmp_path / "out"``
-    (or ``out``, relative to ``cwd``)."""
+    (or ``out``, relative to ``cwd``); a variable given as None is unset."""
     out = out if out is not None else tmp_path / "out"
     empty = tmp_path / "no-wheels"
     empty.mkdir(exist_ok=True)
-    full_env = {
-        **os.environ,
+    settings = {
         "PYTHON": sys.executable,
         "OUT": str(out),
         "WHEELS_DIR": str(empty),
+        # What the script's pythons see of these is what the script sets.
+        "PYTHONUNBUFFERED": None,
+        "PYTHONFAULTHANDLER": None,
         **env,
     }
+    full_env = {k: v for k, v in {**os.environ, **settings}.items() if v is not None}
     proc = subprocess.run(
         ["bash", str(SCRIPT)],
         env=full_env,
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         check=False,
     )
     log = ((cwd or REPO) / out / "gpu_check.log").read_text()
@@ -82,18 +93,116 @@ def _shim(tmp_path: Path, *, claim_a_device: bool = False) -> tuple[Path, Path]:
     return shim, calls
 
 
-def _default(name: str) -> int:
-    """The default the script gives the variable ``name`` (or its value, if it is fixed)."""
-    match = re.search(rf"^{name}=(?:\$\{{{name}:-)?([0-9]+)\}}?$", SCRIPT.read_text(), re.M)
-    assert match is not None, name
-    return int(match.group(1))
+@dataclass
+class Fakes:
+    """A stand-in python (``bin/python3``) and ``timeout`` (``bin/timeout``), and what was
+    asked of them."""
+
+    bin: Path
+    calls_path: Path
+    timeouts_path: Path
+
+    @property
+    def python(self) -> Path:
+        return self.bin / "python3"
+
+    def calls(self) -> list[list[str]]:
+        """Each python call's arguments, in order."""
+        return [entry["args"] for entry in self._entries()]
+
+    def envs(self) -> list[list[str | None]]:
+        """PYTHONUNBUFFERED and PYTHONFAULTHANDLER as each python call saw them."""
+        return [entry["env"] for entry in self._entries()]
+
+    def timeouts(self) -> list[str]:
+        """Each ``timeout`` call's options and limit, and the module its python ran."""
+        return self.timeouts_path.read_text().splitlines()
+
+    def _entries(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.calls_path.read_text().splitlines()]
 
 
-def test_script_is_executable_bash_with_strict_mode() -> None:
-    assert os.access(SCRIPT, os.X_OK)
-    lines = SCRIPT.read_text().splitlines()
-    assert lines[0] == "#!/usr/bin/env bash"
-    assert "set -euo pipefail" in lines
+def _fakes(
+    tmp_path: Path,
+    *,
+    device: bool = True,
+    cuda_build: bool = True,
+    pip: bool = True,
+    tests: int = 3,
+    skipped: int = 0,
+    junit: bool = True,
+    pytest_exit: int = 0,
+    bench_exit: int = 0,
+) -> Fakes:
+    """A python that answers each of the script's calls at once, as configured: whether it
+    has a CUDA build and pip, whether the device probe finds a device, the junit summary its
+    pytest writes (``tests`` of which ``skipped``, or none) and the exit statuses of its
+    pytest and benchmark; and a ``timeout`` that records its arguments and runs the command
+    under the real one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = Fakes(bin_dir, tmp_path / "calls.jsonl", tmp_path / "timeouts")
+    fakes.calls_path.touch()
+    fakes.timeouts_path.touch()
+    config = {
+        "calls": str(fakes.calls_path),
+        "device": device,
+        "cuda_build": cuda_build,
+        "pip": pip,
+        "tests": tests,
+        "skipped": skipped,
+        "junit": junit,
+        "pytest_exit": pytest_exit,
+        "bench_exit": bench_exit,
+    }
+    config_path = tmp_path / "fake_python.json"
+    config_path.write_text(json.dumps(config))
+    fakes.python.write_text(
+        f'#!/usr/bin/env bash\nexec {sys.executable} -I {FAKE_PYTHON} {config_path} "$@"\n'
+    )
+    real_timeout = shutil.which("timeout")
+    assert real_timeout is not None
+    record = '"$1 $2 $3 $4 $5 ${11}"'  # options, limit, and the module the python runs
+    (bin_dir / "timeout").write_text(
+        f"#!/usr/bin/env bash\nprintf '%s\\n' {record} >>{fakes.timeouts_path}\n"
+        f'exec {real_timeout} "$@"\n'
+    )
+    for name in ("python3", "timeout"):
+        (bin_dir / name).chmod(0o755)
+    return fakes
+
+
+def _run_fakes(tmp_path: Path, fakes: Fakes, **env: str | None) -> tuple[str, str, int]:
+    """Run the script with ``fakes`` first on PATH and their python as PYTHON; its output,
+    log and exit status."""
+    path = f"{fakes.bin}:{os.environ['PATH']}"
+    variables: dict[str, Any] = {"PATH": path, "PYTHON": str(fakes.python), **env}
+    proc, log = _run(tmp_path, **variables)
+    return proc.stdout + proc.stderr, log, proc.returncode
+
+
+@pytest.mark.subprocess
+def test_run_as_a_command_it_stops_at_the_first_step_that_fails(tmp_path: Path) -> None:
+    """Run by its own path (its #! line), the script stops where a step fails, with that
+    step's status: an OUT that cannot be made ends it before it prints anything."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "out"
+
+    proc = subprocess.run(
+        [str(SCRIPT)],
+        env={**os.environ, "PYTHON": sys.executable, "OUT": str(out), "LC_ALL": "C"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    assert "mkdir" in proc.stderr
+    assert "Not a directory" in proc.stderr
+    assert blocker.read_text() == ""
 
 
 @pytest.mark.subprocess
@@ -143,15 +252,52 @@ def test_an_unusable_python_is_refused(tmp_path: Path) -> None:
     assert "is not an executable" in log
 
 
-def test_every_python_call_is_unbuffered_with_faulthandler() -> None:
-    text = SCRIPT.read_text()
-    assert "PY_FLAGS=(-u -X faulthandler)" in text
-    assert "export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1" in text
-    calls = re.findall(r'(?<!command -v )"\$(?:PY|cand)" (\S+)', text)
-    # pick_python's two probes, the version, pip and its fallback, the imports, the device
-    # probe, the tests and the benchmark.
-    assert len(calls) >= 9, calls
-    assert set(calls) == {'"${PY_FLAGS[@]}"'}, calls
+@pytest.mark.subprocess
+@pytest.mark.skipif(
+    Path("/opt/torch/.venv/bin/python3").exists(), reason="the script would pick that python"
+)
+@pytest.mark.parametrize("pip", [True, False], ids=["pip", "no-pip"])
+def test_every_python_call_is_unbuffered_with_faulthandler(tmp_path: Path, pip: bool) -> None:
+    """Every python the script starts, from picking one to the benchmark, gets ``-u -X
+    faulthandler`` and the two variables (for what it starts in turn)."""
+    fakes = _fakes(tmp_path, cuda_build=False, pip=pip)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "tiny-1.0-py3-none-any.whl").write_bytes(b"")
+
+    output, _, status = _run_fakes(
+        tmp_path,
+        fakes,
+        PYTHON=None,
+        WHEELS_DIR=str(wheels),
+        GPU_CHECK_SITE=str(tmp_path / "site"),
+    )
+
+    assert status == 0, output
+    assert f"python: {fakes.python.name} (3.12.0)" in output
+    calls = fakes.calls()
+    install = ["-m", "pip", "install"] if pip else ["-c"]
+    steps = [
+        ["-c", "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"],
+        ["-c", "import torch"],
+        ["-c", "import sys; print(sys.version.split()[0])"],
+        ["-m", "pip", "--version"],
+        install,
+        ["-"],
+        ["-c"],  # the device probe
+        ["-m", "pytest"],
+        ["-c"],  # the count of the tests that ran
+        ["-m", "lmcache_async.cli"],
+    ]
+    assert len(calls) == len(steps), calls
+    for call, step in zip(calls, steps, strict=True):
+        assert call[:3] == ["-u", "-X", "faulthandler"], call
+        assert call[3 : 3 + len(step)] == step, call
+    assert "is_available" in calls[6][4]
+    assert "xml.etree" in calls[8][4]
+    if not pip:
+        assert "zipfile" in calls[4][4]
+    assert fakes.envs() == [["1", "1"]] * len(steps)
 
 
 @pytest.mark.subprocess
@@ -168,19 +314,49 @@ def test_the_dry_run_calls_python_unbuffered_with_faulthandler(tmp_path: Path) -
     assert set(recorded) == {"1 1|-u -X faulthandler"}, recorded
 
 
-def test_each_test_times_out_well_under_the_budget_and_all_fits_the_machine() -> None:
-    text = SCRIPT.read_text()
-    per_test, budget = _default("PER_TEST_TIMEOUT"), _default("TEST_TIMEOUT")
-    bench, grace = _default("BENCH_TIMEOUT"), _default("GRACE")
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    ("env", "limits"),
+    [
+        ({}, (60, 170, 95, 55, 150)),
+        (
+            {"TEST_TIMEOUT": "100", "PER_TEST_TIMEOUT": "50", "BENCH_TIMEOUT": "30"},
+            (50, 100, 35, 45, 30),
+        ),
+    ],
+    ids=["defaults", "set"],
+)
+def test_each_test_times_out_well_under_the_budget_and_all_fits_the_machine(
+    tmp_path: Path, env: dict[str, str], limits: tuple[int, int, int, int, int]
+) -> None:
+    """pytest gets a per-test timeout (signal method, stacks dumped 5 s before), and stops
+    starting tests once one more could overrun its budget; the tests and the benchmark run
+    under ``timeout`` with a grace period; with the defaults all of it fits the machine."""
+    per_test, budget, session, stacks, bench = limits
+    fakes = _fakes(tmp_path)
+
+    output, log, status = _run_fakes(tmp_path, fakes, **env)
+
+    assert status == 0, output
+    pytest_call = next(call for call in fakes.calls() if call[3:5] == ["-m", "pytest"])
+    options = " ".join(pytest_call)
+    assert f"--timeout={per_test} --timeout-method=signal" in options
+    assert f"--session-timeout={session} " in options
+    assert f"-o faulthandler_timeout={stacks} " in options
+    assert f"CUDA tests ({budget}s in all, {per_test}s each)" in log
+    # No test starts once it could run past the budget with its grace period.
+    assert session + per_test + GRACE == budget
+    assert fakes.timeouts() == [
+        f"-s INT -k {GRACE} {budget} pytest",
+        f"-s ABRT -k {GRACE} {bench} lmcache_async.cli",
+    ]
     assert 2 * per_test <= budget
-    assert '--timeout="$PER_TEST_TIMEOUT" --timeout-method=signal' in text
-    assert "--session-timeout=$((TEST_TIMEOUT - PER_TEST_TIMEOUT - GRACE))" in text
-    assert "-o faulthandler_timeout=$((PER_TEST_TIMEOUT - 5))" in text
-    # pytest's own per-test timeout from pyproject.toml would be longer than the budget:
-    # the command line must set it.
+    # pytest's own per-test timeout from pyproject.toml is longer than the budget allows:
+    # the command line above is what sets it.
     ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert ini["timeout"] > per_test
-    assert SET_UP + budget + bench + 2 * grace <= WHOLE_BUDGET
+    if not env:
+        assert SET_UP + budget + bench + 2 * GRACE <= WHOLE_BUDGET
 
 
 @pytest.mark.subprocess
@@ -245,13 +421,14 @@ def test_a_package_older_than_pyproject_asks_is_refused(tmp_path: Path) -> None:
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_past_the_device_check_the_summary_and_figures_land_in_out(tmp_path: Path) -> None:
-    # A python that claims a device: the CUDA tests are collected and skip (this torch has
-    # none), and the benchmark runs on the CPU at a small size.
+    """With a python that claims a device, the tests run against a CPU torch: every CUDA test
+    skips, so the script says no CUDA test ran and fails, after the benchmark (on the CPU,
+    at a small size) has written its figures."""
     shim, calls = _shim(tmp_path, claim_a_device=True)
 
     proc, log = _run(tmp_path, PYTHON=str(shim), BENCH_DEVICE="cpu", BENCH_TOKENS="64")
 
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [
         "gpu_bench.json",
@@ -259,11 +436,48 @@ def test_past_the_device_check_the_summary_and_figures_land_in_out(tmp_path: Pat
         "gpu_tests.xml",
     ]
     assert "session timeout: 95" in log
-    assert 'skipped="' in (out / "gpu_tests.xml").read_text()
+    suite = ElementTree.parse(out / "gpu_tests.xml").getroot().find("testsuite")
+    assert suite is not None
+    assert int(suite.get("tests", "0")) > 0
+    assert suite.get("skipped") == suite.get("tests")
+    assert "gpu_check: no CUDA test ran: every one was skipped" in log
     figures = json.loads((out / "gpu_bench.json").read_text())
     assert figures["copy"]["verified_bit_exact"] is True
     assert figures["layerwise"]["verified_bit_exact"] is True
     assert figures["staged"]["verified_bit_exact"] is True
     assert log.count("gpu_bench_part_done") == 3
-    assert "CUDA tests: passed; bench: passed;" in log
+    last = proc.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("gpu_check: CUDA tests: no CUDA test ran; bench: passed;"), last
     assert set(calls.read_text().splitlines()) == {"1 1|-u -X faulthandler"}
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    ("fake", "said", "status", "tests_said"),
+    [
+        ({"tests": 3, "skipped": 2}, None, 0, "passed"),
+        ({"tests": 3, "skipped": 3}, "every one was skipped", 1, "no CUDA test ran"),
+        ({"tests": 0, "pytest_exit": 5}, "pytest collected none", 1, "no CUDA test ran"),
+        ({"junit": False}, "no readable junit summary in ", 1, "no CUDA test ran"),
+        ({"tests": 3, "pytest_exit": 1}, None, 1, "failed (1)"),
+    ],
+    ids=["one-ran", "all-skipped", "none-collected", "no-summary", "failed"],
+)
+def test_the_check_passes_only_when_a_cuda_test_ran(
+    tmp_path: Path, fake: dict[str, Any], said: str | None, status: int, tests_said: str
+) -> None:
+    """A passing pytest run counts only when at least one CUDA test ran (by the junit
+    summary): all skipped, none collected or no summary is "no CUDA test ran" and exit 1,
+    and the benchmark runs either way."""
+    fakes = _fakes(tmp_path, **fake)
+
+    output, log, returncode = _run_fakes(tmp_path, fakes)
+
+    assert returncode == status, output
+    ran = [line for line in log.splitlines() if line.startswith("gpu_check: no CUDA test ran")]
+    assert ran == ([] if said is None else [ran[0]]), log
+    if said is not None:
+        assert said in ran[0]
+    last = output.rstrip().splitlines()[-1]
+    assert last.startswith(f"gpu_check: CUDA tests: {tests_said}; bench: passed;"), last
+    assert (tmp_path / "out" / "gpu_bench.json").read_text() == "{}"

@@ -177,12 +177,23 @@ def test_several_chunks_in_one_call(kind: str) -> None:
     assert not target[0].any() and not target[1].any()
 
 
-def test_empty_plan_builds_an_empty_index() -> None:
-    layout, kv, _ = scene("hnd", torch.float32, 0)
+@pytest.mark.parametrize("kind", KINDS)
+def test_empty_plan_builds_an_empty_index(kind: str) -> None:
+    """A plan of no tokens builds its per-layer index (of no rows) without an error, and its
+    per-layer gathers and scatters, whole or by chunks, leave every cache byte as it was."""
+    layout, kv, _ = scene(kind, torch.float32, 0)
+    before = [bits(t).clone() for t in kv]
     plan = layout.plan(kv, torch.empty(0, dtype=torch.int64))
-    out = torch.empty(layout.layer_payload_shape(0))
-    plan.gather_layer(0, 0, 0, out)
-    plan.scatter_layer(0, out, 0, 0)
+    for layer in range(NUM_LAYERS):
+        out = torch.empty(layout.layer_payload_shape(0))
+        plan.gather_layer(layer, 0, 0, out)
+        plan.scatter_layer(layer, out, 0, 0)
+        plan.gather_layer_chunks(layer, [(0, 0, out), (0, 0, out)])
+        plan.scatter_layer_chunks(layer, [(0, 0, out), (0, 0, out)])
+        assert out.numel() == 0
+    assert len(kv) == len(before)
+    for layer, (now, was) in enumerate(zip(kv, before, strict=True)):
+        assert torch.equal(bits(now), was), layer
 
 
 @pytest.mark.cuda

@@ -1,9 +1,15 @@
-"""The package's public API is exactly what ``lmcache_async.__all__`` lists."""
+"""The package's public API is exactly what ``lmcache_async.__all__`` lists, and both engines
+have the signatures of the ``KVCacheClient`` protocol."""
 
 from __future__ import annotations
 import __future__
 
+import inspect
 import types
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 
 import lmcache_async
 
@@ -65,12 +71,42 @@ def test_errors_are_the_errors_module_classes() -> None:
             assert getattr(lmcache_async, name) is getattr(errors, name)
 
 
-def test_both_engines_satisfy_the_client_protocol() -> None:
-    """``CacheEngine`` and ``RemoteCacheEngine`` have every member of ``KVCacheClient``."""
-    protocol_members = {
-        name for name in vars(lmcache_async.KVCacheClient) if not name.startswith("_")
+def _protocol_members() -> list[str]:
+    return [name for name in vars(lmcache_async.KVCacheClient) if not name.startswith("_")]
+
+
+def _shape(function: Callable[..., Any]) -> list[tuple[str, object, object]]:
+    """Each parameter's name, kind and default, in order."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+def test_the_protocol_names_the_calls_of_a_client() -> None:
+    assert set(_protocol_members()) >= {
+        "store",
+        "retrieve",
+        "lookup",
+        "prefetch",
+        "promise",
+        "lookup_unpin",
+        "clear",
+        "is_healthy",
+        "closed",
+        "aclose",
     }
-    assert {"store", "retrieve", "lookup", "prefetch", "lookup_unpin"} <= protocol_members
-    for cls in (lmcache_async.CacheEngine, lmcache_async.RemoteCacheEngine):
-        missing = {name for name in protocol_members if not hasattr(cls, name)}
-        assert not missing, (cls.__name__, missing)
+
+
+@pytest.mark.parametrize("engine", [lmcache_async.CacheEngine, lmcache_async.RemoteCacheEngine])
+@pytest.mark.parametrize("name", _protocol_members())
+def test_both_engines_have_the_protocols_signatures(engine: type, name: str) -> None:
+    """Each member of ``KVCacheClient`` is on both engines with the same parameters (names,
+    kinds, defaults, in order), awaited or not alike, and a property where it is one."""
+    declared = inspect.getattr_static(lmcache_async.KVCacheClient, name)
+    found = inspect.getattr_static(engine, name, None)
+    assert found is not None, f"{engine.__name__} has no {name}"
+    if isinstance(declared, property):
+        assert isinstance(found, property), f"{engine.__name__}.{name} is not a property"
+        assert found.fget is not None and declared.fget is not None
+        declared, found = declared.fget, found.fget
+    assert callable(declared) and callable(found)
+    assert _shape(found) == _shape(declared), f"{engine.__name__}.{name}"
+    assert inspect.iscoroutinefunction(found) == inspect.iscoroutinefunction(declared), name

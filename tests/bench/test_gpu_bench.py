@@ -1,11 +1,12 @@
-"""The GPU benchmark: its CPU path end to end, option checks, the table, and (on a GPU) the
-CUDA path at small sizes."""
+"""The GPU benchmark: its CPU path end to end, its figures against scripted times and the
+scene's bytes, option checks, the table, and (on a GPU) the CUDA path at small sizes."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,9 @@ from lmcache_async.bench.gpu import (
     format_gpu,
     run_gpu_bench_async,
 )
+from lmcache_async.bench.gpu import copies as gpu_copies
+from lmcache_async.bench.gpu import layerwise as gpu_layerwise
+from lmcache_async.bench.gpu import staged as gpu_staged
 from lmcache_async.cli import main
 from lmcache_async.errors import InvalidInputError
 
@@ -35,6 +39,13 @@ def _positive(value: object) -> bool:
     return isinstance(value, float) and math.isfinite(value) and value > 0
 
 
+def _slot_bytes(options: GpuOptions) -> int:
+    """Bytes one token slot takes in the KV cache tensors of ``options``' layout."""
+    layout = options.layout()
+    kv = layout.allocate_kv_caches(1, random=False)
+    return sum(t.numel() * t.element_size() for t in kv) // layout.block_size
+
+
 def test_cpu_path_prints_consistent_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -48,45 +59,35 @@ def test_cpu_path_prints_consistent_figures(
     assert results["device"] == "cpu"
     assert results["note"] == CPU_NOTE
     assert results["problems"] == []
-    assert results["token_bytes"] == 2 * 2 * 2 * 16 * 2
+    slot_bytes = _slot_bytes(GpuOptions(num_layers=2, num_kv_heads=2, head_size=16))
+    assert results["token_bytes"] == slot_bytes
     copy = results["copy"]
-    assert (copy["tokens"], copy["bytes"], copy["runs"]) == (512, 512 * 256, 2)
+    assert (copy["tokens"], copy["bytes"], copy["runs"]) == (512, 512 * slot_bytes, 2)
     for key in ("d2h", "h2d"):
         entry = copy[key]
         for name in ("engine_gbps", "raw_gbps", "ratio", "engine_best_gbps", "raw_best_gbps"):
             assert _positive(entry[name]), (key, name)
-        assert math.isclose(entry["ratio"], entry["engine_gbps"] / entry["raw_gbps"])
         assert entry["target_ratio"] == TARGETS["copy_ratio"] == 0.8
-        assert entry["ok"] == (entry["ratio"] >= 0.8)
     assert _positive(copy["memcpy_d2h_gbps"])
     assert _positive(copy["memcpy_h2d_gbps"])
     assert copy["verified_bit_exact"] is True
 
     lw = results["layerwise"]
-    assert (lw["tokens"], lw["layers"], lw["bytes"], lw["runs"]) == (512, 2, 512 * 256, 2)
+    assert (lw["tokens"], lw["layers"], lw["bytes"], lw["runs"]) == (512, 2, 512 * slot_bytes, 2)
     for name in ("transfer_ms", "compute_ms", "serial_ms", "overlap_ms", "matmul_ms"):
         assert _positive(lw[name]), name
     assert isinstance(lw["matmuls_per_layer"], int)
     assert lw["matmuls_per_layer"] >= 1
-    hidden = (lw["serial_ms"] - lw["overlap_ms"]) / lw["transfer_ms"]
-    assert math.isclose(lw["hidden_fraction"], hidden)
-    assert math.isclose(lw["transfer_gbps"], lw["bytes"] / lw["transfer_ms"] / 1e6)
-    assert lw["hideable_fraction"] == min(1.0, lw["compute_ms"] / lw["transfer_ms"])
     assert lw["target_hidden"] == TARGETS["hidden_fraction"] == 0.7
-    assert lw["ok"] == (hidden >= 0.7)
     assert lw["verified_bit_exact"] is True
 
     staged = results["staged"]
-    assert (staged["tokens"], staged["bytes"], staged["runs"]) == (512, 512 * 256, 2)
+    assert (staged["tokens"], staged["bytes"], staged["runs"]) == (512, 512 * slot_bytes, 2)
     assert (staged["chunks"], staged["chunk_size"]) == (8, 64)
     for key in ("gather", "scatter"):
         entry = staged[key]
         for name in ("per_chunk_gbps", "staged_gbps", "staged_apart_gbps"):
             assert _positive(entry[name]), (key, name)
-        assert math.isclose(entry["speedup"], entry["staged_gbps"] / entry["per_chunk_gbps"])
-        assert math.isclose(
-            entry["apart_speedup"], entry["staged_apart_gbps"] / entry["per_chunk_gbps"]
-        )
     # The payloads back to back go in one copy, apart in one copy each.
     assert staged["host_copies"] == {"together": 1, "apart": 8}
     assert staged["staging_bytes"] >= staged["bytes"]
@@ -275,3 +276,147 @@ async def test_cuda_path_at_small_sizes() -> None:
         assert _positive(results["staged"][key]["per_chunk_gbps"])
     assert results["staged"]["host_copies"] == {"together": 1, "apart": 4}
     assert _positive(results["layerwise"]["overlap_ms"])
+
+
+# The staged part's ways, in the order it times them in each run.
+STAGED_WAYS = (
+    "gather_per_chunk",
+    "gather_staged",
+    "gather_staged_apart",
+    "scatter_per_chunk",
+    "scatter_staged",
+    "scatter_staged_apart",
+)
+WARM = 100.0  # the warm-up run's seconds: far off, so that counting it shows
+
+
+class ScriptedClock:
+    """Stands in for the benchmark's timers: runs what is timed and returns the seconds
+    scripted for it, by the name of the function timed (the staged part's ways by their
+    order within a run), one after the other."""
+
+    def __init__(self, script: dict[str, list[float]]) -> None:
+        self.left = {name: list(seconds) for name, seconds in script.items()}
+        self._staged = 0
+
+    def _seconds(self, fn: Callable[[], object]) -> float:
+        name = getattr(fn, "__name__", "")
+        if name == "<lambda>":
+            name = STAGED_WAYS[self._staged % len(STAGED_WAYS)]
+            self._staged += 1
+        return self.left[name].pop(0)
+
+    def timed(self, fn: Callable[[], object], device: torch.device | None = None) -> float:
+        fn()
+        return self._seconds(fn)
+
+    async def atimed(self, device: torch.device, fn: Callable[[], Awaitable[object]]) -> float:
+        await fn()
+        return self._seconds(fn)
+
+
+def _runs(*seconds: float) -> list[float]:
+    """The seconds of a warm-up run and then of the measured ``seconds``."""
+    return [WARM, *seconds]
+
+
+@pytest.mark.anyio
+async def test_figures_are_the_scenes_bytes_over_the_measured_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every timer scripted, each figure is the bytes of the scene's KV over the median
+    of the measured runs (the warm-up left out), the best the fastest run, a ratio the figure
+    over its baseline, the overlap's hidden share (serial - overlap) / transfer, the compute
+    sized to the transfer; and the table prints those numbers."""
+    options = GpuOptions(
+        tokens=128, repeat=3, num_layers=2, num_kv_heads=2, head_size=16, device="cpu"
+    )
+    clock = ScriptedClock(
+        {
+            # copy: store at half the baseline's rate, retrieve at 1.25 times.
+            "store": _runs(0.004, 0.001, 0.002),
+            "raw_d2h": _runs(0.001, 0.001, 0.001),
+            "retrieve": _runs(0.001, 0.001, 0.001),
+            "raw_h2d": _runs(0.00125, 0.00125, 0.00125),
+            "memcpy_d2h": _runs(0.0005, 0.0005, 0.0005),
+            "memcpy_h2d": _runs(0.00025, 0.00025, 0.00025),
+            # layerwise: three calibration transfers (the first a warm-up: 4 ms a request,
+            # 2 ms a layer), 50 matmuls in 25 ms (4 a layer), then the runs.
+            "transfer": [WARM, 0.004, 0.004, *_runs(0.004, 0.006, 0.005)],
+            "burst": [0.025],
+            "compute_all": _runs(0.004, 0.004, 0.004),
+            "serial": _runs(0.009, 0.009, 0.009),
+            "overlap": _runs(0.006, 0.0055, 0.0065),
+            # staged: twice, half and three times the per-chunk rate.
+            "gather_per_chunk": _runs(0.004, 0.004, 0.004),
+            "gather_staged": _runs(0.002, 0.001, 0.002),
+            "gather_staged_apart": _runs(0.008, 0.008, 0.008),
+            "scatter_per_chunk": _runs(0.003, 0.003, 0.003),
+            "scatter_staged": _runs(0.001, 0.001, 0.001),
+            "scatter_staged_apart": _runs(0.0015, 0.0015, 0.0015),
+        }
+    )
+    for module in (gpu_copies, gpu_layerwise, gpu_staged):
+        monkeypatch.setattr(module, "timed", clock.timed)
+    for module in (gpu_copies, gpu_layerwise):
+        monkeypatch.setattr(module, "atimed", clock.atimed)
+
+    results = await run_gpu_bench_async(options, EngineConfig(chunk_size=64))
+
+    assert {name: left for name, left in clock.left.items() if left} == {}
+    assert results["problems"] == []
+    nbytes = 128 * _slot_bytes(options)
+    assert results["token_bytes"] * 128 == nbytes
+
+    def rate(seconds: float) -> Any:
+        return pytest.approx(nbytes / seconds / 1e9)
+
+    copy = results["copy"]
+    assert copy["bytes"] == nbytes
+    assert copy["d2h"] == {
+        "engine_gbps": rate(0.002),
+        "raw_gbps": rate(0.001),
+        "ratio": pytest.approx(0.5),
+        "engine_best_gbps": rate(0.001),
+        "raw_best_gbps": rate(0.001),
+        "target_ratio": 0.8,
+        "ok": False,
+    }
+    assert copy["h2d"]["ratio"] == pytest.approx(1.25)
+    assert copy["h2d"]["ok"] is True
+    assert copy["memcpy_d2h_gbps"] == rate(0.0005)
+    assert copy["memcpy_h2d_gbps"] == rate(0.00025)
+
+    lw = results["layerwise"]
+    assert lw["bytes"] == nbytes
+    assert lw["matmuls_per_layer"] == 4
+    assert lw["matmul_ms"] == pytest.approx(0.5)
+    expected_ms = {"transfer_ms": 5.0, "compute_ms": 4.0, "serial_ms": 9.0, "overlap_ms": 6.0}
+    assert {name: lw[name] for name in expected_ms} == pytest.approx(expected_ms)
+    assert lw["transfer_gbps"] == rate(0.005)
+    assert lw["hidden_fraction"] == pytest.approx(0.6)
+    assert lw["hideable_fraction"] == pytest.approx(0.8)
+    assert lw["ok"] is False
+
+    staged = results["staged"]
+    assert staged["bytes"] == nbytes
+    assert staged["gather"] == pytest.approx(
+        {
+            "per_chunk_gbps": nbytes / 0.004 / 1e9,
+            "staged_gbps": nbytes / 0.002 / 1e9,
+            "staged_apart_gbps": nbytes / 0.008 / 1e9,
+            "speedup": 2.0,
+            "apart_speedup": 0.5,
+        }
+    )
+    assert staged["scatter"]["speedup"] == pytest.approx(3.0)
+    assert staged["scatter"]["apart_speedup"] == pytest.approx(2.0)
+
+    table = format_gpu(results)
+    d2h = f"{nbytes / 0.002 / 1e9:.2f} GB/s +pinned copy_ {nbytes / 0.001 / 1e9:.2f} GB/s"
+    assert re.search(rf"D2H store 128 tok .*{d2h} +0\.50x +>= 0\.8x", table), table
+    assert re.search(r"H2D retrieve 128 tok .* 1\.25x +>= 0\.8x", table), table
+    assert re.search(r"60\.0% hidden +serial 9\.00 ms, overlap 6\.00 ms +>= 70%", table), table
+    assert re.search(r"staged gather 2 chunks .* 2\.00x", table), table
+    assert re.search(r"staged scatter 2 chunks, payloads apart .* 2\.00x", table), table
+    assert "(4 x 64^2 float32 matmul per layer)" in table

@@ -125,28 +125,54 @@ async def test_pins_and_prefetches_are_keyed_by_the_tenant(sidecar: Sidecar) -> 
             await engine.lookup_unpin("f")
 
 
-async def test_digests_of_another_tenant_are_refused(sidecar: Sidecar) -> None:
-    tokens = prompt(3 * CHUNK, salt=9300)
+async def test_a_prompt_found_by_its_tenants_digests_is_none_of_anothers(
+    sidecar: Sidecar,
+) -> None:
+    """Tenant "a" stores a prompt: its digests under "a" find every token, "b"'s digests of
+    the same tokens under "b" find none, "a"'s digests named as another tenant's are
+    refused, and a retrieve of the same tokens loads all of them for "a" and none for "b"."""
+    num_tokens = 3 * CHUNK
+    tokens = prompt(num_tokens, salt=9300)
+    kv, slots = kv_for(num_tokens, seed=93)
     with anyio.fail_after(TIMEOUT):
         async with connect(sidecar.url) as engine:
-            hasher = engine._conn.hasher_for("a")
-            assert hasher is not None  # the server said how it hashes
-            assert hasher.tag == tenant_tag("a")
-            digests = b"".join(hasher.digests(tokens))
-            assert digests[:TAG_BYTES] == tenant_tag("a")
+            stored = await engine.store(tokens, kv_caches=kv, slot_mapping=slots, tenant="a")
+            assert stored == num_tokens
+            hashers, digests = {}, {}
+            for tenant in ("a", "b"):
+                hasher = engine._conn.hasher_for(tenant)
+                assert hasher is not None  # the server said how it hashes
+                assert hasher.tag == tenant_tag(tenant)
+                hashers[tenant] = hasher
+                digests[tenant] = b"".join(hasher.digests(tokens))
+                assert digests[tenant][:TAG_BYTES] == tenant_tag(tenant)
             link = link_of(engine)
-            header = {"digests_of": len(tokens), "pin": False}
-            reply = await link.request(
-                MessageType.LOOKUP, {**header, "tenant": "a"}, [digests], timeout=10
-            )
-            assert reply.header["hits"] == 0
+            header = {"digests_of": num_tokens, "pin": False}
+            for tenant, hits in (("a", num_tokens), ("b", 0)):
+                reply = await link.request(
+                    MessageType.LOOKUP, {**header, "tenant": tenant}, [digests[tenant]], timeout=10
+                )
+                assert reply.header["hits"] == hits, tenant
             for other in ({"tenant": "b"}, {}):
                 with pytest.raises(InvalidInputError, match="not of the tenant named"):
                     await link.request(
-                        MessageType.LOOKUP, {**header, **other}, [digests], timeout=10
+                        MessageType.LOOKUP, {**header, **other}, [digests["a"]], timeout=10
                     )
+            for tenant in ("b", "a"):
+                target = LAYOUT.allocate_kv_caches(3, random=False)
+                loaded = await engine.retrieve(
+                    tokens, kv_caches=target, slot_mapping=slots, tenant=tenant
+                )
+                got = payload_of(target, slots)
+                if tenant == "a":
+                    assert bool(loaded.all())
+                    assert torch.equal(got, payload_of(kv, slots))
+                else:
+                    assert not loaded.any()
+                    assert not got.any()
             # The hashers of named tenants are kept, not rebuilt for every lookup.
-            assert engine._conn.hasher_for("a") is hasher
+            for tenant, hasher in hashers.items():
+                assert engine._conn.hasher_for(tenant) is hasher
             assert engine._conn.hasher_for(None) is engine._conn.hasher
 
 
