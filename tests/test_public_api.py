@@ -4,9 +4,12 @@ have the signatures of the ``KVCacheClient`` protocol."""
 from __future__ import annotations
 import __future__
 
+import importlib
 import inspect
+import re
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,6 +53,36 @@ def test_every_public_attribute_is_in_all() -> None:
         and not isinstance(value, __future__._Feature)
     }
     assert public - set(lmcache_async.__all__) == set()
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_paths() -> list[str]:
+    """Every dotted ``lmcache_async...`` path the README names (``.__all__`` aside)."""
+    found = re.findall(r"\blmcache_async(?:\.[A-Za-z_][A-Za-z0-9_]*)+", README.read_text())
+    return sorted({path for path in found if not path.endswith(".__all__")})
+
+
+def test_the_readme_names_module_paths() -> None:
+    assert {"lmcache_async.integrations.vllm", "lmcache_async.rpc.lookup"} <= set(readme_paths())
+
+
+@pytest.mark.parametrize("path", readme_paths())
+def test_every_path_the_readme_names_imports(path: str) -> None:
+    """A module path from the README imports; a path to a name resolves to that name."""
+    module, _, name = path.rpartition(".")
+    try:
+        importlib.import_module(path)
+    except ModuleNotFoundError:
+        assert hasattr(importlib.import_module(module), name), path
+
+
+def test_every_name_in_all_imports_from_the_package() -> None:
+    for name in lmcache_async.__all__:
+        namespace: dict[str, object] = {}
+        exec(f"from lmcache_async import {name}", namespace)
+        assert namespace[name] is getattr(lmcache_async, name)
 
 
 def test_required_names_are_exported() -> None:
