@@ -129,24 +129,51 @@ async def test_wait_out_respects_its_timeout() -> None:
         assert asked == [True, True, False]
     assert not pending.done()  # left alone
 
+    # A future that ends only after the timeout has passed (what ends it is asked then):
+    # the wait goes on to its end and says it was overdue.
     late: asyncio.Future[None] = loop.create_future()
-    loop.call_later(0.1, late.set_result, None)
+
+    def ends_late() -> bool:
+        loop.call_soon(late.set_result, None)
+        return True
+
     with anyio.fail_after(2):
-        assert await wait_out((late,), timeout=0.02, still_running=lambda: True)
+        assert await wait_out((late,), timeout=0.02, still_running=ends_late)
     done: asyncio.Future[Any] = loop.create_future()
     done.set_result(None)
     assert not await wait_out((done,), timeout=0.02)
     assert not await wait_out((), timeout=0.02)
 
 
-async def test_wait_out_holds_an_asyncio_cancellation_until_it_gives_up() -> None:
+async def test_wait_out_holds_an_asyncio_cancellation_until_the_wait_is_over() -> None:
+    """``task.cancel()`` neither ends the wait nor touches the futures: the cancellation
+    is raised once they are done, or once the wait gives up on them."""
     loop = asyncio.get_running_loop()
     pending: asyncio.Future[None] = loop.create_future()
-    with anyio.fail_after(2):
-        task = asyncio.ensure_future(wait_out((pending,), timeout=0.1))
+    with anyio.fail_after(5):
+        task = asyncio.ensure_future(wait_out((pending,), timeout=60))
         await asyncio.sleep(0)
         task.cancel()
-        await asyncio.sleep(0.02)
-        assert not task.done()  # the timeout has not passed yet
+        for _ in range(10):  # the cancellation reaches the task and is held
+            await asyncio.sleep(0)
+        assert not task.done() and not pending.done()
+        pending.set_result(None)
         with pytest.raises(asyncio.CancelledError):
             await task
+
+        # Nothing ends the future: the wait goes on to its timeout (where it asks whether
+        # something still will), gives up, and only then raises the cancellation.
+        stuck: asyncio.Future[None] = loop.create_future()
+        asked: list[bool] = []
+
+        def still_running() -> bool:
+            asked.append(False)
+            return False
+
+        task = asyncio.ensure_future(wait_out((stuck,), timeout=0.05, still_running=still_running))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert asked == [False]
+    assert not stuck.done()  # left alone

@@ -30,6 +30,7 @@ from lmcache_async import (
     InvalidInputError,
     KVLayout,
 )
+from lmcache_async.core.store import StoreCore
 
 NUM_LAYERS = 2
 NUM_HEADS = 2
@@ -1170,7 +1171,10 @@ async def wait_until_settled(engine: CacheEngine, chunk_bytes: int, timeout: flo
 
 
 @pytest.mark.anyio
-async def test_cancelled_store_returns_its_memory() -> None:
+async def test_cancelled_store_returns_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store cancelled while its batches are spread over the pipeline (one committed,
+    later ones reserved and copied) leaves the pool holding exactly the cached chunks, and
+    what it cached is whole."""
     layout = make_layout("flash_nhd", torch.float32)
     n_chunks = 96
     n = n_chunks * CHUNK
@@ -1190,18 +1194,38 @@ async def test_cancelled_store_returns_its_memory() -> None:
         ) as engine:
             chunk_bytes = await one_chunk_bytes(engine, probe)
             finished: list[int] = []
+            # The commit stage holds after its first batch, so the batches behind it stay
+            # reserved (and copied) in the pipeline while the caller is cancelled.
+            committed, go_on = anyio.Event(), anyio.Event()
+            real_commit = StoreCore.commit
+
+            async def held_commit(core: StoreCore, *args: Any) -> int:
+                kept = await real_commit(core, *args)
+                committed.set()
+                await go_on.wait()
+                return kept
+
+            monkeypatch.setattr(StoreCore, "commit", held_commit)
+
+            caller = anyio.CancelScope()
 
             async def big_store() -> None:
-                finished.append(await engine.store(tokens, kv_caches=source, slot_mapping=slots))
+                with caller:
+                    stored = await engine.store(tokens, kv_caches=source, slot_mapping=slots)
+                    finished.append(stored)
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(big_store)
-                for _ in range(20_000):
-                    if engine.stats().pool.used_bytes > 0:
-                        break
-                    await anyio.sleep(0.0002)
-                tg.cancel_scope.cancel()
-            assert not finished, "the store finished before it could be cancelled"
+                await committed.wait()
+                await anyio.wait_all_tasks_blocked()  # the stages behind the commit are full
+                in_flight = engine.stats().pool.used_bytes // chunk_bytes - 1
+                assert in_flight >= 3, in_flight
+                caller.cancel()
+                # The cancelled caller waits for its batches (their copies read its KV).
+                await anyio.wait_all_tasks_blocked()
+                go_on.set()
+            assert caller.cancelled_caught and not finished
+            monkeypatch.undo()
 
             await wait_until_settled(engine, chunk_bytes)
             cached = engine.stats().cached_chunks

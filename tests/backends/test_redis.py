@@ -12,7 +12,6 @@ import itertools
 import math
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -565,7 +564,11 @@ async def test_put_cut_short_mid_write_fails_fast_and_leaves_nothing_behind(
     # 24 MiB does not fit in the socket buffers, so it is mid-write when, after 0.3 s, the
     # server is killed (the put fails at once), or stays hung (the put fails at its
     # deadline: the timeout plus 24 MiB at 50 MB/s), or the caller gives up.
-    timeout = 0.5 if fault == "hung" else 5.0
+    # Killed or cancelled, the put must end within ten times the 0.3 s, far before its
+    # deadline; hung, within five times its deadline.
+    timeout = 2.0 if fault == "hung" else 60.0
+    deadline = timeout + (24 << 20) / 50e6
+    limit = 5 * deadline if fault == "hung" else 3.0
     env = await open_tier(
         redis_server.url,
         capacity=64 * 1024 * 1024,
@@ -590,8 +593,7 @@ async def test_put_cut_short_mid_write_fails_fast_and_leaves_nothing_behind(
 
     monkeypatch.setattr(tier._conn, "exists", exists_then_stop)
     try:
-        start = time.monotonic()
-        with anyio.fail_after(timeout + 3):
+        with anyio.fail_after(limit):
             if fault == "cancelled":
                 with anyio.move_on_after(0.3) as scope:
                     await tier.put(keys, objs)
@@ -602,8 +604,6 @@ async def test_put_cut_short_mid_write_fails_fast_and_leaves_nothing_behind(
                         tg.start_soon(kill_after, pid, 0.3)
                     with pytest.raises(TierUnavailableError):
                         await tier.put(keys, objs)
-        elapsed = time.monotonic() - start
-        assert elapsed < (timeout + 1.5 if fault == "hung" else 1.5), elapsed
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
@@ -620,8 +620,8 @@ async def test_put_cut_short_mid_write_fails_fast_and_leaves_nothing_behind(
 
     if fault == "killed":
         redis_server.restart()  # same port, empty
-    # The same client goes on at once.
-    with anyio.fail_after(timeout):
+    # The same client goes on at once (no back-off keeps it unhealthy).
+    with anyio.fail_after(10):
         assert await tier.check_health()
         await assert_whole_or_absent(env, keys, objs)
     assert tier.stats().errors == (0 if fault == "cancelled" else 1)
@@ -906,13 +906,18 @@ async def test_valkey_and_unix_urls_reach_the_server(
 
 # -- faults ---------------------------------------------------------------------------
 
+REFUSED_WITHIN = 5.0
+"""Seconds a call to a stopped server may take: it fails on the refused connection (a few
+milliseconds), so this is no bound on speed, only far below the tier's deadline."""
+
 
 @pytest.mark.anyio
 async def test_server_down_fails_fast_and_recovers(
     redis_server: RedisServer, open_tier: Opener
 ) -> None:
-    timeout = 1.0
-    env = await open_tier(redis_server.url, timeout=timeout)
+    # A stopped server refuses connections: each call fails on the refusal, within a few
+    # seconds (a refusal takes milliseconds), never by waiting out its one-minute deadline.
+    env = await open_tier(redis_server.url, timeout=60.0)
     tier = env.tier
     objs = await put_random(env, [key(0)], [CHUNK])
     redis_server.stop()
@@ -923,19 +928,17 @@ async def test_server_down_fails_fast_and_recovers(
         lambda: tier.remove([key(0)]),
         tier.clear,
     ):
-        start = time.monotonic()
-        with anyio.fail_after(timeout + 1), pytest.raises(TierUnavailableError):
+        with anyio.fail_after(REFUSED_WITHIN), pytest.raises(TierUnavailableError):
             await call()
-        assert time.monotonic() - start < timeout + 0.5
     assert not tier.healthy()
     assert tier.stats().errors == 5 and not tier.stats().healthy
     assert env.pool.stats().num_objects == 1, "only the caller's own object is alive"
-    with anyio.fail_after(timeout + 1):
+    with anyio.fail_after(REFUSED_WITHIN):
         assert await tier.check_health() is False
     assert not tier.healthy()
 
     redis_server.restart()  # same port, empty (no persistence)
-    with anyio.fail_after(timeout + 1):
+    with anyio.fail_after(10):
         assert await tier.check_health() is True
     assert tier.healthy()
     assert await tier.put([key(1)], objs) == 1

@@ -9,7 +9,6 @@ are refused at open. Every test ends with the pool empty.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -382,14 +381,13 @@ async def test_erase_refuses_what_is_not_a_tag(
 async def test_erase_with_the_server_down_fails_fast(
     redis_server: RedisServer, open_host: Any
 ) -> None:
-    timeout = 1.0
-    host = await open_host(redis_server.url, timeout=timeout, limits=limits(alice=PAYLOAD * 9))
+    # The erase fails on the refused connection (milliseconds), not at its one-minute
+    # deadline: five seconds is a bound no busy machine reaches, and far below that.
+    host = await open_host(redis_server.url, timeout=60.0, limits=limits(alice=PAYLOAD * 9))
     release((await put(host, [tkey(A, 0)]))[1])
     redis_server.stop()
-    start = time.monotonic()
-    with anyio.fail_after(timeout + 1), pytest.raises(TierUnavailableError):
+    with anyio.fail_after(5), pytest.raises(TierUnavailableError):
         await host.tier.erase_tenant(A)
-    assert time.monotonic() - start < timeout + 0.5
     assert not host.tier.healthy()
 
 

@@ -75,21 +75,27 @@ async def test_items_flow_through_every_stage_in_order() -> None:
 
 
 async def test_bounded_streams_apply_back_pressure() -> None:
+    """A full pipeline holds its submitter: with the first stage stuck, one item is inside
+    it and one in its input buffer, and the third ``submit`` waits until the stage moves."""
     gate = Gate()
+    submitted = 0
     with anyio.fail_after(5):
         async with Pipeline("t", [gate, Add("a", 0), Finish()], buffer_size=1) as pipe:
             completions = [Completion[int]() for _ in range(10)]
-            submitted = 0
-            with anyio.move_on_after(0.2):
+
+            async def submit_all() -> None:
+                nonlocal submitted
                 for i, done in enumerate(completions):
                     await pipe.submit((i, done))
                     submitted += 1
-            # One item inside the gate, one waiting in its input buffer: nothing more fits.
-            assert gate.entered == 1
-            assert submitted == 2
-            gate.release.set()
-            for i in range(submitted, len(completions)):
-                await pipe.submit((i, completions[i]))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(submit_all)
+                await anyio.wait_all_tasks_blocked()  # every task waits: nothing more fits
+                assert gate.entered == 1
+                assert submitted == 2
+                gate.release.set()
+            assert submitted == len(completions)
             assert [await done.wait() for done in completions] == list(range(10))
 
 

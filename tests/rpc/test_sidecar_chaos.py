@@ -4,8 +4,8 @@ The load generator (in this process, through its Python API) drives a real ``lmc
 serve`` with a CPU tier smaller than one conversation's prompt times the requests in flight,
 a disk tier and a real Redis, while Redis and then the sidecar are SIGKILLed and restarted
 (:mod:`tests.rpc.chaos`: each fault comes after a number of requests has ended, never after
-a sleep). Every retrieve is checked bit for bit, no request may fail, and no retrieve or
-store may hold its caller longer than the client's timeout plus a small margin.
+a sleep). Every retrieve is checked bit for bit, no request may fail, and no call may hold
+its caller past :data:`LONGEST_CALL`, a bound derived from the client's timeout.
 """
 
 from __future__ import annotations
@@ -25,12 +25,19 @@ from tests.rpc.chaos import SMALL, Chaos, chaos_run, figures
 CLIENT_TIMEOUT: Final = 4.0
 """The client's timeout of one request (``RemoteCacheEngine(timeout=)``)."""
 
-MARGIN: Final = 1.5
-"""What a call may take beyond the client's timeout: a retrieve checks its deadline before
-each part, so the last part's copy out of the shared segment and its release come after it
-(a few MiB here, milliseconds), and a 2-core machine running the sidecar, its Redis, its
-disk writes and this test at once can hold the event loop for a moment; nothing in it is
-a wait for the sidecar."""
+LONGEST_CALL: Final = 5 * CLIENT_TIMEOUT
+"""The longest a lookup, retrieve or store may hold its caller. A call's requests to the
+sidecar share one deadline, the client's timeout; after it come only best-effort notices
+(an aborted commit, a release, an unpin: each sent at once unless the socket's queue is
+full, and bounded by the timeout) and copies out of the shared segment (a few MiB,
+milliseconds: the longest call of a whole run on a busy 2-core machine takes well under a
+second). Five timeouts hold the deadline, two notices after it and more local work than
+any busy machine needs, so noise cannot break it; a call waiting without a deadline can."""
+
+RUN_LIMIT: Final = 250.0
+"""Seconds the whole run may take (it takes about 30 on an idle 2-core machine); below
+pytest's own limit of 300 s, so a stalled run ends in this test's cleanup (its sidecar and
+Redis stopped) rather than in pytest's watchdog."""
 
 CHAOS: Final = Chaos(kill_redis=24, restart_redis=24, kill_sidecar=24, after=32)
 
@@ -56,7 +63,7 @@ def _log_to_stderr(restore_logging: None) -> None:
 async def test_faults_and_memory_pressure_never_stall_nor_fail_a_request(tmp_path: Path) -> None:
     # A closed loop: four requests in flight all the time, the most pressure on the pool.
     options = dataclasses.replace(SMALL, sidecar_timeout=CLIENT_TIMEOUT, verify_every=1)
-    with anyio.fail_after(110):
+    with anyio.fail_after(RUN_LIMIT):
         result = await chaos_run(options, CHAOS, workdir=tmp_path, sidecar_flags=SIDECAR_FLAGS)
     print("\n" + figures(result))  # the figures quoted in the notes (pytest -s)
     res = result.results
@@ -73,11 +80,11 @@ async def test_faults_and_memory_pressure_never_stall_nor_fail_a_request(tmp_pat
     # chunks were read back from disk or Redis into it.
     assert result.first_stats["evicted_chunks"] > 0
     assert result.first_stats["promoted_chunks"] > 0
-    # No call held its caller past its timeout (plus the margin).
+    # No call was left waiting: none held its caller past what its timeout allows.
     for op in ("lookup", "retrieve", "store"):
         longest = res["latency_ms"][op]["max"]
         assert not math.isnan(longest), op
-        assert longest <= (CLIENT_TIMEOUT + MARGIN) * 1e3, (op, longest)
+        assert longest <= LONGEST_CALL * 1e3, (op, longest)
     # A second sidecar served the end of the run: the client reconnected by itself.
     first, second = result.sidecar_logs
     assert "sidecar_namespace_fixed" in first
