@@ -87,18 +87,53 @@ def async_loads(timeout: float = 5.0) -> Any:
 
 
 class HeldRetrieves:
-    """Holds the engine's retrieves until :meth:`release` (a stand-in for a slow tier)."""
+    """Holds the engine's retrieves until :meth:`release` (a stand-in for a slow tier);
+    ``into``: only those into this KV memory, the others run at once."""
 
-    def __init__(self, engine: SyncCacheEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(
+        self,
+        engine: SyncCacheEngine,
+        monkeypatch: pytest.MonkeyPatch,
+        *,
+        into: list[torch.Tensor] | None = None,
+    ) -> None:
         self.gate = threading.Event()
         inner = engine.engine
         original = inner.retrieve
 
         async def held(*args: Any, **kwargs: Any) -> torch.Tensor:
-            await anyio.to_thread.run_sync(self.gate.wait, WAIT, abandon_on_cancel=True)
+            if into is None or kwargs["kv_caches"][0] is into[0]:
+                await anyio.to_thread.run_sync(self.gate.wait, WAIT, abandon_on_cancel=True)
             return await original(*args, **kwargs)
 
         monkeypatch.setattr(inner, "retrieve", held)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+class CopyPastDeadline:
+    """Makes the engine's retrieves outlive ``load_timeout``: each is cancelled at its
+    deadline (``overdue`` is then set) while its copy goes on, as a copy under way does,
+    until :meth:`release`; the KV is then written and the retrieve ends cancelled."""
+
+    def __init__(self, engine: SyncCacheEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.overdue = threading.Event()
+        self.gate = threading.Event()
+        inner = engine.engine
+        original = inner.retrieve
+
+        async def copying(*args: Any, **kwargs: Any) -> torch.Tensor:
+            try:
+                await anyio.sleep_forever()  # until the deadline cancels it
+            finally:
+                with anyio.CancelScope(shield=True):
+                    self.overdue.set()
+                    await anyio.to_thread.run_sync(self.gate.wait, WAIT)
+                    await original(*args, **kwargs)
+            raise AssertionError("unreachable: the retrieve was cancelled")
+
+        monkeypatch.setattr(inner, "retrieve", copying)
 
     def release(self) -> None:
         self.gate.set()
@@ -176,6 +211,77 @@ def test_a_load_under_way_is_not_reported_and_an_aborted_one_reports_no_blocks(
     assert loads.wait(WAIT)
     # Both are reported once over; "b" was aborted: vLLM frees its blocks, asks no more.
     assert loads.poll() == ({"a", "b"}, set())
+
+
+def test_a_request_is_reported_once_all_its_loads_are_over(
+    engine: SyncCacheEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request with two loads is reported finished receiving only when both are over:
+    until then the other may still write into its blocks."""
+    tokens = prompt(13, 3 * CHUNK)
+    store(engine, tokens[: 2 * CHUNK], caches(21))  # the third chunk is not cached
+    first, second = caches(22), caches(23)
+    held = HeldRetrieves(engine, monkeypatch, into=second)
+    loads = async_loads()
+    try:
+        loads.start(engine, first, load_spec("r", tokens[: 2 * CHUNK], [1, 2, 3, 4], 0, 64))
+        loads.start(engine, second, load_spec("r", tokens, [5, 6, 7, 8, 9, 10], 0, 3 * CHUNK))
+        loads.wait_any(WAIT)
+        # The first load is over (taken off the loads under way), the second is not:
+        # "r" is not reported, whatever blocks vLLM would be told of.
+        assert loads.poll() == (set(), set())
+        assert len(loads) == 1
+    finally:
+        held.release()
+    assert loads.wait(WAIT)
+    # Once both are over "r" is reported, with the blocks the second did not fill.
+    assert loads.poll() == ({"r"}, {9, 10})
+    assert len(loads) == 0
+
+
+def test_a_load_past_its_timeout_is_not_reported_while_its_copy_goes_on(
+    engine: SyncCacheEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``load_timeout`` (and its grace) a retrieve that has not returned may still
+    write into the request's blocks: it is logged stuck, once, and reported only when it
+    is over, its late KV written by then."""
+    from lmcache_async.integrations.vllm import AsyncLoads
+    from lmcache_async.integrations.vllm.loads import STUCK_GRACE
+
+    tokens = prompt(14, 2 * CHUNK)
+    source = caches(24)
+    src = store(engine, tokens, source)
+    copy = CopyPastDeadline(engine, monkeypatch)
+    clock = Clock()
+    timeout = 0.1
+    loads = AsyncLoads(block_size=BLOCK, chunk_size=CHUNK, timeout=timeout, clock=clock)
+    target = caches(25)
+    dst = [8, 9, 10, 11]
+    try:
+        loads.start(engine, target, load_spec("r", tokens, dst, 0, 2 * CHUNK))
+        assert copy.overdue.wait(WAIT), "the engine did not cancel the retrieve at its deadline"
+        clock.now += timeout + STUCK_GRACE + 1.0
+        with structlog.testing.capture_logs() as logs:
+            assert loads.poll() == (set(), set())
+            assert loads.poll() == (set(), set())
+        assert len(loads) == 1
+        assert [e for e in logs if e["event"] == "vllm_async_load_stuck"] == [
+            {
+                "event": "vllm_async_load_stuck",
+                "req_id": "r",
+                "timeout": timeout,
+                "log_level": "error",
+            }
+        ]
+    finally:
+        copy.release()
+    assert loads.wait(WAIT)
+    # The retrieve ended cancelled: every block is reported for vLLM to recompute...
+    assert loads.poll() == ({"r"}, set(dst))
+    # ...and the copy under way landed before that report, not after it.
+    for layer, (got, want) in enumerate(zip(target, source, strict=True)):
+        for t in range(2 * CHUNK):
+            assert same_bits(token_kv(got, dst, t), token_kv(want, src, t)), (layer, t)
 
 
 def test_a_load_that_cannot_start_is_reported_failed() -> None:
@@ -257,6 +363,37 @@ def test_the_worker_reports_loads_and_their_bad_blocks_in_one_step(
     assert transfers.take_errors() == {6, 7}
     assert transfers.take_errors() == set()  # reported once
     assert transfers.finished(set()) == (None, None)
+
+
+def test_the_worker_reports_a_load_and_its_bad_blocks_only_once_it_is_over(
+    engine: SyncCacheEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's ``get_finished`` and invalid blocks tell nothing of a load whose retrieve is
+    not over; once it is, both come in the same step."""
+    from lmcache_async.integrations.vllm import LMCacheAsyncConnectorMetadata
+
+    tokens = prompt(15, 2 * CHUNK)
+    store(engine, tokens[:CHUNK], caches(26))  # the second chunk is not cached
+    held = HeldRetrieves(engine, monkeypatch)
+    transfers = worker(engine, caches(27))
+    meta = LMCacheAsyncConnectorMetadata(
+        async_loads=[load_spec("r", tokens, [4, 5, 6, 7], 0, 2 * CHUNK)]
+    )
+    try:
+        transfers.start_loads(meta)
+        transfers.save(meta)
+        # Its retrieve is not over: nothing is reported, by a busy step or an idle one.
+        for idle in (False, True):
+            assert transfers.finished(set(), idle=idle) == (None, None)
+            assert transfers.take_errors() == set()
+        assert transfers.loads_in_flight == 1
+    finally:
+        held.release()
+    assert transfers.wait_for_loads(WAIT)
+    # Over: reported finished receiving, with the blocks it did not fill, in one step.
+    assert transfers.finished(set()) == (None, {"r"})
+    assert transfers.take_errors() == {6, 7}
+    assert transfers.loads_in_flight == 0
 
 
 def test_an_idle_step_waits_a_moment_for_a_load_but_never_for_long(
