@@ -12,7 +12,12 @@ Each job lives in its own module so that importing this package stays cheap:
 - :mod:`lmcache_async.bench.sidecar` — store/retrieve through a sidecar next to
   in-process, and lookup round trips over ipc;
 - :mod:`lmcache_async.bench.gpu` — D2H/H2D copies next to a plain pinned copy, and the
-  layerwise overlap (``scripts/gpu_check.sh`` on a GPU machine).
+  layerwise overlap (``scripts/gpu_check.sh`` on a GPU machine);
+- :mod:`lmcache_async.bench.slow_tier` — vLLM with a prefix only in Redis behind a slow
+  link (:mod:`~lmcache_async.bench.throttle`, a bandwidth-limiting TCP proxy): the cost
+  model's TTFT next to loading everything, recomputing everything and no connector, and
+  another request's decode steps during the load. :mod:`~lmcache_async.bench.tiny_llama`
+  builds the small random-weight model it (and the ``vllm`` target) runs.
 
 The plain-torch copies the micro and GPU benchmarks measure the engine against live in
 :mod:`lmcache_async.bench.baselines`. This module holds the small helpers they all share:

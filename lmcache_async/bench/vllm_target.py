@@ -24,7 +24,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -69,7 +69,7 @@ _GIB: Final = 1 << 30
 _MODEL_HINT: Final = (
     "target vllm needs a model: --model DIR, a local Hugging Face model directory "
     "(config.json and safetensors weights; nothing is downloaded). Make a small random-weight "
-    "Llama with: python tests/integrations/tiny_llama.py DIR"
+    "Llama with: python -m lmcache_async.bench.tiny_llama DIR"
 )
 _VLLM_MISSING: Final = (
     "target vllm needs vLLM, which is not installed: pip install 'lmcache-async[vllm]' "
@@ -163,12 +163,18 @@ def read_model(path: str | None) -> ModelInfo:
 
 
 def connector_extra_config(
-    config: EngineConfig, *, instance_id: str, socket_dir: str, sidecar_url: str | None
+    config: EngineConfig,
+    *,
+    instance_id: str,
+    socket_dir: str,
+    sidecar_url: str | None,
+    options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The connector's ``kv_connector_extra_config`` for ``config``.
 
     Embedded: every engine setting. With a sidecar: only the chunking keys (the sidecar
-    owns the tiers) plus ``sidecar_url``. Both ask for per-request counts
+    owns the tiers) plus ``sidecar_url``. ``options``: the connector's own keys
+    (``prefill_tokens_per_s``, ``prefetch_timeout``, ...). Both ask for per-request counts
     (``request_stats``) and name the lookup sockets (``instance_id``, ``socket_dir``) so
     the run can read the connector's engine statistics at the end.
     """
@@ -178,6 +184,7 @@ def connector_extra_config(
     else:
         extra = {key: settings[key] for key in _SIDECAR_KEYS}
         extra["sidecar_url"] = sidecar_url
+    extra.update(options or {})
     extra.update(instance_id=instance_id, socket_dir=socket_dir, request_stats=True)
     return extra
 
@@ -217,9 +224,12 @@ class VllmTarget:
         instance_id: str,
         socket_dir: str,
         startup_seconds: float,
+        max_model_len: int,
     ) -> None:
         self._llm = llm
         self.settings = settings
+        self.max_model_len = max_model_len
+        """Prompt and generated tokens a request may have in all."""
         self.chunk_size = chunk_size
         """The connector's chunk size (None without the connector)."""
         self.instance_id = instance_id
@@ -229,13 +239,26 @@ class VllmTarget:
         from vllm import SamplingParams  # noqa: PLC0415  (vLLM is optional)
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
+        self._sampling = SamplingParams
         self._params = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
         self._prompt_type = TokensPrompt
 
-    async def generate(self, request_id: str, tokens: Sequence[int]) -> FirstToken:
+    async def generate(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        ignore_eos: bool = False,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> FirstToken:
         """Run one prompt (token ids) to its end and time it.
 
-        ``request_id`` must be unique among the requests in flight.
+        ``request_id`` must be unique among the requests in flight. ``max_tokens``: tokens
+        to generate (None: the settings'); ``ignore_eos``: go on past the end-of-sequence
+        token; ``on_tokens`` is called with the request's output token count each time it
+        grows (so a caller can time every step that gave the request a token, and still
+        has them when it cancels the request: vLLM then aborts it).
 
         Raises:
             InvalidInputError: vLLM produced no output token.
@@ -243,19 +266,28 @@ class VllmTarget:
                 engine); the caller counts it.
         """
         prompt = self._prompt_type(prompt_token_ids=list(tokens))
+        params = self._params
+        if max_tokens is not None or ignore_eos:
+            params = self._sampling(
+                temperature=0.0,
+                max_tokens=self.settings.max_tokens if max_tokens is None else max_tokens,
+                ignore_eos=ignore_eos,
+            )
         began = time.perf_counter()
         first: float | None = None
         output_tokens = 0
         counts: dict[str, int] | None = None
-        async for out in self._llm.generate(prompt, self._params, request_id=request_id):
+        async for out in self._llm.generate(prompt, params, request_id=request_id):
             completion = out.outputs[0] if out.outputs else None
-            if completion is not None:
+            if completion is not None and len(completion.token_ids) > output_tokens:
                 output_tokens = len(completion.token_ids)
-                if first is None and output_tokens > 0:
+                if first is None:
                     first = time.perf_counter() - began
+                if on_tokens is not None:
+                    on_tokens(output_tokens)
             if out.finished:
-                params = out.kv_transfer_params or {}
-                found = params.get(REQUEST_STATS_KEY)
+                params_out = out.kv_transfer_params or {}
+                found = params_out.get(REQUEST_STATS_KEY)
                 if isinstance(found, dict):
                     counts = {str(k): int(v) for k, v in found.items()}
         total = time.perf_counter() - began
@@ -298,9 +330,11 @@ async def open_vllm(
     *,
     max_model_len: int,
     sidecar_url: str | None = None,
+    connector_options: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[VllmTarget]:
     """Start vLLM on ``settings.model`` (with the connector configured from ``config``, or
-    against the sidecar at ``sidecar_url``), warm it up, yield it, shut it down.
+    against the sidecar at ``sidecar_url``; ``connector_options``: the connector's own
+    keys), warm it up, yield it, shut it down.
 
     Must be entered from a running asyncio loop (vLLM's output handler runs on it).
     Startup takes tens of seconds on a CPU and blocks the loop meanwhile.
@@ -333,7 +367,11 @@ async def open_vllm(
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both",
             kv_connector_extra_config=connector_extra_config(
-                config, instance_id=instance_id, socket_dir=socket_dir, sidecar_url=sidecar_url
+                config,
+                instance_id=instance_id,
+                socket_dir=socket_dir,
+                sidecar_url=sidecar_url,
+                options=connector_options,
             ),
         )
     if settings.max_num_batched_tokens is not None:
@@ -366,6 +404,7 @@ async def open_vllm(
             instance_id=instance_id,
             socket_dir=socket_dir,
             startup_seconds=startup,
+            max_model_len=max_model_len,
         )
         if settings.warmup:
             tokens = _warmup_tokens(settings, model.vocab_size, max_model_len)

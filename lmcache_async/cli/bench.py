@@ -1,7 +1,8 @@
 """``lmcache-async bench``: its flags, and which benchmark they run.
 
 Without a mode flag it runs the load generator (:mod:`lmcache_async.bench.loadgen`);
-``--micro``, ``--tiers``, ``--sidecar`` and ``--gpu`` run the other benchmarks.
+``--micro``, ``--tiers``, ``--sidecar``, ``--gpu`` and ``--vllm-slow-tier`` run the other
+benchmarks.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ def add_bench_parser(sub: Any) -> None:
     from lmcache_async.bench import DTYPES  # noqa: PLC0415
     from lmcache_async.bench.loadgen import ARRIVALS, TARGETS, LoadOptions  # noqa: PLC0415
     from lmcache_async.bench.micro import MicroOptions  # noqa: PLC0415
+    from lmcache_async.bench.slow_tier.options import SlowTierOptions  # noqa: PLC0415
     from lmcache_async.bench.vllm_target import VLLM_EXECUTORS  # noqa: PLC0415
     from lmcache_async.bench.workloads import WORKLOADS  # noqa: PLC0415
 
     emb = LoadOptions()
     mic = MicroOptions()
+    sto = SlowTierOptions()
     bench = sub.add_parser(
         "bench",
         help="run the load generator (or --micro)",
@@ -54,7 +57,16 @@ def add_bench_parser(sub: Any) -> None:
         "copy_, and layerwise retrieve overlapped with a simulated compute",
     )
     bench.add_argument(
-        "--redis-url", default=None, help="--tiers: this Redis (default: start a redis-server)"
+        "--vllm-slow-tier",
+        action="store_true",
+        help="vLLM with a prompt only Redis holds behind a slow link: time to first token of "
+        "the cost model next to loading everything, recomputing everything and no connector; "
+        "another request's decode steps during a slow load next to its steps before",
+    )
+    bench.add_argument(
+        "--redis-url",
+        default=None,
+        help="--tiers, --vllm-slow-tier: this Redis (default: start a redis-server)",
     )
     bench.add_argument("--config", metavar="FILE.yaml", help="engine configuration file")
     bench.add_argument("--seed", type=int, default=emb.seed)
@@ -127,7 +139,7 @@ def add_bench_parser(sub: Any) -> None:
         default=None,
         metavar="DIR",
         help="a local Hugging Face model directory (nothing is downloaded); a small random one: "
-        "python tests/integrations/tiny_llama.py DIR",
+        "python -m lmcache_async.bench.tiny_llama DIR",
     )
     vllm.add_argument(
         "--max-tokens", type=int, default=emb.max_tokens, help="tokens generated per request"
@@ -149,6 +161,20 @@ def add_bench_parser(sub: Any) -> None:
         "--no-connector",
         action="store_true",
         help="plain vLLM without the cache: a baseline time to first token",
+    )
+
+    slow = bench.add_argument_group(
+        "vLLM with a slow Redis tier (--vllm-slow-tier; also takes --model, --chunk-size)"
+    )
+    slow.add_argument("--rounds", type=int, default=sto.rounds, help="time-to-first-token rounds")
+    slow.add_argument(
+        "--link-mb-per-s",
+        type=float,
+        default=sto.link_bytes_per_s / 1e6,
+        help="the rate of the link between the connector and Redis (MB/s, each way)",
+    )
+    slow.add_argument(
+        "--prompt-tokens", type=int, default=sto.prompt_tokens, help="tokens of each prompt"
     )
 
     micro = bench.add_argument_group("micro-benchmarks (--micro)")
@@ -186,6 +212,33 @@ def _run_sidecar_bench(run: Any, config: EngineConfig) -> dict[str, Any]:
     return result
 
 
+def _run_slow_tier_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``--vllm-slow-tier`` with the flags' settings.
+
+    Raises:
+        InvalidInputError: a setting is invalid, or vLLM is not installed.
+    """
+    import anyio  # noqa: PLC0415
+
+    from lmcache_async.bench.slow_tier import SlowTierOptions, run_slow_tier_bench  # noqa: PLC0415
+
+    options = SlowTierOptions(
+        rounds=args.rounds,
+        prompt_tokens=args.prompt_tokens,
+        link_bytes_per_s=args.link_mb_per_s * 1e6,
+        chunk_size=args.chunk_size or SlowTierOptions().chunk_size,
+        model=args.model,
+        redis_url=args.redis_url,
+        seed=args.seed,
+    )
+    options.validate()  # bad settings are usage errors before anything starts
+    stream = None if args.quiet else sys.stderr
+    result: dict[str, Any] = anyio.run(
+        functools.partial(run_slow_tier_bench, options, progress_stream=stream)
+    )
+    return result
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the flags choose, print its summary and write ``--json``;
     exit 1 when it ran but found errors, 2 when no sidecar answers at ``--url``.
@@ -207,6 +260,12 @@ def run_bench(args: argparse.Namespace) -> int:
         results = anyio.run(functools.partial(run_tiers_bench, redis_url=args.redis_url))
         summary = format_tiers(results)
         failed = False
+    elif args.vllm_slow_tier:
+        results = _run_slow_tier_bench(args)
+        from lmcache_async.bench.slow_tier import format_slow_tier  # noqa: PLC0415
+
+        summary = format_slow_tier(results)
+        failed = bool(results["problems"])
     elif args.sidecar:
         from lmcache_async.bench.sidecar import format_sidecar, run_sidecar_bench  # noqa: PLC0415
 

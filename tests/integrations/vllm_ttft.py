@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiny_llama import TinyLlamaSpec, build_tiny_llama
+from lmcache_async.bench.tiny_llama import TinyLlamaSpec, build_tiny_llama
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

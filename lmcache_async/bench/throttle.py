@@ -1,4 +1,5 @@
-"""A real TCP proxy on loopback that limits bandwidth, for tests of slow tiers.
+"""A real TCP proxy on loopback that limits bandwidth: a slow tier for the benchmarks and
+the tests.
 
 :class:`ThrottleProxy` listens on a free ``127.0.0.1`` port and forwards every connection
 to a target (a Redis server, say), each direction through a token bucket of its own shared
@@ -9,22 +10,29 @@ by all connections, so the proxy behaves like one slow link::
 
 A connection is two pump threads (one per direction); closing the proxy stops accepting,
 shuts every connection down and joins every thread, so nothing is left behind.
+:meth:`ThrottleProxy.reached` tells when the bytes forwarded one way first reached a total
+(``time.monotonic``, comparable across the processes of one machine).
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
 import math
 import select
 import socket
 import threading
 import time
-from typing import Final, NamedTuple
+from typing import Final, Literal, NamedTuple
 
-__all__ = ["DEFAULT_PIECE", "ProxyStatistics", "ThrottleProxy", "TokenBucket"]
+__all__ = ["DEFAULT_PIECE", "HISTORY", "ProxyStatistics", "ThrottleProxy", "TokenBucket"]
 
 DEFAULT_PIECE: Final = 64 * 1024
 """Most bytes read and forwarded at a time."""
+
+HISTORY: Final = 65536
+"""Forwarded pieces remembered per direction for :meth:`ThrottleProxy.reached`."""
 
 JOIN_TIMEOUT: Final = 5.0
 """Seconds each thread gets to end once the proxy closes."""
@@ -122,6 +130,12 @@ class ThrottleProxy:
         self._accepter: threading.Thread | None = None
         self._connections = 0
         self._bytes = [0, 0]
+        self._sending = [0, 0]  # as _bytes, with the pieces being sent now
+        # Per direction: (time.monotonic() before a piece was sent, the total with it).
+        self._history: tuple[collections.deque[tuple[float, int]], ...] = (
+            collections.deque(maxlen=HISTORY),
+            collections.deque(maxlen=HISTORY),
+        )
         self.port = 0
 
     @property
@@ -148,6 +162,21 @@ class ThrottleProxy:
         """Connections accepted and bytes forwarded each way so far."""
         with self._lock:
             return ProxyStatistics(self._connections, self._bytes[0], self._bytes[1])
+
+    def reached(
+        self, nbytes: int, direction: Literal["upstream", "downstream"] = "downstream"
+    ) -> float | None:
+        """When the bytes forwarded ``direction`` (``downstream``: from the target to the
+        clients) first totalled ``nbytes`` or more: the ``time.monotonic()`` taken just
+        before the piece that brought them there was sent, so no receiver had that piece
+        earlier (and a receiver that has it finds it noted). None when they have not yet
+        (or did longer ago than the last :data:`HISTORY` pieces)."""
+        with self._lock:
+            history = list(self._history[0 if direction == "upstream" else 1])
+        index = bisect.bisect_left(history, nbytes, key=lambda entry: entry[1])
+        if index == len(history) or (index == 0 and len(history) == HISTORY):
+            return None
+        return history[index][0]
 
     def start(self) -> ThrottleProxy:
         """Listen on a free loopback port (:attr:`port`) and start accepting.
@@ -268,6 +297,9 @@ class ThrottleProxy:
                     bucket.take(len(data))
                 if self._stopped.is_set():
                     break
+                with self._lock:  # noted before the send: its receiver may act at once
+                    self._sending[direction] += len(data)
+                    self._history[direction].append((time.monotonic(), self._sending[direction]))
                 dst.sendall(data)
                 with self._lock:
                     self._bytes[direction] += len(data)

@@ -2,9 +2,12 @@
 
 The directory is what vLLM loads (``config.json`` + safetensors); nothing is downloaded.
 The weights are drawn from a fixed seed, so two builds with the same arguments are
-byte-identical. Usable as a module (:func:`build_tiny_llama`) or as a script::
+byte-identical. The vLLM benchmarks build one when they are given no model. Usable as a
+module (:func:`build_tiny_llama`) or as a script::
 
-    python tests/integrations/tiny_llama.py OUT_DIR [--layers 2] [--hidden 256] ...
+    python -m lmcache_async.bench.tiny_llama OUT_DIR [--layers 2] [--hidden 256] ...
+
+transformers (a dependency of vLLM) is imported only when a model is built.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
-__all__ = ["TinyLlamaSpec", "build_tiny_llama"]
+__all__ = ["TinyLlamaSpec", "build_tiny_llama", "main"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +44,8 @@ def build_tiny_llama(out_dir: str, spec: TinyLlamaSpec | None = None) -> str:
     Raises:
         ValueError: ``spec.dtype`` is not a torch floating dtype name.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415  (vLLM's extra)
 
     spec = spec or TinyLlamaSpec()
     dtype = getattr(torch, spec.dtype, None)
@@ -61,7 +65,8 @@ def build_tiny_llama(out_dir: str, spec: TinyLlamaSpec | None = None) -> str:
         eos_token_id=2,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(dtype)
+    model_class: Any = LlamaForCausalLM  # transformers' stubs type .to() as a wrapper
+    model = model_class(config).to(dtype)
     # A larger init spread than the default keeps the random model's logits far from ties,
     # so greedy decoding is stable across runs.
     with torch.no_grad():
@@ -75,7 +80,8 @@ def build_tiny_llama(out_dir: str, spec: TinyLlamaSpec | None = None) -> str:
     return out_dir
 
 
-def _main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    """Build the model the command line describes (``OUT_DIR`` and spec flags)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     defaults = TinyLlamaSpec()
@@ -88,4 +94,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,7 @@
-"""The bandwidth-limiting TCP proxy of tests/throttle_proxy.py: bytes through it are exact,
-the rate holds (bounded below by the bucket's arithmetic, above only loosely), and closing
-it leaves no thread, socket or listener behind."""
+"""The bandwidth-limiting TCP proxy of lmcache_async/bench/throttle.py: bytes through it are
+exact, the rate holds (bounded below by the bucket's arithmetic, above only loosely), it
+tells when the bytes forwarded reached a total, and closing it leaves no thread, socket or
+listener behind."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from lmcache_async.bench.throttle import ThrottleProxy
 from tests.servers import RedisServer
-from tests.throttle_proxy import ThrottleProxy
 
 
 class _Server:
@@ -97,6 +98,32 @@ def test_bytes_through_the_proxy_are_exact_both_ways(rate: float | None, no_leak
     # Read once the pumps are joined: a pump counts its bytes after forwarding them.
     assert proxy.statistics() == (1, len(payload), len(payload))
     server.close()
+
+
+@pytest.mark.timeout(60)
+def test_reached_is_when_the_piece_that_made_the_total_was_sent(no_leaks: None) -> None:
+    """Each direction's totals are told apart; a total is reached no later than a receiver
+    had its last byte and no earlier than the sender began; one not forwarded yet is not."""
+    size = 500_000
+    server = _Server(send=os.urandom(size))  # sends as soon as the proxy connects
+    with ThrottleProxy("127.0.0.1", server.port, bytes_per_s=None) as proxy:
+        began = time.monotonic()
+        client = socket.create_connection(("127.0.0.1", proxy.port), timeout=30)
+        client.sendall(b"x" * 10)
+        client.shutdown(socket.SHUT_WR)
+        got = _receive_all(client, size)
+        received = time.monotonic()
+        assert server.done.wait(30)
+        client.close()
+    server.close()
+    assert len(got) == size
+    half, whole = proxy.reached(size // 2), proxy.reached(size)
+    assert half is not None and whole is not None
+    assert began <= half <= whole <= received
+    assert proxy.reached(size + 1) is None
+    upstream = proxy.reached(10, "upstream")
+    assert upstream is not None and began <= upstream <= received
+    assert proxy.reached(11, "upstream") is None
 
 
 @pytest.mark.parametrize("direction", ["upstream", "downstream"])
