@@ -14,9 +14,10 @@ $(BIN)/python:
 
 # torch is pinned and installed first so that the package's looser `torch>=2.4` is already
 # satisfied and pip never pulls a multi-GB CUDA build. The install compiles the key chain
-# and the row copies (lmcache_async/_native.c, _rows.c) next to their sources: a changed
-# source reinstalls.
-$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py lmcache_async/_native.c lmcache_async/_rows.c
+# and the row copies (lmcache_async/keys/_native.c, lmcache_async/transfer/_rows.c) next to
+# their sources: a changed source reinstalls.
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py lmcache_async/keys/_native.c \
+		lmcache_async/transfer/_rows.c
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
 	$(BIN)/pip install --quiet -e .
 	touch $@
@@ -59,7 +60,8 @@ lint: dev
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache lmcache_async/*.so
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	find lmcache_async -name "*.so" -delete
 
 # Wheels for scripts/gpu_check.sh on a GPU machine without network (CPython 3.12, x86_64,
 # CUDA torch already there): the dependencies it lacks, pinned to this venv's versions.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .config import EngineConfig
 from .engine import CacheEngine
+from .engine.client import KVCacheClient, Promise
 from .errors import (
     AllocationTimeoutError,
     ConfigError,
@@ -21,12 +22,10 @@ from .errors import (
 )
 from .events import EventKind, KVEvent
 from .keys import ChunkKey, HashAlgorithm
-from .kv_client import KVCacheClient
 from .layouts import KVFormat, KVLayout, LayoutKind
-from .promise import Promise
 from .rpc.client import RemoteCacheEngine
 from .stats import EngineStats, PoolStats, TierStats
-from .sync_engine import SyncCacheEngine
+from .sync import SyncCacheEngine
 
 __version__ = "0.1.0"
 

@@ -23,7 +23,7 @@ from typing import Any, Final
 import yaml
 
 from lmcache_async.errors import ConfigError
-from lmcache_async.quotas import TenantQuotas
+from lmcache_async.tenancy.quotas import TenantQuotas
 
 __all__ = [
     "CONFIG_FILE_ENV",
@@ -234,7 +234,7 @@ class EngineConfig:
     use_layerwise: bool = DEFAULT_USE_LAYERWISE
     """Whether the serving engine stores and retrieves layer by layer."""
     tenant_quotas: TenantQuotas | None = DEFAULT_TENANT_QUOTAS
-    """GB each tenant may hold in each tier (:mod:`lmcache_async.quotas`): a mapping
+    """GB each tenant may hold in each tier (:mod:`lmcache_async.tenancy.quotas`): a mapping
     ``{tier: {tenant: GB, "*": GB}}`` or the text ``cpu.alice=1.5,cpu.*=0.5``; None: no
     quotas."""
     encryption_key_file: str | None = DEFAULT_ENCRYPTION_KEY_FILE

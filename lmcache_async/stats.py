@@ -89,7 +89,7 @@ class TierStats:
     errors: int = 0
     """Operations that failed against the tier (I/O or connection errors)."""
     tenants: Mapping[str, TenantUsage] = field(default_factory=lambda: MappingProxyType({}))
-    """Usage by tenant tag (8 hex characters, :func:`lmcache_async.tenants.tag_hex`), for
+    """Usage by tenant tag (8 hex characters, :func:`lmcache_async.tenancy.tenants.tag_hex`), for
     the tenants the tier has seen."""
 
 

@@ -16,8 +16,8 @@ from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.engine.costs import LoadCosts
 from lmcache_async.engine.probe import PROBE_TAG, TierProbe, probe_key
 from lmcache_async.errors import TierError
-from lmcache_async.memory import MemoryPool
-from lmcache_async.tenants import TAG_BYTES, tenant_tag
+from lmcache_async.memory.pool import MemoryPool
+from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
 from tests.servers import RedisServer
 from tests.test_engine_redis import open_engine, retrieve_checked
 from tests.test_engine_redis import store as store_redis

@@ -16,7 +16,7 @@ import torch
 
 from lmcache_async import CacheEngine, ChunkKey, ConfigError, EngineConfig, KVLayout
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.transfer import TransferPlan
+from lmcache_async.transfer.plan import TransferPlan
 
 pytestmark = pytest.mark.anyio
 

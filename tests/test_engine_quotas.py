@@ -17,9 +17,9 @@ import torch
 from lmcache_async import CacheEngine
 from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.config import GB
-from lmcache_async.keys import ChunkKey
-from lmcache_async.memory import MemoryObj
-from lmcache_async.tenants import tenant_tag
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj
+from lmcache_async.tenancy.tenants import tenant_tag
 from tests.servers import RedisServer
 from tests.test_engine import (
     CHUNK,

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from lmcache_async import CacheEngine, EngineConfig, InvalidInputError
-from lmcache_async.cuda import Transfers
-from lmcache_async.transfer import TransferPlan
+from lmcache_async.transfer.cuda import Transfers
+from lmcache_async.transfer.plan import TransferPlan
 from tests.fake_cuda import CUDA, FakeCuda, install
 from tests.test_engine import (
     CHUNK,

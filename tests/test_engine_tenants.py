@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmcache_async import CacheEngine, InvalidInputError
-from lmcache_async.tenants import TAG_BYTES, tenant_tag
+from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
 from tests.test_engine import (
     CHUNK,
     TIMEOUT,

@@ -36,7 +36,7 @@ from lmcache_async import (
     SyncCacheEngine,
 )
 from lmcache_async.errors import EraseIncompleteError
-from lmcache_async.tenants import tag_hex, tenant_tag
+from lmcache_async.tenancy.tenants import tag_hex, tenant_tag
 from tests.rpc.test_sidecar import Sidecars, serve_command, wait_ready
 from tests.servers import RedisCluster, RedisServer
 from tests.test_engine_tiers import (

@@ -8,21 +8,22 @@ behind ``TYPE_CHECKING``) does not change which layer knows which.
 
 The layers, low to high (a module may import its own layer and the ones below)::
 
-    ground floor   config, errors, logging, events, stats, health (and the compiled _native)
-    data model     keys, tokens, segments, layouts, transfer, memory, cuda, kv_client, ...
+    ground floor   config, errors, logging, events, stats, health, tenancy/
+    data model     keys/, layouts/, transfer/, memory/ (a package per concept)
     backends/
     core/          the request core (stages and the sidecar server call it)
     pipelines/
-    engine         engine (module or package), distributed
+    engine/
     rpc/
-    sync_engine
+    sync/
     (the package's own __init__: the public API, re-exporting the layers below)
     integrations/
     cli, bench/
 
 Any module under ``lmcache_async/X/`` belongs to the layer of ``X``. A new top-level
-module fails :func:`test_every_top_level_module_has_a_layer` until it is placed in
-:data:`LAYER_OF`, so the table stays complete.
+module or package fails :func:`test_every_top_level_module_has_a_layer` until it is placed
+in :data:`LAYER_OF`, so the table stays complete, and a module that would join a family by
+its name prefix (``keys_memo.py``) has no layer: it goes into its family's package.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ LAYERS: Final = (
     "pipelines",
     "engine",
     "rpc",
-    "sync_engine",
+    "sync",
     API,
     "integrations",
     "cli/bench",
@@ -62,31 +63,19 @@ LAYERS: Final = (
 RANK: Final = {name: rank for rank, name in enumerate(LAYERS)}
 
 LAYER_OF: Final[Mapping[str, str]] = {
-    # ground floor: imports nothing of the package above it
+    # ground floor: what every floor uses; imports nothing of the package above it
     "config": "ground floor",
     "errors": "ground floor",
     "logging": "ground floor",
     "events": "ground floor",
     "stats": "ground floor",
     "health": "ground floor",
-    "quotas": "ground floor",  # config's tenant_quotas
-    "_native": "ground floor",  # compiled C helpers: import nothing at all
-    # data model
+    "tenancy": "ground floor",  # tenant names and tags; config's tenant_quotas
+    # data model: a package per concept
     "keys": "data model",
-    "tokens": "data model",
-    "segments": "data model",
     "layouts": "data model",
     "transfer": "data model",
     "memory": "data model",
-    "cuda": "data model",
-    "kv_client": "data model",
-    "key_input": "data model",  # keys' parts: what a key is made from, the hash, ...
-    "block_hashes": "data model",
-    "hashing": "data model",
-    "digests": "data model",
-    "digest_memo": "data model",
-    "tenants": "data model",
-    "promise": "data model",
     # the rest, bottom up
     "backends": "backends",
     # The request core's two-phase store/load: it drives the backends' storage manager, and
@@ -94,28 +83,13 @@ LAYER_OF: Final[Mapping[str, str]] = {
     "core": "request core",
     "pipelines": "pipelines",
     "engine": "engine",
-    "distributed": "engine",
     "rpc": "rpc",
-    "sync_engine": "sync_engine",
-    "sync_calls": "sync_engine",
+    "sync": "sync",
     "integrations": "integrations",
     "cli": "cli/bench",
     "bench": "cli/bench",
 }
 """The layer of each top-level module or subpackage of the package."""
-
-DATA_MODEL_PREFIXES: Final = (
-    "keys",
-    "tokens",
-    "segments",
-    "layouts",
-    "transfer",
-    "memory",
-    "cuda",
-    "kv_client",
-)
-"""A top-level module named after one of these (``keys_digest``, ``layouts_cpu``) is split
-from a data-model module and belongs to the data model."""
 
 
 @dataclass(frozen=True)
@@ -270,11 +244,7 @@ def layer_of(module: str, package: str) -> str | None:
     top = top_name(module, package)
     if top is None:
         return API
-    if top in LAYER_OF:
-        return LAYER_OF[top]
-    if any(top.startswith(prefix + "_") for prefix in DATA_MODEL_PREFIXES):
-        return "data model"
-    return None
+    return LAYER_OF.get(top)
 
 
 def unplaced(modules: Iterable[str], package: str) -> list[str]:
@@ -412,6 +382,31 @@ def test_no_import_points_upward(graph: tuple[dict[str, Path], list[Edge]]) -> N
         )
 
 
+def test_every_package_says_what_it_is_and_what_it_may_import() -> None:
+    """Each top-level package's docstring says what it holds and, in a line starting
+    ``May import:``, which layers it may import."""
+    root = package_root()
+    missing = []
+    for init in sorted(root.glob("*/__init__.py")):
+        tree = ast.parse(init.read_text(encoding="utf-8"))
+        doc = ast.get_docstring(tree) or ""
+        if not doc or "May import:" not in doc:
+            missing.append(init.parent.name)
+    assert not missing, f"packages whose docstring lacks 'May import:': {missing}"
+
+
+def test_the_root_holds_only_the_ground_floor_and_packages() -> None:
+    """The package's root is the ground floor (every floor uses it) and one package per
+    concept: a new module at the root has to be placed in a package."""
+    root = package_root()
+    modules = sorted(path.stem for path in root.glob("*.py") if path.stem != "__init__")
+    assert modules == sorted(
+        top for top, layer in LAYER_OF.items() if layer == "ground floor" and top != "tenancy"
+    ), modules
+    packages = sorted(path.parent.name for path in root.glob("*/__init__.py"))
+    assert set(packages) <= set(LAYER_OF), packages
+
+
 # -- the checker itself ---------------------------------------------------------------------
 
 
@@ -453,8 +448,8 @@ def test_the_checker_finds_planted_cycles_arrows_and_unplaced_modules(tmp_path: 
         },
     )
     modules, edges = import_edges(root, pkg)
-    assert unplaced(modules, pkg) == ["fakepkg.newthing"]
-    assert layer_of("fakepkg.keys_memo", pkg) == "data model"
+    assert unplaced(modules, pkg) == ["fakepkg.keys_memo", "fakepkg.newthing"]
+    assert layer_of("fakepkg.keys", pkg) == "data model"
     assert layer_of("fakepkg.rpc.server.loop", pkg) == "rpc"
     arrows = {(e.source, e.target, e.where) for e in edges}
     assert ("fakepkg.errors", "fakepkg.rpc.server", "in function late") in arrows

@@ -1,4 +1,4 @@
-"""Per-layer transfers of :class:`~lmcache_async.transfer.TransferPlan`: every layout and
+"""Per-layer transfers of :class:`~lmcache_async.transfer.plan.TransferPlan`: every layout and
 dtype, bit for bit against the whole-chunk gather/scatter, negative slots, several chunks."""
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""The C extension cannot go stale: the suite runs against a build of the current sources,
+"""The C extensions cannot go stale: the suite runs against builds of the current sources,
 a compile error fails a required build (the test install's) instead of leaving an older
-``.so`` in place, and without the extension the package still works (its pure-Python and
-torch fallbacks, in a process where ``lmcache_async._native`` cannot be imported)."""
+``.so`` in place, and without the extensions the package still works (its pure-Python and
+torch fallbacks, in a process where neither ``lmcache_async.keys._native`` nor
+``lmcache_async.transfer._rows`` can be imported)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import shutil
@@ -17,7 +19,8 @@ from typing import Any
 import pytest
 import setuptools
 
-from lmcache_async.keys import NATIVE_CHAIN
+from lmcache_async.keys.chunks import NATIVE_CHAIN
+from lmcache_async.transfer.native import NATIVE_ROWS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,36 +41,40 @@ def require_compiler() -> None:
         pytest.skip("no Python headers here")
 
 
-def test_the_loaded_extension_was_built_from_the_current_sources(
+def test_each_loaded_extension_was_built_from_the_current_sources(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if not NATIVE_CHAIN:
-        pytest.skip("lmcache_async._native was not built (see test_native.py)")
-    from lmcache_async import _native
-
-    (extension,) = run_setup(monkeypatch)[1]["ext_modules"]
-    macros = dict(extension.define_macros)
-    assert macros["LMCACHE_ASYNC_SOURCE_HASH"] == f'"{_native.SOURCE_HASH}"', (
-        "lmcache_async._native was built from other sources than the tree's: "
-        "rebuild it with `make dev` (or `pip install -e .`)"
-    )
+    extensions = run_setup(monkeypatch)[1]["ext_modules"]
+    assert sorted(e.name for e in extensions) == [
+        "lmcache_async.keys._native",
+        "lmcache_async.transfer._rows",
+    ]
+    if not (NATIVE_CHAIN and NATIVE_ROWS):
+        pytest.skip("the C extensions were not built (see tests/keys/test_native.py)")
+    for extension in extensions:
+        module = importlib.import_module(extension.name)
+        macros = dict(extension.define_macros)
+        assert macros["LMCACHE_ASYNC_SOURCE_HASH"] == f'"{module.SOURCE_HASH}"', (
+            f"{extension.name} was built from other sources than the tree's: "
+            "rebuild it with `make dev` (or `pip install -e .`)"
+        )
 
 
 def test_the_source_hash_changes_with_any_source_byte(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    namespace, _ = run_setup(monkeypatch)
-    sources: list[str] = namespace["SOURCES"]
-    for name in sources:
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ROOT / name, tmp_path / name)
-    before = namespace["source_hash"](tmp_path)
-    assert before == namespace["source_hash"](ROOT)
-    for name in sources:
-        original = (tmp_path / name).read_bytes()
-        (tmp_path / name).write_bytes(original + b"\n")
-        assert namespace["source_hash"](tmp_path) != before, name
-        (tmp_path / name).write_bytes(original)
+    names, _ = run_setup(monkeypatch)
+    for sources in names["SOURCES"].values():
+        for name in sources:
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / name, tmp_path / name)
+        before = names["source_hash"](tmp_path, sources)
+        assert before == names["source_hash"](ROOT, sources)
+        for name in sources:
+            original = (tmp_path / name).read_bytes()
+            (tmp_path / name).write_bytes(original + b"\n")
+            assert names["source_hash"](tmp_path, sources) != before, name
+            (tmp_path / name).write_bytes(original)
 
 
 def build(tree: Path, *, required: bool) -> subprocess.CompletedProcess[str]:
@@ -91,12 +98,13 @@ def test_a_compile_error_fails_a_required_build_and_not_an_optional_one(tmp_path
     require_compiler()
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copyfile(ROOT / name, tmp_path / name)
-    package = tmp_path / "lmcache_async"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    for source in ROOT.joinpath("lmcache_async").glob("_*.c"):
-        shutil.copyfile(source, package / source.name)
-    native = package / "_native.c"
+    for source in ROOT.joinpath("lmcache_async").rglob("_*.c"):
+        copy = tmp_path / source.relative_to(ROOT)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        for init in (copy.parent / "__init__.py", copy.parent.parent / "__init__.py"):
+            init.touch()
+        shutil.copyfile(source, copy)
+    native = tmp_path / "lmcache_async" / "keys" / "_native.c"
     native.write_text(native.read_text() + "\nthis is not C;\n")
 
     required = build(tmp_path, required=True)
@@ -107,15 +115,18 @@ def test_a_compile_error_fails_a_required_build_and_not_an_optional_one(tmp_path
     optional = build(tmp_path, required=False)
     assert optional.returncode == 0, optional.stdout + optional.stderr
     assert not list((tmp_path / "out").rglob("_native*.so"))
+    assert list((tmp_path / "out").rglob("_rows*.so")), "the sound extension is still built"
 
 
 FALLBACK_SCRIPT = """
 import sys
-sys.modules["lmcache_async._native"] = None  # as if no C compiler had built it
+# as if no C compiler had built them
+sys.modules["lmcache_async.keys._native"] = sys.modules["lmcache_async.transfer._rows"] = None
 import anyio, torch
-from lmcache_async import CacheEngine, EngineConfig, KVLayout, transfer_native
+from lmcache_async import CacheEngine, EngineConfig, KVLayout
+from lmcache_async.transfer import native as transfer_native
 from lmcache_async.backends import lru
-from lmcache_async.keys import NATIVE_CHAIN, ChunkHasher, Namespace
+from lmcache_async.keys.chunks import NATIVE_CHAIN, ChunkHasher, Namespace
 assert not NATIVE_CHAIN and not transfer_native.NATIVE_ROWS and lru._native is None
 layout = KVLayout.vllm_flash_attn(
     num_layers=2, block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16
@@ -146,7 +157,7 @@ print(" ".join(d.hex() for d in ChunkHasher(namespace, chunk_size=256).digests(t
 def test_without_the_extension_the_package_stores_retrieves_and_keys_alike() -> None:
     """In a process that cannot import the extension, a store/retrieve round trip returns
     the exact KV, and the chunk keys equal this (native) process's."""
-    from lmcache_async.keys import ChunkHasher, Namespace
+    from lmcache_async.keys.chunks import ChunkHasher, Namespace
 
     done = subprocess.run(
         [sys.executable, "-c", FALLBACK_SCRIPT],

@@ -22,12 +22,13 @@ import collections
 from collections.abc import Sequence
 from typing import Final, NamedTuple
 
-from ..digests import DIGEST_SIZE
+from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.keys.digests import DIGEST_SIZE
+from lmcache_async.keys.tokens import is_strict_int
+from lmcache_async.memory.pool import MemoryObj
+
 from ..errors import InvalidInputError
-from ..keys import ChunkSpan
-from ..memory import MemoryObj
 from ..stats import AdmissionStats
-from ..tokens import is_strict_int
 
 __all__ = [
     "MAX_TRACKED_CHUNKS",

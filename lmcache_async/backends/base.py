@@ -5,8 +5,9 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-from ..keys import ChunkKey
-from ..memory import MemoryObj
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj
+
 from ..stats import TierStats
 from .record import RecordSpec
 
@@ -68,7 +69,7 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     async def erase_tenant(self, tag: bytes) -> int:
         """Remove every chunk of the tenant with ``tag`` (the first
-        :data:`~lmcache_async.tenants.TAG_BYTES` bytes of its keys), found by a key prefix
+        :data:`~lmcache_async.tenancy.tenants.TAG_BYTES` bytes of its keys), found by a key prefix
         or an index, never by a scan of what is not this tier's; returns how many were
         removed. A chunk pinned now is removed when its pins end (and counted)."""
 

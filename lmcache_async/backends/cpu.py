@@ -25,11 +25,12 @@ from typing import cast
 
 import structlog
 
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj, MemoryPool
+from lmcache_async.tenancy.tenants import TAG_BYTES, TenantLimits, tag_hex
+
 from ..errors import InvalidInputError
-from ..keys import ChunkKey
-from ..memory import MemoryObj, MemoryPool
 from ..stats import TierStats
-from ..tenants import TAG_BYTES, TenantLimits, tag_hex
 from .base import StorageBackend
 from .lru import held_prefix_count, held_prefix_values
 from .record import RecordSpec

@@ -42,16 +42,17 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj, MemoryPool, current_budget, waited_in_vain
+from lmcache_async.tenancy.tenants import TenantLimits, tag_hex
+
 from ..errors import (
     AllocationTimeoutError,
     EngineClosedError,
     InvalidInputError,
     TierError,
 )
-from ..keys import ChunkKey
-from ..memory import MemoryObj, MemoryPool, current_budget, waited_in_vain
 from ..stats import TierStats
-from ..tenants import TenantLimits, tag_hex
 from .base import StorageBackend, leading_run
 from .counters import TierCounters
 from .disk_file import (
@@ -225,7 +226,7 @@ class DiskBackend(StorageBackend):
         unreadable files and keys left when the pool had no room in time are ``None``.
         The files are read in worker threads (two for a large get, so one verifies while
         the other reads), straight into pool memory when the payload is stored uncompressed.
-        Under a request's :class:`~lmcache_async.memory.AllocationBudget` the memory comes
+        Under a request's :class:`~lmcache_async.memory.pool.AllocationBudget` the memory comes
         within it, and nothing is read once the request can take no more.
 
         Raises:

@@ -34,9 +34,10 @@ import anyio
 import anyio.to_thread
 import torch
 
+from lmcache_async.keys.chunks import DIGEST_SIZE, ChunkKey
+from lmcache_async.memory.pool import MemoryObj
+
 from ..errors import ForeignRecordError, IntegrityError
-from ..keys import DIGEST_SIZE, ChunkKey
-from ..memory import MemoryObj
 from .cipher import PIECE_BYTES, SealedReader, SealedWriter
 from .codec import Codec
 from .record import PREFIX_SIZE, RecordHeader, RecordSpec, tensor_bytes

@@ -27,9 +27,10 @@ from typing import Final
 import anyio
 import anyio.to_thread
 
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.tenancy.tenants import TAG_BYTES, TenantLimits, tag_hex
+
 from ..errors import ConfigError, ForeignRecordError, IntegrityError, InvalidInputError
-from ..keys import ChunkKey
-from ..tenants import TAG_BYTES, TenantLimits, tag_hex
 from .disk_file import (
     CHUNK_SUFFIX,
     TEMP_PREFIX,

@@ -14,8 +14,9 @@ from __future__ import annotations
 import anyio
 import structlog
 
+from lmcache_async.tenancy.tenants import TAG_BYTES, tag_hex
+
 from ..errors import EraseIncompleteError, InvalidInputError, TierError
-from ..tenants import TAG_BYTES, tag_hex
 from .cpu import CPUBackend
 from .tier_events import TierEvents
 from .writers import TierWriter, TierWriters
@@ -34,7 +35,7 @@ async def erase_tenant(
     with a KV event in ``events``; the slow tiers' without one (their keys are not listed).
 
     Raises:
-        InvalidInputError: ``tag`` is not :data:`~lmcache_async.tenants.TAG_BYTES` bytes.
+        InvalidInputError: ``tag`` is not :data:`~lmcache_async.tenancy.tenants.TAG_BYTES` bytes.
         EraseIncompleteError: some tier could not be erased (down, failing, unable to, or a
             write of the tenant still under way after ``timeout`` seconds); every other
             tier was, and the error has their counts and why each of these failed.

@@ -1,6 +1,6 @@
 """The walk over a lookup's leading keys in a tier's LRU index (an ``OrderedDict``): each
 key held is moved to the end, the newest. In C when the package's extension was built
-(:mod:`lmcache_async._native`): a lookup's 128 keys (a 32k-token prompt) then cost half
+(:mod:`lmcache_async.keys._native`): a lookup's 128 keys (a 32k-token prompt) then cost half
 the Python loop's time, and far less when the interpreter is cold, as it is between a
 serving engine's requests. The Python loops are the fallback, and what the C must do."""
 
@@ -41,7 +41,7 @@ def held_prefix_values_py(
 
 _native: ModuleType | None
 try:
-    from lmcache_async import _native
+    from lmcache_async.keys import _native
 except ImportError:  # built without a C compiler
     _native = None
 

@@ -24,10 +24,11 @@ import numpy as np
 import structlog
 from anyio.abc import TaskGroup
 
+from lmcache_async.keys.chunks import ChunkKey, ChunkSpan
+from lmcache_async.memory.pool import MemoryObj
+
 from ..errors import InvalidInputError, TierError
 from ..events import EventBuffer
-from ..keys import ChunkKey, ChunkSpan
-from ..memory import MemoryObj
 from ..stats import TierStats
 from . import erasure
 from .admission import Admission

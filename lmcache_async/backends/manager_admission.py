@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import structlog
 
-from ..keys import ChunkSpan
+from lmcache_async.keys.chunks import ChunkSpan
+
 from ..stats import AdmissionStats
 from .admission import Admission, Held, adjacent_runs
 from .cpu import CPUBackend

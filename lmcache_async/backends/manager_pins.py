@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from ..memory import MemoryObj
+from lmcache_async.memory.pool import MemoryObj
+
 from .cpu import CPUBackend
 from .pins import PinSets
 from .tiers import TierSet

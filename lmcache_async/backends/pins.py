@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ..memory import MemoryObj
+from lmcache_async.memory.pool import MemoryObj
 
 __all__ = ["Clock", "PinSet", "PinSets"]
 

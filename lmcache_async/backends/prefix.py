@@ -18,9 +18,10 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj
+
 from ..errors import TierError
-from ..keys import ChunkKey
-from ..memory import MemoryObj
 from .base import StorageBackend
 from .cpu import CPUBackend
 

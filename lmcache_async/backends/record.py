@@ -36,9 +36,10 @@ import msgpack
 import torch
 import xxhash
 
+from lmcache_async.keys.chunks import DIGEST_SIZE
+from lmcache_async.memory.pool import MemoryObj
+
 from ..errors import ForeignRecordError, IntegrityError
-from ..keys import DIGEST_SIZE
-from ..memory import MemoryObj
 from .cipher import (
     AUTH_TAG_BYTES,
     KEY_ID_BYTES,

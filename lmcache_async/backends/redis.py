@@ -30,11 +30,12 @@ from typing import Any, Final
 
 import structlog
 
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj, MemoryPool, current_budget
+from lmcache_async.tenancy.tenants import TenantLimits
+
 from ..errors import ConfigError, InvalidInputError, TierError
-from ..keys import ChunkKey
-from ..memory import MemoryObj, MemoryPool, current_budget
 from ..stats import TierStats
-from ..tenants import TenantLimits
 from .base import StorageBackend, leading_run
 from .counters import TierCounters
 from .record import RecordSpec
@@ -257,7 +258,7 @@ class RedisBackend(StorageBackend):
     async def _get(self, keys: Sequence[ChunkKey], *, prefix: bool) -> list[MemoryObj | None]:
         """Fetch and load ``keys`` batch by batch; with ``prefix``, stop at the batch with
         the first value missing or corrupt, and load nothing past that value. Under a
-        request's :class:`~lmcache_async.memory.AllocationBudget`, no batch is fetched
+        request's :class:`~lmcache_async.memory.pool.AllocationBudget`, no batch is fetched
         once the request can take no more memory (its values would find no room)."""
         out: list[MemoryObj | None] = [None] * len(keys)
         batches = self._batches(len(keys))

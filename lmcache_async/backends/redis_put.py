@@ -17,8 +17,9 @@ from typing import Any, Final
 import anyio
 import anyio.to_thread
 
-from ..keys import ChunkKey
-from ..memory import MemoryObj
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj
+
 from .record import RecordSpec
 from .redis_conn import RedisConnection
 from .redis_records import (

@@ -23,9 +23,10 @@ import anyio.to_thread
 import numpy as np
 import structlog
 
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj, MemoryPool, waited_in_vain
+
 from ..errors import AllocationTimeoutError, ForeignRecordError, IntegrityError
-from ..keys import ChunkKey
-from ..memory import MemoryObj, MemoryPool, waited_in_vain
 from .record import RecordHeader, RecordSpec
 from .redis_conn import WRITE_PIECE
 

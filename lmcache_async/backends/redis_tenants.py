@@ -36,11 +36,12 @@ import structlog
 from redis import exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj
+from lmcache_async.tenancy.tenants import TAG_BYTES, TenantLimits, tag_hex, tag_of
+
 from ..errors import ConfigError, InvalidInputError, TierError
-from ..keys import ChunkKey
-from ..memory import MemoryObj
 from ..stats import TenantUsage
-from ..tenants import TAG_BYTES, TenantLimits, tag_hex, tag_of
 from .redis_conn import RedisConnection
 from .redis_scripts import FORGET, RECORD, TOUCH
 
@@ -320,7 +321,8 @@ class TenantIndex:
         deadline. Chunks other hosts write meanwhile may be left.
 
         Raises:
-            InvalidInputError: ``tag`` is not :data:`~lmcache_async.tenants.TAG_BYTES` bytes.
+            InvalidInputError: ``tag`` is not
+                :data:`~lmcache_async.tenancy.tenants.TAG_BYTES` bytes.
             TierUnavailableError: Redis is unreachable or did not answer in time.
             TierError: Redis reported another error.
         """

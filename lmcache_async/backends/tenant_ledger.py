@@ -1,5 +1,5 @@
 """One tier's accounts by tenant: what each tenant holds, in its own LRU order, and the
-rules of its quota (:class:`~lmcache_async.tenants.TenantLimits`).
+rules of its quota (:class:`~lmcache_async.tenancy.tenants.TenantLimits`).
 
 A tier tells its ledger every chunk it adds and every chunk it drops; the ledger never
 touches the tier's index or memory, it only answers which keys must go: :meth:`victims`
@@ -23,9 +23,10 @@ import collections
 import functools
 from collections.abc import Callable, Iterable, Sequence
 
+from lmcache_async.tenancy.tenants import TAG_BYTES, TenantLimits, tag_hex
+
 from ..errors import InvalidInputError
 from ..stats import TenantUsage
-from ..tenants import TAG_BYTES, TenantLimits, tag_hex
 from .lru import held_prefix_count
 
 __all__ = ["KeyFilter", "TenantLedger", "check_tag"]
@@ -35,7 +36,7 @@ KeyFilter = Callable[[bytes], bool]
 
 
 def check_tag(tag: object) -> bytes:
-    """``tag`` if it is a tenant tag (:data:`~lmcache_async.tenants.TAG_BYTES` bytes).
+    """``tag`` if it is a tenant tag (:data:`~lmcache_async.tenancy.tenants.TAG_BYTES` bytes).
 
     Raises:
         InvalidInputError: it is not.
@@ -309,7 +310,7 @@ class TenantLedger:
     # -- figures ------------------------------------------------------------------------
 
     def usage(self) -> dict[str, TenantUsage]:
-        """Usage by tag (:func:`~lmcache_async.tenants.tag_hex`) of every tenant seen."""
+        """Usage by tag (:func:`~lmcache_async.tenancy.tenants.tag_hex`) of every tenant seen."""
         return {
             tag_hex(tag): TenantUsage(
                 chunks=len(account.keys),

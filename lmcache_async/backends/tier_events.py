@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lmcache_async.keys.chunks import ChunkKey, ChunkSpan
+
 from ..events import EventBuffer, EventKind, KVEvent, PendingEvent
-from ..keys import ChunkKey, ChunkSpan
 
 __all__ = ["StoredEvent", "TierEvents"]
 

@@ -23,11 +23,12 @@ import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj
+from lmcache_async.tenancy.tenants import TAG_BYTES
+
 from ..errors import TierError
 from ..events import EventBuffer, PendingEvent
-from ..keys import ChunkKey
-from ..memory import MemoryObj
-from ..tenants import TAG_BYTES
 from .base import StorageBackend
 
 __all__ = ["TierWriter", "TierWriters"]

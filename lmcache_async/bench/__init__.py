@@ -23,6 +23,8 @@ The plain-torch copies the micro and GPU benchmarks measure the engine against l
 :mod:`lmcache_async.bench.baselines`. This module holds the small helpers they all share:
 dtype names, latency percentiles, GB/s, numbers and plain text tables, progress display
 and JSON output.
+
+May import: everything (the top floor, with ``cli``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ Exit codes: 0 success, 1 the run finished but found errors, 2 bad usage or confi
 One module per command group (:mod:`~.bench`, :mod:`~.serve`, :mod:`~.admin` for
 ``events``, ``ctl`` and ``stats``, :mod:`~.check_config`), :mod:`~.parser` putting their
 flags together; :func:`main` picks the command. ``python -m lmcache_async.cli`` runs it too.
+
+May import: everything (the top floor, with ``bench``).
 """
 
 from __future__ import annotations

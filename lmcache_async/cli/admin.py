@@ -8,7 +8,7 @@ from typing import Any
 
 from lmcache_async.cli.common import EXIT_FAILED, EXIT_OK
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.tenants import check_tenant
+from lmcache_async.tenancy.tenants import check_tenant
 
 __all__ = ["add_admin_parsers", "run_admin", "run_events"]
 

@@ -6,13 +6,17 @@ partial-store rule applied) → the caller fills the reserved buffers → ``comm
 verified) → the caller copies out → ``release``. The embedded pipelines run these phases
 as stages; the sidecar runs them for its clients, which copy the KV themselves with the
 same copy path (:mod:`.copy`).
+
+May import: ``backends``, the data model and the ground floor. Never ``pipelines``,
+``engine``, ``rpc`` or anything above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..memory import MemoryObj, MemoryPool
+from lmcache_async.memory.pool import MemoryObj, MemoryPool
+
 from .load import LoadCore, Prefetch
 from .store import Cancellable, StoreCore, StoreTxn
 

@@ -3,7 +3,7 @@
 The embedded pipelines' copy stages and the sidecar client both move a request's chunks
 with these calls: :func:`gather` (D2H, a store), :func:`scatter` (H2D, a load) and
 :func:`mark_loaded` (the mask of the tokens a load wrote). A copy takes the request's
-:class:`~lmcache_async.transfer.TransferPlan`, built once per request.
+:class:`~lmcache_async.transfer.plan.TransferPlan`, built once per request.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cuda import CallerStream, Direction, Transfers
-from ..transfer import TransferPlan
-from ..transfer_staged import StagedPlan
+from lmcache_async.transfer.cuda import CallerStream, Direction, Transfers
+from lmcache_async.transfer.plan import TransferPlan
+from lmcache_async.transfer.staged import StagedPlan
 
 __all__ = ["Job", "gather", "mark_loaded", "scatter"]
 

@@ -21,9 +21,10 @@ import structlog
 from anyio import CancelScope
 from anyio.abc import TaskGroup
 
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import AllocationBudget, MemoryObj
+
 from ..backends.manager import StorageManager, chunk_keys
-from ..keys import ChunkKey
-from ..memory import AllocationBudget, MemoryObj
 from ..stats import Counters
 from .store import release
 

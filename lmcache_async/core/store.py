@@ -20,11 +20,12 @@ import anyio
 import numpy as np
 import structlog
 
+from lmcache_async.keys.chunks import ChunkKey, ChunkSpan
+from lmcache_async.memory.pool import MemoryObj, MemoryPool
+
 from ..backends.manager import StorageManager
 from ..errors import AllocationTimeoutError
-from ..keys import ChunkKey, ChunkSpan
 from ..layouts import KVLayout
-from ..memory import MemoryObj, MemoryPool
 from ..stats import Counters
 
 __all__ = ["Cancellable", "StoreCore", "StoreTxn", "layer_keys", "release"]

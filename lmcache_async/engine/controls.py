@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lmcache_async.keys.tokens import Tokens
+from lmcache_async.tenancy.tenants import tag_hex
+
 from ..backends.codec import Codec
 from ..errors import InvalidInputError
 from ..events import KVEvent
 from ..stats import EngineStats, TenantStats
-from ..tenants import tag_hex
-from ..tokens import Tokens
 from .compress import reencode_prefix
 from .parts import EngineBase
 from .snapshot import engine_stats

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
+from lmcache_async.keys.tokens import is_strict_int
+
 from ..errors import InvalidInputError
 from ..stats import LoadCostStats, TierSpeedStats
-from ..tokens import is_strict_int
 
 __all__ = [
     "CPU_TIER",

@@ -2,7 +2,7 @@
 
 ``CacheEngine.open(config, layout, model_name=...)`` is an async context manager that builds
 the memory pool, the tiers, the request core and both pipelines, and tears all of them down
-on exit. :class:`~lmcache_async.sync_engine.SyncCacheEngine` runs the same engine on an
+on exit. :class:`~lmcache_async.sync.engine.SyncCacheEngine` runs the same engine on an
 event-loop thread of its own for callers that are not async. The engine is wiring: its
 parts, each built here with its dependencies passed in, are the key input
 (:mod:`.requests`), the request core (:mod:`lmcache_async.core`), the run policy
@@ -22,20 +22,21 @@ import structlog
 import torch
 from anyio.abc import TaskGroup
 
+from lmcache_async.keys.chunks import ChunkHasher, ChunkKey, ChunkSpan, Namespace
+from lmcache_async.keys.tokens import Tokens
+from lmcache_async.transfer.cuda import caller_stream
+
 from ..backends.codec import Codec
 from ..backends.record import RecordSpec
 from ..config import EngineConfig
 from ..core import RequestCore
-from ..cuda import caller_stream
 from ..errors import InvalidInputError
 from ..health import HealthMonitor
-from ..keys import ChunkHasher, ChunkKey, ChunkSpan, Namespace
 from ..layouts import KVLayout
 from ..pipelines.common import Request
 from ..pipelines.layerwise import RetrieveLayers, StoreLayers
 from ..pipelines.retrieve import RetrieveRequest
 from ..pipelines.store import StoreRequest
-from ..tokens import Tokens
 from .controls import TierControls
 from .parts import build_parts
 from .queries import Queries

@@ -1,7 +1,7 @@
 """The key hasher of each tenant a request names.
 
 A tenant is bound into the chunk keys through the key chain's seed and the key's leading
-tag (:mod:`lmcache_async.tenants`), so each tenant needs a hasher of its own. The engine's
+tag (:mod:`lmcache_async.tenancy.tenants`), so each tenant needs a hasher of its own. The engine's
 namespace gives the default tenant (its ``tenant_salt``); a request that names another
 gets that tenant's hasher, built once and kept among the most recently used few.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import collections
 from typing import Final
 
-from ..keys import ChunkHasher
-from ..tenants import TenantNames
+from lmcache_async.keys.chunks import ChunkHasher
+from lmcache_async.tenancy.tenants import TenantNames
 
 __all__ = ["TENANT_HASHERS", "TenantHashers"]
 

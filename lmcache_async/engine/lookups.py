@@ -15,12 +15,13 @@ import anyio
 from anyio import CancelScope
 from anyio.abc import TaskStatus
 
+from lmcache_async.tenancy.tenants import TAG_BYTES
+
 from ..backends.manager import StorageManager
 from ..config import EngineConfig
 from ..core import LoadCore
 from ..pipelines.layerwise import LayerwisePipeline
 from ..stats import Counters
-from ..tenants import TAG_BYTES
 
 __all__ = ["Lookups"]
 

@@ -14,25 +14,26 @@ from dataclasses import dataclass, field
 
 from anyio import CancelScope
 
+from lmcache_async.keys.chunks import ChunkHasher, DigestFrames, HashAlgorithm, Namespace
+from lmcache_async.memory.pool import MemoryPool
+from lmcache_async.tenancy.tenants import TenantNames
+from lmcache_async.transfer.cuda import Transfers
+
 from ..backends.admission import Admission, admission_capacity
 from ..backends.cipher import RecordCipher
 from ..backends.cpu import CPUBackend
 from ..backends.manager import StorageManager
 from ..config import EngineConfig
 from ..core import LoadCore, RequestCore, StoreCore
-from ..cuda import Transfers
 from ..errors import ConfigError, EngineClosedError
 from ..events import EventBuffer
 from ..health import HealthMonitor
-from ..keys import ChunkHasher, DigestFrames, HashAlgorithm, Namespace
 from ..layouts import KVCacheViews, KVLayout
-from ..memory import MemoryPool
 from ..pipelines.layerwise import LayerwisePipeline
 from ..pipelines.retrieve import build_retrieve_stages
 from ..pipelines.stage import Pipeline
 from ..pipelines.store import build_store_stages
 from ..stats import Counters
-from ..tenants import TenantNames
 from .costs import LoadCosts
 from .execute import Runner
 from .hashers import TenantHashers

@@ -38,11 +38,12 @@ import blake3
 import structlog
 import torch
 
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj, MemoryPool
+from lmcache_async.tenancy.tenants import TAG_BYTES
+
 from ..backends.base import StorageBackend
-from ..keys import ChunkKey
 from ..layouts import KVLayout
-from ..memory import MemoryObj, MemoryPool
-from ..tenants import TAG_BYTES
 from .costs import LoadCosts
 
 __all__ = [

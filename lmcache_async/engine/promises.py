@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from lmcache_async.engine.client import Promise
+
 from ..backends.manager import StorageManager
 from ..core import LoadCore, Prefetch
-from ..promise import Promise
 from ..stats import Counters
 from .lookups import Lookups
 

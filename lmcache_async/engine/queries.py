@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 
+from lmcache_async.engine.client import Promise
+from lmcache_async.keys.tokens import Tokens, is_strict_int
+
 from ..errors import InvalidInputError
-from ..promise import Promise
-from ..tokens import Tokens, is_strict_int
 from .parts import EngineBase
 
 __all__ = ["Queries"]

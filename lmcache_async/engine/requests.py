@@ -17,14 +17,15 @@ import anyio.to_thread
 import numpy as np
 import torch
 
+from lmcache_async.keys.chunks import DIGEST_SIZE, ChunkSpan, DigestFrames, check_mask, token_array
+from lmcache_async.keys.key_input import check_key_input, check_sequence
+from lmcache_async.keys.tokens import Tokens, is_strict_int
+from lmcache_async.tenancy.tenants import TAG_BYTES, tag_hex
+
 from ..config import EngineConfig
 from ..errors import InvalidInputError
-from ..key_input import check_key_input, check_sequence
-from ..keys import DIGEST_SIZE, ChunkSpan, DigestFrames, check_mask, token_array
 from ..layouts import KVCacheViews
 from ..pipelines.common import Keyer, Request
-from ..tenants import TAG_BYTES, tag_hex
-from ..tokens import Tokens, is_strict_int
 from .hashers import TenantHashers
 
 __all__ = ["RequestKeys"]

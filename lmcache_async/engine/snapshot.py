@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from lmcache_async.memory.pool import MemoryPool
+from lmcache_async.tenancy.tenants import TAG_BYTES, TenantNames, tag_hex
+
 from ..backends.manager import StorageManager
 from ..events import EventBuffer
-from ..memory import MemoryPool
 from ..stats import (
     OTHER_TENANTS,
     Counters,
@@ -19,7 +21,6 @@ from ..stats import (
     TenantUsage,
     TierStats,
 )
-from ..tenants import TAG_BYTES, TenantNames, tag_hex
 from .costs import LoadCosts
 
 __all__ = ["engine_stats", "tenant_stats"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from lmcache_async.memory.pool import MemoryPool
+from lmcache_async.tenancy.tenants import TenantLimits
+
 from ..backends.base import StorageBackend
 from ..backends.cipher import RecordCipher
 from ..backends.codec import Codec
@@ -10,8 +13,6 @@ from ..backends.record import RecordSpec
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..layouts import KVFormat, KVLayout, LayoutKind
-from ..memory import MemoryPool
-from ..tenants import TenantLimits
 
 __all__ = [
     "check_tier_settings",

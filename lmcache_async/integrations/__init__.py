@@ -7,6 +7,9 @@ Each integration lives in its own module and imports its serving engine only the
   connector (``kv_connector_module_path="lmcache_async.integrations.vllm"``);
 * :mod:`lmcache_async.integrations.transformers` — helpers for HuggingFace transformers'
   KV caches.
+
+May import: the public API (``lmcache_async``) and every layer under it. Never ``cli`` or
+``bench``.
 """
 
 from __future__ import annotations

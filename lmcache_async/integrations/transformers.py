@@ -37,10 +37,10 @@ import structlog
 import torch
 from transformers import DynamicCache
 
+from lmcache_async.engine.client import KVCacheClient
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.kv_client import KVCacheClient
+from lmcache_async.keys.tokens import Tokens
 from lmcache_async.layouts import KVLayout, LayoutKind
-from lmcache_async.tokens import Tokens
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",

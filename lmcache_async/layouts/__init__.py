@@ -24,6 +24,9 @@ packings), :mod:`~lmcache_async.layouts.layout` (:class:`KVLayout`),
 :mod:`~lmcache_async.layouts.rows` and :mod:`~lmcache_async.layouts.cpu_rows` (where
 tokens lie, and transfer plans), :mod:`~lmcache_async.layouts.plain` (a layout as a dict)
 and :mod:`~lmcache_async.layouts.views` (:class:`KVCacheViews`).
+
+May import: the ground floor and the other data-model packages (``keys``, ``transfer``).
+Never ``backends`` or anything above.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from lmcache_async.layouts.cpu_rows import DEFAULT_VLLM_CPU_BLOCK_SIZE
 from lmcache_async.layouts.kinds import SUPPORTED_DTYPES, CpuKVPacking, KVFormat, LayoutKind
 from lmcache_async.layouts.layout import KVLayout
 from lmcache_async.layouts.views import KVCacheViews
-from lmcache_async.transfer import TransferPlan
+from lmcache_async.transfer.plan import TransferPlan
 
 __all__ = [
     "DEFAULT_VLLM_CPU_BLOCK_SIZE",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.layouts.kinds import (
     SUPPORTED_DTYPES,
     LayoutKind,
@@ -20,7 +21,6 @@ from lmcache_async.layouts.kinds import (
     dtype_name,
     is_integer_dtype,
 )
-from lmcache_async.tokens import is_strict_int
 
 __all__ = [
     "cache_geometry",

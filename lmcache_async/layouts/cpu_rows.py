@@ -21,7 +21,7 @@ from lmcache_async.layouts.kinds import (
     as_cpu_packing,
     dtype_name,
 )
-from lmcache_async.transfer import PlanPart
+from lmcache_async.transfer.plan import PlanPart
 
 __all__ = ["DEFAULT_VLLM_CPU_BLOCK_SIZE", "checked_cpu_packing", "cpu_parts"]
 

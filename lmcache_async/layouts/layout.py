@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.layouts.checks import check_fields, check_kv_caches, check_slot_mapping
 from lmcache_async.layouts.cpu_rows import DEFAULT_VLLM_CPU_BLOCK_SIZE, checked_cpu_packing
 from lmcache_async.layouts.kinds import (
@@ -30,8 +31,7 @@ from lmcache_async.layouts.rows import (
     plan_transfers,
     scatter_tokens,
 )
-from lmcache_async.tokens import is_strict_int
-from lmcache_async.transfer import TransferPlan
+from lmcache_async.transfer.plan import TransferPlan
 
 __all__ = ["KVLayout"]
 

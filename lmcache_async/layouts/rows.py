@@ -25,7 +25,7 @@ from lmcache_async.layouts.checks import (
 )
 from lmcache_async.layouts.cpu_rows import cpu_parts
 from lmcache_async.layouts.kinds import LayoutKind, PagedLayout
-from lmcache_async.transfer import PlanPart, TransferPlan
+from lmcache_async.transfer.plan import PlanPart, TransferPlan
 
 __all__ = [
     "allocate_layers",

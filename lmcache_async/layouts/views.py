@@ -11,7 +11,7 @@ from lmcache_async.errors import InvalidInputError
 from lmcache_async.layouts.kinds import LayoutKind
 from lmcache_async.layouts.layout import KVLayout
 from lmcache_async.layouts.rows import row_views
-from lmcache_async.transfer import TransferPlan
+from lmcache_async.transfer.plan import TransferPlan
 
 __all__ = ["KVCacheViews"]
 

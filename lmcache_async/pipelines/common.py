@@ -10,8 +10,9 @@ import anyio.to_thread
 import numpy as np
 import torch
 
-from ..cuda import CallerStream
-from ..keys import ChunkSpan
+from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.transfer.cuda import CallerStream
+
 from ..layouts import TransferPlan
 
 __all__ = ["Keyer", "Request", "batched", "compute_spans"]

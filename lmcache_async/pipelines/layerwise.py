@@ -20,9 +20,9 @@ has to special-case them:
   yields the bool mask (CPU) of the tokens loaded; the earlier ones yield ``None``.
 
 On the CPU a step runs its copy then and there (inline when small, in copy threads when
-large, as :class:`~lmcache_async.cuda.Transfers` decides), so no copy runs ahead of the
+large, as :class:`~lmcache_async.transfer.cuda.Transfers` decides), so no copy runs ahead of the
 step that asks for it. On CUDA one copy runs ahead on the direction's stream, ordered
-against the caller's stream (:mod:`lmcache_async.cuda_streams`): a store step's copy comes
+against the caller's stream (:mod:`lmcache_async.transfer.cuda_streams`): a store step's copy comes
 after what the caller queued there before the step (that layer's compute); a load's
 layer comes after the request's point on it, and is the caller's once the step that waited
 for it returns (what the caller queues then runs after the copy has completed).
@@ -43,15 +43,16 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
+from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.memory.pool import MemoryObj
+from lmcache_async.transfer.cuda import CallerStream, Direction, Transfers, wait_out
+
 from ..backends.manager import StorageManager
 from ..core import LoadCore, StoreCore, StoreTxn
 from ..core.copy import mark_loaded
 from ..core.store import layer_keys, release
-from ..cuda import CallerStream, Direction, Transfers, wait_out
 from ..errors import EngineClosedError
-from ..keys import ChunkSpan
 from ..layouts import KVLayout
-from ..memory import MemoryObj
 from ..stats import Counters
 from .common import Request, compute_spans
 

@@ -19,11 +19,12 @@ import structlog
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.memory.pool import AllocationBudget, MemoryObj
+from lmcache_async.transfer.cuda import Transfers
+
 from ..core import LoadCore
 from ..core.copy import mark_loaded, scatter
-from ..cuda import Transfers
-from ..keys import ChunkSpan
-from ..memory import AllocationBudget, MemoryObj
 from .common import Request, batched, compute_spans
 from .stage import Completion, Emit, drive
 
@@ -100,7 +101,7 @@ class LookupStage:
 class ReserveStage:
     """Reserves the payloads of a batch with the core (referenced, so they stay put until
     copied); chunks held only by a slow tier are read into host memory here, within the
-    request's :class:`~lmcache_async.memory.AllocationBudget`. The first chunk no tier
+    request's :class:`~lmcache_async.memory.pool.AllocationBudget`. The first chunk no tier
     holds (or none has memory for) ends the request's run."""
 
     name = "retrieve-reserve"

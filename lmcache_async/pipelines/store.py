@@ -16,11 +16,12 @@ from typing import Any
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from lmcache_async.memory.pool import MemoryObj
+from lmcache_async.transfer.cuda import Transfers
+
 from ..core import StoreCore, StoreTxn
 from ..core.copy import gather
 from ..core.store import release
-from ..cuda import Transfers
-from ..memory import MemoryObj
 from .common import Request, batched, compute_spans
 from .stage import Completion, Emit, drive
 

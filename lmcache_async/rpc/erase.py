@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lmcache_async.errors import EraseIncompleteError, ProtocolError
-from lmcache_async.tokens import is_strict_int
+from lmcache_async.keys.tokens import is_strict_int
 
 __all__ = ["erase_result", "format_erase"]
 

@@ -39,8 +39,8 @@ import zmq.asyncio
 
 from lmcache_async.errors import ConfigError, InvalidInputError, ProtocolError
 from lmcache_async.events import EventKind, KVEvent
+from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.rpc.transport import check_listen_url
-from lmcache_async.tokens import is_strict_int
 
 if TYPE_CHECKING:  # a subscriber needs no engine
     from lmcache_async.engine import CacheEngine

@@ -39,10 +39,10 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from lmcache_async.errors import ConfigError, InvalidInputError
+from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.rpc.metrics_costs import cost_metrics
 from lmcache_async.rpc.metrics_tenants import DEFAULT_TENANT_LABELS, TenantSeries
 from lmcache_async.stats import EngineStats
-from lmcache_async.tokens import is_strict_int
 
 __all__ = [
     "DEFAULT_LATENCY_BUCKETS",

@@ -19,8 +19,8 @@ from typing import Final
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.stats import OTHER_TENANTS, EngineStats, TenantStats
-from lmcache_async.tokens import is_strict_int
 
 __all__ = ["DEFAULT_TENANT_LABELS", "OTHER_LABEL", "TenantSeries"]
 

@@ -15,12 +15,13 @@ import anyio.to_thread
 import numpy as np
 import structlog
 
+from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.keys.tokens import Tokens
+from lmcache_async.memory.pool import MemoryObj
+
 from ..backends.record import object_checksum
 from ..engine import CacheEngine
 from ..errors import InvalidInputError, TierUnavailableError
-from ..keys import ChunkSpan
-from ..memory import MemoryObj
-from ..tokens import Tokens
 from .client import RemoteCacheEngine, check_move_target
 
 __all__ = ["move"]

@@ -33,8 +33,8 @@ import numpy.typing as npt
 import zmq
 
 from lmcache_async.errors import InvalidInputError, ProtocolError
-from lmcache_async.tenants import check_tenant
-from lmcache_async.tokens import TOKEN_BYTES, Tokens, is_strict_int, token_array
+from lmcache_async.keys.tokens import TOKEN_BYTES, Tokens, is_strict_int, token_array
+from lmcache_async.tenancy.tenants import check_tenant
 
 __all__ = [
     "DEFAULT_MAX_HEADER_BYTES",
@@ -508,7 +508,7 @@ def put_tenant(header: dict[str, Any], tenant: object) -> None:
 
     Raises:
         InvalidInputError: ``tenant`` is not None or a valid tenant name (see
-            :func:`~lmcache_async.tenants.check_tenant`).
+            :func:`~lmcache_async.tenancy.tenants.check_tenant`).
     """
     name = check_tenant(tenant)
     if name is not None:

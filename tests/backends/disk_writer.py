@@ -19,9 +19,9 @@ import torch
 from lmcache_async.backends.codec import Codec
 from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.backends.record import RecordSpec
-from lmcache_async.keys import ChunkKey
+from lmcache_async.keys.chunks import ChunkKey
 from lmcache_async.layouts import KVLayout
-from lmcache_async.memory import MemoryPool
+from lmcache_async.memory.pool import MemoryPool
 
 CHUNK_TOKENS = 64
 BATCH = 8

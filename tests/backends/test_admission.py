@@ -14,7 +14,7 @@ from lmcache_async.backends.admission import (
     admission_capacity,
 )
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.keys import ChunkKey, ChunkSpan
+from lmcache_async.keys.chunks import ChunkKey, ChunkSpan
 
 CHUNK = 16
 

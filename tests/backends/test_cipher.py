@@ -46,9 +46,9 @@ from lmcache_async.backends.redis import DEFAULT_KEY_PREFIX, RedisBackend
 from lmcache_async.config import EngineConfig
 from lmcache_async.engine.tiers import record_cipher, record_spec
 from lmcache_async.errors import ConfigError, IntegrityError, InvalidInputError
-from lmcache_async.keys import ChunkKey
+from lmcache_async.keys.chunks import ChunkKey
 from lmcache_async.layouts import KVLayout
-from lmcache_async.memory import MemoryObj, MemoryPool
+from lmcache_async.memory.pool import MemoryObj, MemoryPool
 from tests.servers import RedisCluster, RedisServer
 
 PAGE = 4096

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from lmcache_async.backends.cpu import CPUBackend
-from lmcache_async.keys import ChunkKey
-from lmcache_async.memory import MemoryPool
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryPool
 from lmcache_async.stats import TenantUsage
-from lmcache_async.tenants import tag_hex, tenant_tag
+from lmcache_async.tenancy.tenants import tag_hex, tenant_tag
 
 PAGE = 64 * 1024
 

@@ -32,10 +32,10 @@ from lmcache_async.errors import (
     InvalidInputError,
     TierError,
 )
-from lmcache_async.keys import ChunkKey
+from lmcache_async.keys.chunks import ChunkKey
 from lmcache_async.layouts import KVLayout
-from lmcache_async.memory import MemoryObj, MemoryPool
-from lmcache_async.tenants import tag_hex, tenant_tag
+from lmcache_async.memory.pool import MemoryObj, MemoryPool
+from lmcache_async.tenancy.tenants import tag_hex, tenant_tag
 
 CHUNK = 16
 LAYOUT = KVLayout.vllm_flash_attn(

@@ -23,8 +23,8 @@ from lmcache_async.backends.redis import RedisBackend
 from lmcache_async.errors import InvalidInputError, TierUnavailableError
 from lmcache_async.events import EventBuffer, EventKind
 from lmcache_async.health import HealthMonitor
-from lmcache_async.keys import ChunkHasher, ChunkKey, Namespace
-from lmcache_async.memory import MemoryObj, MemoryPool
+from lmcache_async.keys.chunks import ChunkHasher, ChunkKey, Namespace
+from lmcache_async.memory.pool import MemoryObj, MemoryPool
 from lmcache_async.stats import TierStats
 from tests.backends.test_redis import (
     CHUNK,

@@ -14,9 +14,9 @@ from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.backends.manager import StorageManager
 from lmcache_async.errors import EraseIncompleteError, InvalidInputError
 from lmcache_async.events import EventBuffer, EventKind
-from lmcache_async.keys import ChunkHasher, ChunkSpan, Namespace
-from lmcache_async.memory import MemoryObj, MemoryPool
-from lmcache_async.tenants import TAG_BYTES, tenant_tag
+from lmcache_async.keys.chunks import ChunkHasher, ChunkSpan, Namespace
+from lmcache_async.memory.pool import MemoryObj, MemoryPool
+from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
 from tests.backends.test_manager import TIMEOUT, FakeTier, named_tier, payloads
 
 A, B = tenant_tag("a"), tenant_tag("b")

@@ -38,9 +38,9 @@ from lmcache_async.errors import (
     InvalidInputError,
     TierUnavailableError,
 )
-from lmcache_async.keys import ChunkKey
+from lmcache_async.keys.chunks import ChunkKey
 from lmcache_async.layouts import KVLayout
-from lmcache_async.memory import MemoryObj, MemoryPool
+from lmcache_async.memory.pool import MemoryObj, MemoryPool
 from tests.servers import RedisCluster, RedisServer
 
 pytestmark = pytest.mark.subprocess

@@ -22,10 +22,10 @@ import torch
 
 from lmcache_async.backends.redis import DEFAULT_KEY_PREFIX, RedisBackend
 from lmcache_async.errors import ConfigError, InvalidInputError, TierError, TierUnavailableError
-from lmcache_async.keys import ChunkKey
-from lmcache_async.memory import MemoryObj, MemoryPool
-from lmcache_async.quotas import TierQuota
-from lmcache_async.tenants import TenantLimits, tag_hex, tenant_tag
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj, MemoryPool
+from lmcache_async.tenancy.quotas import TierQuota
+from lmcache_async.tenancy.tenants import TenantLimits, tag_hex, tenant_tag
 from tests.backends.test_redis import (
     CHUNK,
     PAGE,

@@ -11,10 +11,10 @@ import pytest
 
 from lmcache_async.backends.tenant_ledger import TenantLedger, check_tag
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.keys import ChunkKey
-from lmcache_async.quotas import TierQuota
+from lmcache_async.keys.chunks import ChunkKey
 from lmcache_async.stats import TenantUsage
-from lmcache_async.tenants import TenantLimits, tag_hex, tenant_tag
+from lmcache_async.tenancy.quotas import TierQuota
+from lmcache_async.tenancy.tenants import TenantLimits, tag_hex, tenant_tag
 
 A = tenant_tag("a")
 B = tenant_tag("b")

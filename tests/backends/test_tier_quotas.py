@@ -21,10 +21,10 @@ from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.backends.disk import CHUNK_SUFFIX, TEMP_PREFIX, DiskBackend
 from lmcache_async.backends.pins import PinSets
 from lmcache_async.backends.record import RecordSpec
-from lmcache_async.keys import ChunkKey
-from lmcache_async.memory import MemoryObj, MemoryPool
-from lmcache_async.quotas import TierQuota
-from lmcache_async.tenants import TenantLimits, tag_hex, tenant_tag
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj, MemoryPool
+from lmcache_async.tenancy.quotas import TierQuota
+from lmcache_async.tenancy.tenants import TenantLimits, tag_hex, tenant_tag
 from tests.backends.test_disk import LAYOUT, make_spec
 
 A = tenant_tag("a")

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lmcache_async.core.copy import gather, scatter
-from lmcache_async.cuda import Direction, Transfers
 from lmcache_async.errors import EngineClosedError
-from lmcache_async.transfer_staging import StagingBuffer
-from tests.test_transfer_staged import Batch, ops, same_kv
+from lmcache_async.transfer.cuda import Direction, Transfers
+from lmcache_async.transfer.staging import StagingBuffer
+from tests.transfer.test_staged import Batch, ops, same_kv
 
 
 class StagedTransfers(Transfers):

@@ -14,9 +14,9 @@ from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.backends.manager import StorageManager
 from lmcache_async.core import StoreCore
 from lmcache_async.events import EventBuffer
-from lmcache_async.keys import ChunkHasher, ChunkSpan, Namespace
+from lmcache_async.keys.chunks import ChunkHasher, ChunkSpan, Namespace
 from lmcache_async.layouts import KVLayout
-from lmcache_async.memory import MemoryPool
+from lmcache_async.memory.pool import MemoryPool
 from lmcache_async.stats import Counters
 
 pytestmark = pytest.mark.anyio

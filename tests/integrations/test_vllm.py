@@ -1158,7 +1158,7 @@ def test_fresh_process_loads_the_prefix_another_stored(vllm_runs: VllmRuns) -> N
 @pytest.mark.subprocess
 @pytest.mark.timeout(1800)
 def test_corrupt_chunk_is_recomputed_and_reported(vllm_runs: VllmRuns, tmp_path: Path) -> None:
-    from lmcache_async.keys import ChunkHasher, ChunkKey, Namespace
+    from lmcache_async.keys.chunks import ChunkHasher, ChunkKey, Namespace
     from lmcache_async.layouts import KVLayout
 
     disk = tmp_path / "disk"

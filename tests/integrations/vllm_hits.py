@@ -181,7 +181,7 @@ class Hits:
 
     def chunk_files(self, prompt: list[int]) -> list[str]:
         """The disk tier's file names of ``prompt``'s chunks (the default tenant's)."""
-        from lmcache_async.keys import ChunkHasher, ChunkKey, Namespace
+        from lmcache_async.keys.chunks import ChunkHasher, ChunkKey, Namespace
         from lmcache_async.layouts import KVLayout
 
         layout = KVLayout.vllm_cpu(num_layers=2, num_kv_heads=2, head_size=64, dtype=torch.float32)

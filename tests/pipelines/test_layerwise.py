@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from lmcache_async import CacheEngine, EngineConfig, InvalidInputError, KVLayout
-from lmcache_async.cuda import Direction
 from lmcache_async.errors import EngineClosedError
 from lmcache_async.pipelines.layerwise import _Copies
-from lmcache_async.transfer import TransferPlan
+from lmcache_async.transfer.cuda import Direction
+from lmcache_async.transfer.plan import TransferPlan
 
 NUM_LAYERS = 3
 NUM_HEADS = 2

@@ -41,14 +41,14 @@ from lmcache_async import (
 )
 from lmcache_async.cli import main
 from lmcache_async.errors import ConfigError, ProtocolError
-from lmcache_async.keys import DigestGuess
+from lmcache_async.keys.chunks import DigestGuess
 from lmcache_async.logging import configure_logging
 from lmcache_async.rpc.client.link import Link
 from lmcache_async.rpc.client.wire import Unavailable
 from lmcache_async.rpc.protocol import MessageLimits, MessageType, decode, encode
 from lmcache_async.rpc.sidecar import SidecarNamespace, SidecarServer, SidecarSettings, serve
 from lmcache_async.rpc.transport import check_listen_url, load_curve_secret_key
-from lmcache_async.tenants import TAG_BYTES, tenant_tag
+from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
 
 HERE = Path(__file__).parent
 CLIENT_SCRIPT = HERE / "sidecar_client.py"
@@ -875,7 +875,7 @@ def test_curve_key_files_and_settings_are_checked(tmp_path: Path) -> None:
 def test_pool_carved_from_a_shared_segment_is_seen_by_another_mapping() -> None:
     from multiprocessing import shared_memory
 
-    from lmcache_async.memory import MemoryPool
+    from lmcache_async.memory.pool import MemoryPool
 
     segment = shared_memory.SharedMemory(create=True, size=1 << 20)
     other = shared_memory.SharedMemory(name=segment.name)

@@ -17,7 +17,7 @@ import torch
 from lmcache_async import InvalidInputError, RemoteCacheEngine
 from lmcache_async.rpc.client.link import Link
 from lmcache_async.rpc.protocol import MessageType, tokens_payload
-from lmcache_async.tenants import TAG_BYTES, tenant_tag
+from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
 from tests.rpc.test_sidecar import (
     CHUNK,
     LAYOUT,

@@ -16,9 +16,9 @@ Every figure is measured in the same run, on the same tensors, as its baseline:
   take about as long as one layer's transfer) against the transfer and the compute run back
   to back. The fraction of transfer time hidden is ``(serial - overlap) / transfer``;
 - **staged** gather/scatter GB/s: one request's chunks moved as one batch through a device
-  staging buffer (:mod:`lmcache_async.transfer_staged`: a few launches per layer and K/V,
+  staging buffer (:mod:`lmcache_async.transfer.staged`: a few launches per layer and K/V,
   one host copy per run of payloads back to back) against
-  :meth:`~lmcache_async.transfer.TransferPlan.gather_chunks` / ``scatter_chunks`` (one
+  :meth:`~lmcache_async.transfer.plan.TransferPlan.gather_chunks` / ``scatter_chunks`` (one
   launch per chunk, layer and K/V), with the payloads back to back and apart (informative:
   no target).
 

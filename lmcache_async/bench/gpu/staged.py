@@ -1,12 +1,12 @@
-"""Staged gather/scatter (:mod:`lmcache_async.transfer_staged`) against the per-chunk path.
+"""Staged gather/scatter (:mod:`lmcache_async.transfer.staged`) against the per-chunk path.
 
 One request of the scene's tokens cut into the engine's chunks, moved as one batch:
 
 - **per chunk**: :meth:`TransferPlan.gather_chunks` / ``scatter_chunks`` (on CUDA one
   ``index_select`` / ``index_copy_`` per chunk, layer and K/V, a device buffer and a copy
   per chunk);
-- **staged**: :class:`~lmcache_async.transfer_staged.StagedPlan` through one
-  :class:`~lmcache_async.transfer_staging.StagingBuffer`, the payloads back to back in one
+- **staged**: :class:`~lmcache_async.transfer.staged.StagedPlan` through one
+  :class:`~lmcache_async.transfer.staging.StagingBuffer`, the payloads back to back in one
   pinned host tensor (as adjacent pool allocations are: one host copy per pass);
 - **staged, apart**: the same with every payload its own pinned tensor (one copy each).
 
@@ -28,8 +28,8 @@ from lmcache_async.bench import gbps
 from lmcache_async.bench.baselines import synchronize, timed
 from lmcache_async.bench.gpu.options import WARMUP
 from lmcache_async.bench.gpu.scene import Scene
-from lmcache_async.transfer_staged import Job, StagedPlan
-from lmcache_async.transfer_staging import StagingBuffer
+from lmcache_async.transfer.staged import Job, StagedPlan
+from lmcache_async.transfer.staging import StagingBuffer
 
 __all__ = ["staged_bench"]
 

@@ -14,7 +14,7 @@ Each figure is measured in the same run, on the same tensors, as its baselines:
   are a few KiB, beside one raw copy of the same rows (per layer and K/V one
   ``index_select`` / ``index_copy_`` of all of them) and the same copy chunk by chunk;
 - **lookup** latency of a fully cached long prompt, tokens as a tensor and as a list;
-- **hashing** tokens/s of :class:`~lmcache_async.keys.ChunkHasher` (blake3, xxh3_128),
+- **hashing** tokens/s of :class:`~lmcache_async.keys.chunks.ChunkHasher` (blake3, xxh3_128),
   against the plain way to get the same digests from a tensor: convert it to int32 bytes,
   then one ``H(chunk bytes + previous digest)`` call per chunk, with the hash's Python package.
 

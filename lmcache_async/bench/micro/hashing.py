@@ -13,14 +13,14 @@ import xxhash
 
 from lmcache_async.bench.baselines import timed
 from lmcache_async.bench.micro.options import TARGETS, VOCAB, MicroOptions
-from lmcache_async.hashing import with_tag
-from lmcache_async.keys import (
+from lmcache_async.keys.chunks import (
     DIGEST_SIZE,
     NATIVE_CHAIN,
     ChunkHasher,
     HashAlgorithm,
     Namespace,
 )
+from lmcache_async.keys.hashing import with_tag
 
 __all__ = ["HASH_ALGORITHMS", "hash_bench"]
 

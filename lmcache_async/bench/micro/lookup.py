@@ -12,7 +12,7 @@ from lmcache_async import CacheEngine, EngineConfig, KVLayout
 from lmcache_async.bench import parse_dtype, percentiles
 from lmcache_async.bench.baselines import cache_gb, slots_over
 from lmcache_async.bench.micro.options import TARGETS, VOCAB, MicroOptions
-from lmcache_async.memory import DEFAULT_PAGE_SIZE
+from lmcache_async.memory.pool import DEFAULT_PAGE_SIZE
 
 __all__ = ["lookup_bench"]
 

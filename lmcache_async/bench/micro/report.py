@@ -171,7 +171,7 @@ def format_micro(results: Mapping[str, Any]) -> str:
         f"small request's raw copy: {results['small']['raw_copy']}",
         "blake3 key chain: "
         + (
-            "in C (lmcache_async._native)"
+            "in C (lmcache_async.keys._native)"
             if hashing.get("native_chain")
             else "the blake3 package (the package was built without its C chain)"
         ),

@@ -27,7 +27,7 @@ from lmcache_async.bench.micro.options import (
     VOCAB,
     MicroOptions,
 )
-from lmcache_async.memory import DEFAULT_PAGE_SIZE
+from lmcache_async.memory.pool import DEFAULT_PAGE_SIZE
 
 __all__ = ["ROUND", "small_bench"]
 

@@ -7,7 +7,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.tokens import is_strict_int
+from lmcache_async.keys.tokens import is_strict_int
 
 __all__ = ["DEFAULT_LINK_BYTES_PER_S", "SlowTierOptions", "redis_address"]
 

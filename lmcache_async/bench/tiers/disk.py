@@ -30,7 +30,7 @@ from lmcache_async.bench.tiers.common import (
     fill_random,
     interleaved,
 )
-from lmcache_async.memory import DEFAULT_PAGE_SIZE, MemoryObj, MemoryPool
+from lmcache_async.memory.pool import DEFAULT_PAGE_SIZE, MemoryObj, MemoryPool
 
 __all__ = ["DISK_TARGETS", "bench_disk"]
 

@@ -25,7 +25,7 @@ from lmcache_async.bench.tiers.common import (
     fill_random,
     interleaved,
 )
-from lmcache_async.memory import DEFAULT_PAGE_SIZE, MemoryObj, MemoryPool
+from lmcache_async.memory.pool import DEFAULT_PAGE_SIZE, MemoryObj, MemoryPool
 
 if TYPE_CHECKING:
     from lmcache_async.backends.redis import RedisBackend

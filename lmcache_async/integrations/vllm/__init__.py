@@ -11,7 +11,7 @@ Load it with::
 
 vLLM builds the connector twice: once in its scheduler (role ``SCHEDULER``) and once in
 every worker (role ``WORKER``), usually in different processes. Each worker opens a
-:class:`~lmcache_async.sync_engine.SyncCacheEngine` over the paged KV memory vLLM hands it
+:class:`~lmcache_async.sync.engine.SyncCacheEngine` over the paged KV memory vLLM hands it
 and answers the scheduler's lookups over ZeroMQ (:mod:`lmcache_async.rpc.lookup`). Each step
 the scheduler side tells the workers, through the connector metadata, what to load and
 what to store:

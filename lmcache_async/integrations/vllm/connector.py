@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.rpc.lookup import SyncLookupClient
-from lmcache_async.sync_engine import SyncCacheEngine
+from lmcache_async.sync.engine import SyncCacheEngine
 
 from .layout import detect_layout, layer_order
 from .metadata import LMCacheAsyncConnectorMetadata

@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.sync_engine import SyncCacheEngine
+from lmcache_async.sync.engine import SyncCacheEngine
 
 from .metadata import LoadSpec
 

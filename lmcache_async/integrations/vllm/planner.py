@@ -22,7 +22,7 @@ are stored too (:meth:`~SchedulerPlanner.finish_save`).
 Each request's tenant is its ``cache_salt`` (vLLM's per-request salt of its own prefix
 cache), else the connector's ``tenant``: it keys the request's lookups, loads and stores,
 so requests of different tenants never share cached KV. A request whose salt cannot be a
-tenant name (:func:`~lmcache_async.tenants.check_tenant`) is neither loaded nor stored.
+tenant name (:func:`~lmcache_async.tenancy.tenants.check_tenant`) is neither loaded nor stored.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import structlog
 from lmcache_async.config import EngineConfig
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.rpc.lookup import SyncLookupClient
-from lmcache_async.tenants import check_tenant
+from lmcache_async.tenancy.tenants import check_tenant
 
 from .metadata import LMCacheAsyncConnectorMetadata, LoadSpec, SaveSpec
 from .settings import DEFAULT_PREFETCH_TIMEOUT

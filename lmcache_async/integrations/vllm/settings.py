@@ -21,8 +21,8 @@ from lmcache_async.config import EngineConfig
 from lmcache_async.errors import ConfigError, InvalidInputError
 from lmcache_async.layouts import KVLayout
 from lmcache_async.rpc.lookup import DEFAULT_LOOKUP_TIMEOUT, lookup_endpoint
-from lmcache_async.sync_engine import DEFAULT_SIDECAR_TIMEOUT, SyncCacheEngine
-from lmcache_async.tenants import check_tenant
+from lmcache_async.sync.engine import DEFAULT_SIDECAR_TIMEOUT, SyncCacheEngine
+from lmcache_async.tenancy.tenants import check_tenant
 
 __all__ = [
     "CONNECTOR_KEYS",

@@ -21,7 +21,7 @@ import structlog
 import torch
 
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.sync_engine import LayerSteps, SyncCacheEngine
+from lmcache_async.sync.engine import LayerSteps, SyncCacheEngine
 
 from .loads import IDLE_STEP_WAIT, STUCK_GRACE, AsyncLoads, unfilled_blocks
 from .metadata import LMCacheAsyncConnectorMetadata, LoadSpec, SaveSpec

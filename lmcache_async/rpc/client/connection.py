@@ -28,14 +28,14 @@ from lmcache_async.errors import (
     ProtocolError,
     TierUnavailableError,
 )
-from lmcache_async.keys import ChunkHasher
+from lmcache_async.keys.chunks import ChunkHasher
 from lmcache_async.rpc.client.link import Link
 from lmcache_async.rpc.client.segment import Segment
 from lmcache_async.rpc.client.settings import ClientSettings
 from lmcache_async.rpc.client.welcome import Welcome, key_hasher
 from lmcache_async.rpc.client.wire import SessionLost, Unavailable
 from lmcache_async.rpc.protocol import Message, MessageType
-from lmcache_async.tenants import TenantNames
+from lmcache_async.tenancy.tenants import TenantNames
 
 __all__ = ["ClientCounters", "Connection"]
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lmcache_async.keys.tokens import Tokens
 from lmcache_async.rpc.client.moves import Moves
-from lmcache_async.tokens import Tokens
 
 __all__ = ["MoveCalls"]
 

@@ -13,11 +13,11 @@ import torch
 
 from lmcache_async.backends.record import tensor_bytes
 from lmcache_async.errors import InvalidInputError, ProtocolError
+from lmcache_async.keys.tokens import Tokens, is_strict_int
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, count, key_fields
 from lmcache_async.rpc.protocol import MessageType
-from lmcache_async.tokens import Tokens, is_strict_int
 
 __all__ = ["Moves", "check_move_target"]
 

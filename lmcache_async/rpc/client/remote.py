@@ -18,10 +18,10 @@ import torch
 from anyio.abc import TaskGroup
 
 from lmcache_async.config import DEFAULT_INLINE_COPY_BYTES
-from lmcache_async.cuda import Transfers
+from lmcache_async.engine.client import Promise
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.keys.tokens import Tokens
 from lmcache_async.layouts import KVCacheViews, KVLayout
-from lmcache_async.promise import Promise
 from lmcache_async.rpc.client.admin import AdminCalls
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.lookups import Lookups
@@ -37,7 +37,7 @@ from lmcache_async.rpc.client.transfers import DataPath
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import check_lookup_id, key_fields
 from lmcache_async.rpc.protocol import MessageLimits, MessageType, put_tenant
-from lmcache_async.tokens import Tokens
+from lmcache_async.transfer.cuda import Transfers
 
 __all__ = ["RemoteCacheEngine"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.keys import Namespace
+from lmcache_async.keys.chunks import Namespace
 from lmcache_async.layouts import KVLayout
 from lmcache_async.rpc.protocol import PROTOCOL_VERSION, MessageLimits
 from lmcache_async.rpc.transport import boot_id

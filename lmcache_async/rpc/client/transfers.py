@@ -22,16 +22,16 @@ import structlog
 import torch
 
 from lmcache_async.core.copy import gather, mark_loaded, scatter
-from lmcache_async.cuda import CallerStream, Transfers, caller_stream
 from lmcache_async.errors import ProtocolError
+from lmcache_async.keys.tokens import Tokens, check_mask, is_strict_int
 from lmcache_async.layouts import KVCacheViews, KVLayout
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.link import Link
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, count, key_fields
 from lmcache_async.rpc.protocol import Message, MessageType, put_tenant
-from lmcache_async.tokens import Tokens, check_mask, is_strict_int
-from lmcache_async.transfer import TransferPlan
+from lmcache_async.transfer.cuda import CallerStream, Transfers, caller_stream
+from lmcache_async.transfer.plan import TransferPlan
 
 __all__ = ["DataPath"]
 

@@ -12,8 +12,8 @@ from typing import Any, Final, TypeVar
 import structlog
 
 from lmcache_async.errors import InvalidInputError, ProtocolError
-from lmcache_async.keys import ChunkHasher, HashAlgorithm, Namespace
-from lmcache_async.tokens import is_strict_int
+from lmcache_async.keys.chunks import ChunkHasher, HashAlgorithm, Namespace
+from lmcache_async.keys.tokens import is_strict_int
 
 __all__ = ["Welcome", "check_tiers", "key_hasher"]
 

@@ -14,7 +14,8 @@ from typing import Any
 import structlog
 
 from lmcache_async.errors import InvalidInputError, ProtocolError
-from lmcache_async.key_input import check_key_input
+from lmcache_async.keys.key_input import check_key_input
+from lmcache_async.keys.tokens import Tokens, is_strict_int
 from lmcache_async.rpc.protocol import (
     ErrorCode,
     Message,
@@ -22,7 +23,6 @@ from lmcache_async.rpc.protocol import (
     hashes_to_wire,
     tokens_payload,
 )
-from lmcache_async.tokens import Tokens, is_strict_int
 
 __all__ = [
     "SessionLost",

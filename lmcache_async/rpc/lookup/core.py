@@ -13,9 +13,10 @@ from typing import Any, Final, Generic, TypeVar
 import structlog
 import zmq
 
+from lmcache_async.engine.client import Promise
 from lmcache_async.errors import EngineClosedError, InvalidInputError, ProtocolError
-from lmcache_async.key_input import check_key_input
-from lmcache_async.promise import Promise
+from lmcache_async.keys.key_input import check_key_input
+from lmcache_async.keys.tokens import Tokens, is_strict_int
 from lmcache_async.rpc.lookup.endpoint import LookupId, check_lookup_id, lookup_endpoint
 from lmcache_async.rpc.protocol import (
     ErrorCode,
@@ -29,7 +30,6 @@ from lmcache_async.rpc.protocol import (
     put_tenant,
     tokens_payload,
 )
-from lmcache_async.tokens import Tokens, is_strict_int
 
 __all__ = ["DEFAULT_LOOKUP_TIMEOUT", "Call", "ClientCore"]
 

@@ -9,8 +9,8 @@ import tempfile
 from typing import Final
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.rpc.protocol import MessageLimits
-from lmcache_async.tokens import is_strict_int
 
 __all__ = ["DEFAULT_LOOKUP_LIMITS", "LookupId", "check_lookup_id", "lookup_endpoint"]
 

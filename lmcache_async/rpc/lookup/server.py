@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_async.errors import EngineClosedError, InvalidInputError, ProtocolError
+from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.rpc.lookup.endpoint import DEFAULT_LOOKUP_LIMITS, lookup_endpoint
 from lmcache_async.rpc.protocol import (
     ErrorCode,
@@ -32,11 +33,10 @@ from lmcache_async.rpc.protocol import (
     to_wire,
     tokens_from_payload,
 )
-from lmcache_async.tokens import is_strict_int
 
 if TYPE_CHECKING:  # the scheduler's clients need no engine
     from lmcache_async.engine import CacheEngine
-    from lmcache_async.promise import Promise
+    from lmcache_async.engine.client import Promise
 
 __all__ = ["DEFAULT_MAX_CONCURRENCY", "LookupServer"]
 

@@ -13,11 +13,11 @@ from typing import Any, TypeVar
 import structlog
 import zmq
 
-from lmcache_async.promise import Promise
+from lmcache_async.engine.client import Promise
+from lmcache_async.keys.tokens import Tokens
 from lmcache_async.rpc.lookup.core import DEFAULT_LOOKUP_TIMEOUT, Call, ClientCore
 from lmcache_async.rpc.lookup.endpoint import DEFAULT_LOOKUP_LIMITS, LookupId
 from lmcache_async.rpc.protocol import Message, MessageLimits
-from lmcache_async.tokens import Tokens
 
 __all__ = ["SyncLookupClient"]
 

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from lmcache_async.errors import InvalidInputError, ProtocolError
-from lmcache_async.keys import DIGEST_SIZE
+from lmcache_async.keys.chunks import DIGEST_SIZE
+from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.rpc.protocol import Message, hashes_from_wire, tokens_from_payload
-from lmcache_async.tokens import is_strict_int
 
 __all__ = [
     "checksums_field",

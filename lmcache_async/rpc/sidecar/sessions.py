@@ -18,8 +18,8 @@ import structlog
 
 from lmcache_async.core import LoadCore, StoreCore, StoreTxn
 from lmcache_async.errors import EngineClosedError, ProtocolError
-from lmcache_async.keys import ChunkSpan
-from lmcache_async.memory import MemoryObj
+from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.memory.pool import MemoryObj
 from lmcache_async.rpc.protocol import Message, MessageType
 from lmcache_async.rpc.sidecar.host import EngineHost
 

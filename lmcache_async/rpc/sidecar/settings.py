@@ -12,10 +12,10 @@ from typing import Any, Final
 
 from lmcache_async.config import EngineConfig
 from lmcache_async.errors import ConfigError, InvalidInputError
+from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.layouts import KVLayout
 from lmcache_async.rpc.protocol import MessageLimits
 from lmcache_async.rpc.transport import check_listen_url, default_endpoint
-from lmcache_async.tokens import is_strict_int
 
 __all__ = [
     "DEFAULT_CLIENT_TIMEOUT_BEATS",

@@ -25,7 +25,7 @@ shared-memory arena.
 Deadlines: a STORE or RETRIEVE says how long its client waits (``"timeout"``); the work
 here takes at most half of that (:data:`SERVE_SHARE`), so the answer, a miss at worst,
 comes before the client gives up. Its waits for pool memory share one
-:class:`~lmcache_async.memory.AllocationBudget` (``allocation_timeout`` at most, over every
+:class:`~lmcache_async.memory.pool.AllocationBudget` (``allocation_timeout`` at most, over every
 part of a streamed load: ``"alloc_wait"`` goes back and forth with what is left), and a
 batch that has taken memory does not wait for more.
 """
@@ -45,8 +45,9 @@ from lmcache_async.core import RequestCore
 from lmcache_async.core.store import release
 from lmcache_async.engine import CacheEngine
 from lmcache_async.errors import InvalidInputError, ProtocolError
-from lmcache_async.keys import ChunkSpan
-from lmcache_async.memory import AllocationBudget, MemoryObj
+from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.keys.tokens import is_strict_int
+from lmcache_async.memory.pool import AllocationBudget, MemoryObj
 from lmcache_async.rpc.move import move
 from lmcache_async.rpc.protocol import Message, MessageType, tenant_of, tokens_from_payload
 from lmcache_async.rpc.sidecar.fields import (
@@ -62,7 +63,6 @@ from lmcache_async.rpc.sidecar.fields import (
 from lmcache_async.rpc.sidecar.host import EngineHost
 from lmcache_async.rpc.sidecar.routes import Reply
 from lmcache_async.rpc.sidecar.sessions import Session, Sessions, Transaction
-from lmcache_async.tokens import is_strict_int
 
 __all__ = ["TransferHandlers"]
 

@@ -1,0 +1,80 @@
+"""A serving engine's block hashes as chain input: checked against their token offsets and
+encoded so that no block hash is ever hashed as a chunk of tokens is.
+
+:meth:`ChunkHasher.spans_from_hashes <lmcache_async.keys.chunks.ChunkHasher.spans_from_hashes>`
+chains the encodings as it chains token chunks, ``h_i = H(enc(hashes[i]) || h_{i-1})``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from lmcache_async.errors import InvalidInputError
+from lmcache_async.keys.tokens import is_strict_int
+
+__all__ = ["encode_block_hashes"]
+
+_HASH_INT_BYTES: Final = 32
+_INT_HASH_TAG: Final = b"\x01"
+_BYTES_HASH_TAG: Final = b"\x02"
+
+
+def encode_block_hashes(
+    hashes: Sequence[int | bytes], offsets: Sequence[int], chunk_size: int
+) -> tuple[list[bytes], int]:
+    """Each block hash as its chain link hashes it, and the number of tokens they cover.
+
+    ``hashes[i]`` covers tokens ``[offsets[i-1], offsets[i])`` (``offsets`` are end
+    offsets, strictly increasing and positive). Every block must hold exactly
+    ``chunk_size`` tokens except the last (at most ``chunk_size``).
+
+    Raises:
+        InvalidInputError: mismatched lengths, bad offsets, a block of the wrong size, or a
+            hash that is neither int nor bytes or does not fit.
+    """
+    for name, value in (("hashes", hashes), ("offsets", offsets)):
+        if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
+            raise InvalidInputError(f"{name} must be a sequence, got {type(value).__name__}")
+    if len(hashes) != len(offsets):
+        raise InvalidInputError(
+            f"got {len(hashes)} hashes but {len(offsets)} offsets; they must match"
+        )
+    count = len(offsets)
+    previous = 0
+    for index, end in enumerate(offsets):
+        if not is_strict_int(end):
+            raise InvalidInputError(f"offsets[{index}] must be an int, got {type(end).__name__}")
+        size = end - previous
+        if size <= 0:
+            raise InvalidInputError(
+                f"offsets must be positive and strictly increasing: offsets[{index}] = "
+                f"{end} after {previous}"
+            )
+        if size > chunk_size or (size != chunk_size and index != count - 1):
+            raise InvalidInputError(
+                f"hashes[{index}] covers {size} tokens; every block must hold exactly "
+                f"chunk_size={chunk_size} tokens, except the last (at most chunk_size)"
+            )
+        previous = end
+    return [_encode_block_hash(i, h) for i, h in enumerate(hashes)], previous
+
+
+def _encode_block_hash(index: int, value: int | bytes) -> bytes:
+    """A block hash as its chain link hashes it. Every encoding is one byte longer than a
+    multiple of 4 (bytes are padded with zeros after their stated length) while a chunk
+    of int32 tokens is a multiple of 4 long: a block hash and a chunk of tokens never feed
+    ``H`` the same input, so they never share a key."""
+    if isinstance(value, (bytes, bytearray)):
+        padding = bytes(-len(value) % 4)
+        return _BYTES_HASH_TAG + len(value).to_bytes(8, "little") + bytes(value) + padding
+    if not is_strict_int(value):
+        raise InvalidInputError(
+            f"hashes[{index}] must be an int or bytes, got {type(value).__name__}"
+        )
+    try:
+        return _INT_HASH_TAG + value.to_bytes(_HASH_INT_BYTES, "little", signed=True)
+    except OverflowError:
+        raise InvalidInputError(
+            f"hashes[{index}] does not fit in {_HASH_INT_BYTES} signed bytes: {value}"
+        ) from None

@@ -1,0 +1,34 @@
+"""Host memory: the pool of pages every chunk payload lives in.
+
+:mod:`.pool` (:class:`MemoryPool`: asynchronous allocation bounded by a timeout, eviction
+through the CPU tier), :mod:`.arena` (the one mapping pages are carved from, shared memory
+in sidecar mode), :mod:`.objects` (:class:`MemoryObj`, a view on pages with reference and
+pin counts), :mod:`.budget` (one allocation allowance per request) and :mod:`.pinning`
+(page-locking host memory for CUDA copies).
+
+May import: the ground floor. Never the other data-model packages or anything above them.
+"""
+
+from __future__ import annotations
+
+from lmcache_async.memory.pool import (
+    DEFAULT_PAGE_SIZE,
+    AllocationBudget,
+    Evictor,
+    MemoryObj,
+    MemoryPool,
+    PoolStats,
+    current_budget,
+    waited_in_vain,
+)
+
+__all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "AllocationBudget",
+    "Evictor",
+    "MemoryObj",
+    "MemoryPool",
+    "PoolStats",
+    "current_budget",
+    "waited_in_vain",
+]
