@@ -98,6 +98,19 @@ def config(**changes: Any) -> EngineConfig:
     return EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.01, **changes)
 
 
+def assert_loaded_exactly(scene: Scene, before: list[torch.Tensor], loaded: torch.Tensor) -> None:
+    """The target caches hold the source's KV where ``loaded`` and are untouched elsewhere."""
+    want = expected_target(
+        scene.kind,
+        before=before,
+        source=scene.source,
+        src_slots=scene.src_slots,
+        dst_slots=scene.dst_slots,
+        loaded=loaded,
+    )
+    assert_same_caches(scene.kind, scene.target, want)
+
+
 async def test_a_store_and_a_retrieve_copy_after_the_point_on_the_stream_named(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -124,15 +137,7 @@ async def test_a_store_and_a_retrieve_copy_after_the_point_on_the_stream_named(
     assert consumed_by(store_log, "caller") == []  # a store hands the caller nothing
     assert consumed_by(load_log, "caller") == [load_stream]
     assert loaded.tolist() == [True] * N
-    want = expected_target(
-        scene.kind,
-        before=before,
-        source=scene.source,
-        src_slots=scene.src_slots,
-        dst_slots=scene.dst_slots,
-        loaded=loaded,
-    )
-    assert_same_caches(scene.kind, scene.target, want)
+    assert_loaded_exactly(scene, before, loaded)
 
 
 async def test_layer_by_layer_copies_after_the_point_on_the_stream_named(
@@ -179,15 +184,7 @@ async def test_layer_by_layer_copies_after_the_point_on_the_stream_named(
     assert consumed_by(store_log, "caller") == consumed_by(load_log, "caller") == []
     loaded = loads[-1]
     assert isinstance(loaded, torch.Tensor) and loaded.tolist() == [True] * N
-    want = expected_target(
-        scene.kind,
-        before=before,
-        source=scene.source,
-        src_slots=scene.src_slots,
-        dst_slots=scene.dst_slots,
-        loaded=loaded,
-    )
-    assert_same_caches(scene.kind, scene.target, want)
+    assert_loaded_exactly(scene, before, loaded)
 
 
 async def test_a_stream_not_of_the_caches_device_is_refused_before_any_copy(
