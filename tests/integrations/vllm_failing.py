@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Final
 
 from tests.integrations.vllm_hits import CHUNK, SHORT, Hits, request
-from tests.integrations.vllm_steps import ROOT, StepsProcess
+from tests.integrations.vllm_steps import StepsProcess
 
 __all__ = ["ACTIONS", "FailingSteps", "Failures"]
 
@@ -34,26 +32,7 @@ class FailingSteps(StepsProcess):
     """vllm_steps.py's runner started through this module, so that ``args`` may begin
     with ``--on-alloc ACTION DIR RECORD``."""
 
-    def start(self, timeout: float = 600.0) -> FailingSteps:
-        """As :meth:`StepsProcess.start`, running this module.
-
-        Raises:
-            StepsError: it exited or was not ready within ``timeout`` seconds.
-        """
-        self._log = self.log_path.open("w", encoding="utf-8")
-        self._process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), *self.args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=self._env,
-            cwd=ROOT,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.ready = self._next(timeout)
-        return self
+    script = Path(__file__).resolve()
 
 
 class Failures:

@@ -70,6 +70,9 @@ class StepsProcess:
     not exit in time).
     """
 
+    script: Path = HERE / "vllm_steps.py"
+    """The runner script (a subclass may run another that wraps this one)."""
+
     def __init__(self, args: list[str], log_path: Path, *, env: dict[str, str] | None = None):
         self.args = args
         self.log_path = log_path
@@ -99,7 +102,7 @@ class StepsProcess:
         """
         self._log = self.log_path.open("w", encoding="utf-8")
         self._process = subprocess.Popen(
-            [sys.executable, str(HERE / "vllm_steps.py"), *self.args],
+            [sys.executable, str(self.script), *self.args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
