@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import collections
 import os
-import shutil
 import sys
-import sysconfig
 import threading
-from pathlib import Path
 from typing import Any
 
 import blake3
@@ -35,8 +32,9 @@ from lmcache_async.keys.chunks import (
 from lmcache_async.layouts import KVLayout
 from lmcache_async.transfer import native as transfer_native
 from lmcache_async.transfer.plan import TransferPlan
+from tests.test_native_build import require_compiler
 
-native = pytest.mark.skipif(not NATIVE_CHAIN, reason="lmcache_async._native was not built")
+native = pytest.mark.skipif(not NATIVE_CHAIN, reason="lmcache_async.keys._native was not built")
 
 # BLAKE3 hashes 1024-byte chunks of 64-byte blocks: pieces around those sizes (the piece
 # plus its 16-byte link) take every path of the C code.
@@ -53,12 +51,8 @@ def formula(seed: bytes, data: bytes, step: int) -> list[bytes]:
 
 
 def test_the_chain_is_built_where_a_c_compiler_is() -> None:
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(compiler) is None:
-        pytest.skip(f"no C compiler ({compiler}) here: the package falls back to blake3")
-    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
-        pytest.skip("no Python headers here: the package falls back to blake3")
-    assert NATIVE_CHAIN, "a C compiler is here but lmcache_async._native was not built"
+    require_compiler()  # without one the package falls back to blake3
+    assert NATIVE_CHAIN, "a C compiler is here but lmcache_async.keys._native was not built"
     assert hashing._chain_blake3 is hashing._native_chain
 
 

@@ -25,7 +25,9 @@ from lmcache_async.transfer.plan import TransferPlan
 from tests.test_engine import CHUNK, TIMEOUT, Scene, open_engine, prefix_mask
 from tests.test_engine import KINDS as ENGINE_KINDS
 
-pytestmark = pytest.mark.skipif(not NATIVE_ROWS, reason="lmcache_async._native was not built")
+pytestmark = pytest.mark.skipif(
+    not NATIVE_ROWS, reason="lmcache_async.transfer._rows was not built"
+)
 
 KINDS = (
     "flash_nhd",

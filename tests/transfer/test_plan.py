@@ -27,7 +27,7 @@ def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     if request.param == "torch":
         monkeypatch.setattr(transfer_native, "NATIVE_ROWS", False)
     elif not transfer_native.NATIVE_ROWS:
-        pytest.skip("lmcache_async._native was not built")
+        pytest.skip("lmcache_async.transfer._rows was not built")
     path: str = request.param
     return path
 
