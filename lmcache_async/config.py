@@ -23,6 +23,7 @@ from typing import Any, Final
 import yaml
 
 from lmcache_async.errors import ConfigError
+from lmcache_async.tenancy.labels import TenantLabels
 from lmcache_async.tenancy.quotas import TenantQuotas
 
 __all__ = [
@@ -100,6 +101,7 @@ DEFAULT_HEALTH_CHECK_INTERVAL: Final = 1.0
 DEFAULT_REMOVE_AFTER_RETRIEVE: Final = False
 DEFAULT_USE_LAYERWISE: Final = False
 DEFAULT_TENANT_QUOTAS: Final = None
+DEFAULT_TENANT_LABELS: Final = None
 DEFAULT_ENCRYPTION_KEY_FILE: Final = None
 DEFAULT_LOG_LEVEL: Final = "INFO"
 DEFAULT_LOG_FORMAT: Final = "console"
@@ -151,6 +153,7 @@ _TYPES: Final[Mapping[str, type]] = MappingProxyType(
         "float | None": float,
         "tuple[str, ...] | None": tuple,
         "TenantQuotas | None": TenantQuotas,
+        "TenantLabels | None": TenantLabels,
     }
 )
 
@@ -237,6 +240,10 @@ class EngineConfig:
     """GB each tenant may hold in each tier (:mod:`lmcache_async.tenancy.quotas`): a mapping
     ``{tier: {tenant: GB, "*": GB}}`` or the text ``cpu.alice=1.5,cpu.*=0.5``; None: no
     quotas."""
+    tenant_labels: TenantLabels | None = DEFAULT_TENANT_LABELS
+    """How figures and logs show tenants (:mod:`lmcache_async.tenancy.labels`): a mapping
+    ``{tenant name: label}``; a tenant without a label is shown by its tag's hex, never by
+    its name (a ``cache_salt`` is a secret)."""
     encryption_key_file: str | None = DEFAULT_ENCRYPTION_KEY_FILE
     """A file holding a 32-byte master key (raw, or 64 hex characters): disk and Redis
     records are then encrypted (AES-GCM, a key per tenant); None: stored in the clear."""
@@ -369,7 +376,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, tuple):
                 value = list(value)
-            elif isinstance(value, TenantQuotas):
+            elif isinstance(value, TenantQuotas | TenantLabels):
                 value = value.to_dict()
             out[name] = value
         return out
@@ -408,6 +415,8 @@ def _check_value(name: str, field_type: type, value: object) -> object:
         return _check_locations(name, value)
     if field_type is TenantQuotas:
         return TenantQuotas.parse(value)
+    if field_type is TenantLabels:
+        return TenantLabels.parse(value)
     if name == "remote_url":
         return _check_remote_url(value)
     if name == "local_disk":
@@ -463,6 +472,7 @@ _OPTIONAL: Final = frozenset(
         "store_location",
         "retrieve_locations",
         "tenant_quotas",
+        "tenant_labels",
         "encryption_key_file",
     }
 )
@@ -537,7 +547,7 @@ def _parse_env(name: str, field_type: type, raw: str) -> object:
     text = raw.strip()
     if name in _OPTIONAL and text.lower() in ("", "none", "null"):
         return None
-    if field_type is tuple or field_type is TenantQuotas:
+    if field_type in (tuple, TenantQuotas, TenantLabels):
         return text
     if field_type is bool:
         word = text.lower()

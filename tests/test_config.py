@@ -12,6 +12,7 @@ import yaml
 from lmcache_async import config as config_mod
 from lmcache_async.config import CONFIG_FILE_ENV, GB, EngineConfig
 from lmcache_async.errors import ConfigError, InvalidInputError
+from lmcache_async.tenancy.tenants import tenant_tag
 
 EXPECTED_DEFAULTS: dict[str, Any] = {
     "chunk_size": 256,
@@ -44,6 +45,7 @@ EXPECTED_DEFAULTS: dict[str, Any] = {
     "remove_after_retrieve": False,
     "use_layerwise": False,
     "tenant_quotas": None,
+    "tenant_labels": None,
     "encryption_key_file": None,
     "log_level": "INFO",
     "log_format": "console",
@@ -145,6 +147,18 @@ INVALID_VALUES: list[tuple[str, Any]] = [
     ("tenant_quotas", "cpu.a=6"),  # larger than the 5 GB CPU tier
     ("tenant_quotas", {"disk": {"a": 1}}),  # no disk tier
     ("tenant_quotas", 3),
+    ("tenant_labels", ["a"]),
+    ("tenant_labels", {"a": ""}),
+    ("tenant_labels", {"a": 7}),
+    ("tenant_labels", {"a": "x" * 65}),
+    ("tenant_labels", {"a": "line\nbreak"}),
+    ("tenant_labels", {"a": "same", "b": "same"}),
+    ("tenant_labels", {"a": "(none)"}),
+    ("tenant_labels", {"a": "other"}),
+    ("tenant_labels", {"a": "0" * 32}),  # reads like another tenant's tag
+    ("tenant_labels", {"x" * 257: "too-long-a-name"}),
+    ("tenant_labels", {3: "not-a-name"}),
+    ("tenant_labels", "{a: [1"),
     ("encryption_key_file", ""),
     ("encryption_key_file", 7),
 ]
@@ -191,6 +205,32 @@ def test_quotas_parse_from_text_and_mapping_alike_and_round_trip() -> None:
     assert EngineConfig.from_dict(text.to_dict()) == text
     env = EngineConfig.load(environ={"LMCACHE_ASYNC_TENANT_QUOTAS": "cpu.alice=1.5,cpu.*=0.5"})
     assert env.tenant_quotas == text.tenant_quotas
+
+
+def test_tenant_labels_parse_from_a_mapping_and_text_and_round_trip(tmp_path: Path) -> None:
+    secret = "s3cr3t-salt=="
+    mapping = EngineConfig(tenant_labels={secret: "team-a", "b": "team-b"})
+    labels = mapping.tenant_labels
+    assert labels is not None
+    assert labels.label(tenant_tag(secret)) == "team-a"
+    assert labels.label(tenant_tag("b")) == "team-b"
+    assert labels.label(tenant_tag("c")) == tenant_tag("c").hex()  # no label: the tag
+    assert labels.label(tenant_tag(None)) == "(none)"
+    assert EngineConfig.from_dict(mapping.to_dict()) == mapping
+    text = '{"s3cr3t-salt==": team-a, b: team-b}'
+    env = EngineConfig.load(environ={"LMCACHE_ASYNC_TENANT_LABELS": text})
+    assert env.tenant_labels == labels
+    path = tmp_path / "labels.yaml"
+    path.write_text(yaml.safe_dump(mapping.to_dict()))
+    assert EngineConfig.from_file(path).tenant_labels == labels
+
+
+def test_a_bad_label_never_repeats_the_secret_name() -> None:
+    secret = "s3cr3t-salt"
+    for value in ({secret: ""}, {secret: "x", "other-salt": "x"}, {secret * 30: "long"}):
+        with pytest.raises(ConfigError) as info:
+            EngineConfig(tenant_labels=value)
+        assert secret not in str(info.value)
 
 
 def test_every_field_has_an_invalid_case() -> None:

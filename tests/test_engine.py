@@ -381,9 +381,11 @@ async def test_lookup_by_digests_matches_lookup_by_tokens(save_unfull: bool) -> 
             await engine.lookup_unpin("p")
             with pytest.raises(InvalidInputError, match="digests"):
                 await engine.lookup_digests(digests[:-1], n)
-            with pytest.raises(InvalidInputError, match="16 bytes"):
+            with pytest.raises(InvalidInputError, match="32 bytes"):
                 await engine.lookup_digests([*digests[:-1], b"short"], n)
-            with pytest.raises(InvalidInputError, match="multiple of 16"):
+            with pytest.raises(InvalidInputError, match="32 bytes"):  # the 16-byte form
+                await engine.lookup_digests([digest[16:] for digest in digests], n)
+            with pytest.raises(InvalidInputError, match="multiple of 32"):
                 await engine.lookup_digests(b"".join(digests)[:-1], n)
             with pytest.raises(InvalidInputError, match="digests"):
                 await engine.lookup_digests(b"".join(digests[:-1]), n)

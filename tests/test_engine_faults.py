@@ -16,6 +16,7 @@ import torch
 
 from lmcache_async import CacheEngine, ChunkKey, ConfigError, EngineConfig, KVLayout
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.keys.chunks import DIGEST_SIZE
 from lmcache_async.transfer.plan import TransferPlan
 
 pytestmark = pytest.mark.anyio
@@ -230,7 +231,7 @@ def test_a_cache_smaller_than_one_chunk_is_refused_at_open() -> None:
 def test_chunk_keys_survive_copy_and_pickle() -> None:
     import copy
 
-    for key in (ChunkKey(b"a" * 16), ChunkKey(b"a" * 16, 3)):
+    for key in (ChunkKey(b"a" * DIGEST_SIZE), ChunkKey(b"a" * DIGEST_SIZE, 3)):
         assert copy.deepcopy(key) == key
         restored = pickle.loads(pickle.dumps(key))
         assert restored == key and restored.layer == key.layer

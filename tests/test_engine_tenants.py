@@ -1,16 +1,22 @@
 """Tenants per request: the same prompt of two tenants never shares a chunk, in the CPU
 tier and on disk; every key of a tenant carries its tag; a lookup by digests names the
-tenant it is for, and another tenant's digests are refused."""
+tenant it is for, and another tenant's digests are refused. Two names chosen so that their
+tags agreed on 4 bytes are two tenants for erasure, quotas and lookups; figures and logs
+show a tenant by label or tag, never by name."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import anyio
 import pytest
+import structlog
 import torch
 
 from lmcache_async import CacheEngine, InvalidInputError
+from lmcache_async.config import GB
+from lmcache_async.rpc.protocol import to_wire
 from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
 from tests.test_engine import (
     CHUNK,
@@ -140,3 +146,136 @@ async def test_an_engine_with_a_key_file_keeps_its_disk_records_sealed(
             assert (sample in stored) is not sealed
             await scene.retrieve_and_check(engine, prefix_mask(N, 0, N))  # bit-exact
             assert engine.stats().tiers["disk"].corrupt == 0
+
+
+# -- tenants an attacker chose to collide ---------------------------------------------------
+
+# Two names whose tags agreed when a tag was 4 bytes (found in a few seconds: a birthday
+# search over 2**32); whatever a tier does by tag then treated them as one tenant.
+VICTIM, ATTACKER = "user-11373", "user-45807"
+
+
+def test_names_that_collided_on_4_bytes_have_different_tags() -> None:
+    victim, attacker = tenant_tag(VICTIM), tenant_tag(ATTACKER)
+    assert victim[:4] == attacker[:4], "the pair this module's tests are about"
+    assert len(victim) == len(attacker) == TAG_BYTES == 16
+    assert victim != attacker
+
+
+async def _store_both(engine: CacheEngine, victim: Scene, attacker: Scene) -> None:
+    for scene, tenant in ((victim, VICTIM), (attacker, ATTACKER)):
+        stored = await engine.store(
+            scene.tokens, kv_caches=scene.source, slot_mapping=scene.src_slots, tenant=tenant
+        )
+        assert stored == N
+
+
+@pytest.mark.anyio
+async def test_erasing_one_of_two_once_colliding_tenants_leaves_the_other(tmp_path: Path) -> None:
+    victim = Scene.build("flash_nhd", torch.float16, N, seed=21)
+    attacker = Scene.build("flash_nhd", torch.float16, N, seed=22)
+    settings = config(local_disk=str(tmp_path), wait_for_slow_tiers=True)
+    with anyio.fail_after(TIMEOUT):
+        async with CacheEngine.open(settings, victim.layout, model_name="m") as engine:
+            await _store_both(engine, victim, attacker)
+            removed = await engine.erase(ATTACKER)
+            assert removed == {"cpu": 4, "disk": 4}  # its own four chunks, no more
+            assert await engine.lookup(attacker.tokens, tenant=ATTACKER) == 0
+            assert await engine.lookup(victim.tokens, tenant=VICTIM) == N
+            await engine.clear(["cpu"])
+            assert await engine.lookup(victim.tokens, tenant=VICTIM) == N  # from disk
+    assert len(_files_of(tmp_path, VICTIM)) == 4 and _files_of(tmp_path, ATTACKER) == []
+
+
+@pytest.mark.anyio
+async def test_a_quota_of_one_once_colliding_tenant_does_not_bind_the_other() -> None:
+    victim = Scene.build("flash_nhd", torch.float16, N, seed=23)
+    attacker = Scene.build("flash_nhd", torch.float16, N, seed=24)
+    layout = victim.layout
+    chunk_bytes = math.prod(layout.payload_shape(CHUNK)) * layout.dtype.itemsize
+    quota = {"cpu": {VICTIM: 1.5 * chunk_bytes / GB}}  # room for one chunk of the victim
+    with anyio.fail_after(TIMEOUT):
+        async with CacheEngine.open(config(tenant_quotas=quota), layout, model_name="m") as engine:
+            # The attacker, who has no quota, fills the victim's quota and more...
+            stored = await engine.store(
+                attacker.tokens,
+                kv_caches=attacker.source,
+                slot_mapping=attacker.src_slots,
+                tenant=ATTACKER,
+            )
+            assert stored == N
+            assert await engine.lookup(attacker.tokens, tenant=ATTACKER) == N
+            # ...and the victim's own stores evict only the victim's chunks.
+            await engine.store(
+                victim.tokens, kv_caches=victim.source, slot_mapping=victim.src_slots, tenant=VICTIM
+            )
+            assert await engine.lookup(attacker.tokens, tenant=ATTACKER) == N
+            figures = engine.stats().tenants
+    usage = {label: figures[label].tiers["cpu"] for label in figures}
+    attacker_usage = usage[tenant_tag(ATTACKER).hex()]
+    victim_usage = usage[tenant_tag(VICTIM).hex()]
+    assert (attacker_usage.chunks, attacker_usage.quota_bytes) == (4, None)
+    # The victim is held to its own quota (a whole chunk and the short last one fit).
+    assert victim_usage.quota_bytes == int(1.5 * chunk_bytes) >= victim_usage.bytes
+    assert victim_usage.chunks < 4
+
+
+@pytest.mark.anyio
+async def test_another_tenants_published_digests_neither_hit_nor_pin() -> None:
+    victim = Scene.build("flash_nhd", torch.float16, N, seed=25)
+    async with CacheEngine.open(config(), victim.layout, model_name="m") as engine:
+        await engine.store(
+            victim.tokens, kv_caches=victim.source, slot_mapping=victim.src_slots, tenant=VICTIM
+        )
+        published = engine.hasher_for(VICTIM).digests(victim.tokens)
+        with pytest.raises(InvalidInputError, match="not of the tenant named"):
+            await engine.lookup_digests(published, N, tenant=ATTACKER, lookup_id="x", pin=True)
+        # Forged: the attacker's own tag ahead of the victim's chain links.
+        own = tenant_tag(ATTACKER)
+        forged = [own + digest[TAG_BYTES:] for digest in published]
+        assert await engine.lookup_digests(forged, N, tenant=ATTACKER, lookup_id="y", pin=True) == 0
+        assert engine.stats().pinned_chunks == 0
+        assert await engine.lookup_digests(published, N, tenant=VICTIM) == N
+
+
+# -- figures and logs never carry a name ----------------------------------------------------
+
+SECRET = "cache-salt-9b1f3c77e2"
+"""A tenant name as vLLM's ``cache_salt`` carries it: a secret."""
+
+
+@pytest.mark.anyio
+async def test_figures_and_logs_show_labels_and_tags_never_names(tmp_path: Path) -> None:
+    scene = Scene.build("flash_nhd", torch.float16, N, seed=26)
+    settings = config(
+        local_disk=str(tmp_path),
+        wait_for_slow_tiers=True,
+        tenant_labels={VICTIM: "team-victim"},
+        log_level="DEBUG",
+    )
+    with anyio.fail_after(TIMEOUT), structlog.testing.capture_logs() as logs:
+        async with CacheEngine.open(settings, scene.layout, model_name="m") as engine:
+            for tenant in (VICTIM, SECRET):
+                await engine.store(
+                    scene.tokens,
+                    kv_caches=scene.source,
+                    slot_mapping=scene.src_slots,
+                    tenant=tenant,
+                )
+                assert await engine.lookup(scene.tokens, tenant=tenant) == N
+            stats = engine.stats()
+            assert engine.tenant_stats(SECRET) == stats.tenants[tenant_tag(SECRET).hex()]
+            await engine.erase(SECRET)
+            await engine.erase(VICTIM)
+            after = engine.stats()
+    wire = repr(to_wire(stats)) + repr(to_wire(after))
+    assert set(stats.tenants) == {"team-victim", tenant_tag(SECRET).hex()}
+    assert "team-victim" in wire and tenant_tag(SECRET).hex() in wire
+    erased = [entry for entry in logs if entry["event"] == "tenant_erased"]
+    assert [entry["tag"] for entry in erased] == [
+        tenant_tag(SECRET).hex(),
+        tenant_tag(VICTIM).hex(),
+    ]
+    logged = repr(logs)
+    for name in (SECRET, VICTIM):
+        assert name not in wire and name not in logged

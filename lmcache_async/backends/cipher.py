@@ -2,7 +2,7 @@
 
 One 32-byte *master key*, read from the file the config's ``encryption_key_file`` names
 (:meth:`RecordCipher.from_key_file`), is never used to encrypt anything itself. Each tenant
-gets its own key, HKDF-SHA256 of the master key with the tenant's 4-byte tag (the first
+gets its own key, HKDF-SHA256 of the master key with the tenant's 16-byte tag (the first
 bytes of every chunk key, :func:`~lmcache_async.tenancy.tenants.tag_of`) in the ``info``; a short
 *key id*, derived the same way, lets a reader tell a record sealed under another master
 key from a damaged one without trying to decrypt it.

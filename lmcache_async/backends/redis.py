@@ -384,7 +384,7 @@ class RedisBackend(StorageBackend):
         deadline), and its quota index; returns how many records there were.
 
         Raises:
-            InvalidInputError: ``tag`` is not a tenant tag (4 bytes).
+            InvalidInputError: ``tag`` is not a tenant tag (16 bytes).
             TierUnavailableError: Redis is unreachable or did not answer in time.
             TierError: Redis reported another error.
         """

@@ -12,7 +12,7 @@ import collections
 from typing import Final
 
 from lmcache_async.keys.chunks import ChunkHasher
-from lmcache_async.tenancy.tenants import TenantNames
+from lmcache_async.tenancy.tenants import tenant_tag
 
 __all__ = ["TENANT_HASHERS", "TenantHashers"]
 
@@ -25,29 +25,21 @@ _TENANT_MEMO_PROMPTS: Final = 4
 class TenantHashers:
     """The default hasher, and one per tenant named by a request (LRU, ``capacity``).
 
-    Every tenant keyed for is recorded in ``names`` (figures by tenant show names).
+    No name is kept beyond its hasher: figures show tenants by tag or by the operator's
+    label (:mod:`lmcache_async.tenancy.labels`), never by name.
     """
 
-    __slots__ = ("_base", "_capacity", "_hashers", "_names")
+    __slots__ = ("_base", "_capacity", "_hashers")
 
-    def __init__(
-        self, base: ChunkHasher, names: TenantNames, *, capacity: int = TENANT_HASHERS
-    ) -> None:
+    def __init__(self, base: ChunkHasher, *, capacity: int = TENANT_HASHERS) -> None:
         self._base = base
-        self._names = names
         self._capacity = capacity
         self._hashers: collections.OrderedDict[str | None, ChunkHasher] = collections.OrderedDict()
-        names.add(base.namespace.tenant_salt)
 
     @property
     def default(self) -> ChunkHasher:
         """The hasher of the engine's own tenant."""
         return self._base
-
-    @property
-    def names(self) -> TenantNames:
-        """The names of the tenants keyed for."""
-        return self._names
 
     def for_tenant(self, tenant: str | None) -> ChunkHasher:
         """The hasher of ``tenant``; None is the engine's own tenant.
@@ -70,18 +62,17 @@ class TenantHashers:
             algorithm=base.algorithm,
             memo_size=_TENANT_MEMO_PROMPTS,
         )
-        self._names.add(tenant)
         hashers[tenant] = hasher
         if len(hashers) > self._capacity:
             hashers.popitem(last=False)
         return hasher
 
     def tag(self, tenant: str | None) -> bytes:
-        """The tag of ``tenant``'s keys (None: the engine's own tenant), recorded by name.
+        """The tag of ``tenant``'s keys (None: the engine's own tenant).
 
         Raises:
             InvalidInputError: ``tenant`` is not a valid tenant name.
         """
         if tenant is None:
             return self._base.tag
-        return self._names.add(tenant)
+        return tenant_tag(tenant)

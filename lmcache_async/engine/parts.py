@@ -16,7 +16,6 @@ from anyio import CancelScope
 
 from lmcache_async.keys.chunks import ChunkHasher, DigestFrames, HashAlgorithm, Namespace
 from lmcache_async.memory.pool import MemoryPool
-from lmcache_async.tenancy.tenants import TenantNames
 from lmcache_async.transfer.cuda import Transfers
 
 from ..backends.admission import Admission, admission_capacity
@@ -124,7 +123,7 @@ def build_parts(
     )
     kv_views = KVCacheViews(layout)  # the serving engine's caches, checked once
     # A sidecar's lookups come as digest frames.
-    hashers = TenantHashers(hasher, TenantNames())
+    hashers = TenantHashers(hasher)
     keys = RequestKeys(config, hashers, DigestFrames(_DIGEST_MEMO_PROMPTS), kv_views)
     events = EventBuffer(config.max_kv_events, enabled=config.enable_kv_events)
     pool = (

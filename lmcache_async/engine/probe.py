@@ -38,7 +38,7 @@ import blake3
 import structlog
 import torch
 
-from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.keys.chunks import DIGEST_SIZE, ChunkKey
 from lmcache_async.memory.pool import MemoryObj, MemoryPool
 from lmcache_async.tenancy.tenants import TAG_BYTES
 
@@ -78,7 +78,7 @@ _CLEANUP_TIMEOUT: Final = 1.0
 
 def probe_key() -> ChunkKey:
     """A whole-chunk key no stored chunk has: the probe's tag and random bytes."""
-    return ChunkKey(PROBE_TAG + os.urandom(16 - TAG_BYTES))
+    return ChunkKey(PROBE_TAG + os.urandom(DIGEST_SIZE - TAG_BYTES))
 
 
 def _fill(tensor: torch.Tensor) -> None:

@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from lmcache_async.memory.pool import MemoryPool
-from lmcache_async.tenancy.tenants import TAG_BYTES, TenantNames, tag_hex
+from lmcache_async.tenancy.labels import TenantLabels
+from lmcache_async.tenancy.tenants import TAG_BYTES, tag_hex
 
 from ..backends.manager import StorageManager
 from ..events import EventBuffer
@@ -33,11 +34,12 @@ def engine_stats(
     events: EventBuffer,
     *,
     healthy: bool,
-    names: TenantNames | None = None,
+    labels: TenantLabels | None = None,
     costs: LoadCosts | None = None,
 ) -> EngineStats:
-    """A snapshot of traffic, memory, tiers and switches; with ``names``, the figures by
-    tenant labelled with them; with ``costs``, the tier speeds and load decisions."""
+    """A snapshot of traffic, memory, tiers and switches, with the figures by tenant under
+    the operator's ``labels`` (a tenant without one: its tag's hex; never its name); with
+    ``costs``, the tier speeds and load decisions."""
     tiers = manager.tier_stats()
     cpu = tiers["cpu"]
     return EngineStats(
@@ -75,16 +77,16 @@ def engine_stats(
         load_costs=LoadCostStats() if costs is None else costs.stats(),
         admission=manager.admission_stats(),
         tenants=MappingProxyType(
-            {} if names is None else tenant_stats(counters.tenants, tiers, names)
+            tenant_stats(counters.tenants, tiers, labels or TenantLabels.parse({}))
         ),
     )
 
 
 def tenant_stats(
-    traffic: TenantCounters, tiers: Mapping[str, TierStats], names: TenantNames
+    traffic: TenantCounters, tiers: Mapping[str, TierStats], labels: TenantLabels
 ) -> dict[str, TenantStats]:
     """Each tenant's lookups (``traffic``) and usage of each tier (``TierStats.tenants``,
-    by tag), by the label ``names`` gives its tag, in label order."""
+    by tag), by the label ``labels`` gives its tag (else the tag's hex), in label order."""
     lookups: dict[str, TenantTraffic] = {
         tag_hex(tag) if tag else "": counts for tag, counts in traffic.items()
     }
@@ -96,8 +98,8 @@ def tenant_stats(
     for tag in sorted(lookups.keys() | usage.keys()):
         counts = lookups.get(tag) or TenantTraffic()
         held = usage.get(tag, {})
-        label = _label(tag, names)
-        if label in figures:  # a name that reads like another label
+        label = _label(tag, labels)
+        if label in figures:  # not a tag a tier should report: kept apart all the same
             label = f"{label} [{tag}]"
         figures[label] = TenantStats(
             tag=tag,
@@ -111,11 +113,11 @@ def tenant_stats(
     return dict(sorted(figures.items()))
 
 
-def _label(tag: str, names: TenantNames) -> str:
+def _label(tag: str, labels: TenantLabels) -> str:
     if not tag:
         return OTHER_TENANTS
     try:
         raw = bytes.fromhex(tag)
     except ValueError:
         return f"tag:{tag}"
-    return names.label(raw) if len(raw) == TAG_BYTES else f"tag:{tag}"
+    return labels.label(raw) if len(raw) == TAG_BYTES else f"tag:{tag}"

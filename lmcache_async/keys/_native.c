@@ -1,10 +1,11 @@
 /* The chain of chunk keys with BLAKE3, in C: lmcache_async.keys._native.blake3_chain; and
  * the CPU tier's walk over a lookup's leading keys (held_prefix_count, held_prefix_values).
  *
- * blake3_chain(seed, data, step) returns h_1..h_n for the pieces p_i = data[(i-1)*step :
- * i*step] (the last one may be short): h_0 = seed (16 bytes), h_i = the first 16 bytes of
- * BLAKE3(p_i || h_{i-1}). The same keys as keys._chain_blake3_py, which uses the blake3
- * package: tests hold the two equal.
+ * blake3_chain(seed, data, step, tag) returns tag || h_i for i = 1..n, the pieces p_i =
+ * data[(i-1)*step : i*step] (the last one may be short): h_0 = seed (16 bytes), h_i = the
+ * first 16 bytes of BLAKE3(p_i || h_{i-1}). The chain links the untagged h_i; the tenant's
+ * tag (16 bytes, or none) is put ahead of each. The same keys as keys._chain_blake3_py,
+ * which uses the blake3 package: tests hold the two equal.
  *
  * Why C: one BLAKE3 block compression is a chain of ~250 dependent instructions, so hashing
  * one chunk after the other cannot go faster than that chain, whatever the binding. The
@@ -23,7 +24,10 @@
 #define CHUNK_LEN 1024
 #define BLOCK_LEN 64
 #define BLOCKS_PER_CHUNK (CHUNK_LEN / BLOCK_LEN)
-#define DIGEST_LEN 16
+/* A link h_i of the chain, and the seed h_0 (keys.digests.LINK_SIZE). */
+#define LINK_LEN 16
+/* The longest tag put ahead of each link (tenancy.tenants.TAG_BYTES). */
+#define TAG_MAX_LEN 16
 #define LANES 8
 /* Below this many input bytes the GIL is kept: handing it over costs more than the work. */
 #define RELEASE_GIL_BYTES 16384
@@ -219,10 +223,12 @@ static size_t piece_len(size_t total, size_t step, size_t i) {
     return total - start < step ? total - start : step;
 }
 
-/* Fill `digests` (n * 16 bytes) for the pieces of `data`. `values` has room for every
- * whole chunk of every piece, plus two and a lane group. Touches no Python object. */
+/* Write the link of each piece of `data` at `digests + i * stride + offset` (stride >=
+ * offset + 16: the room before each link is the tag's). `values` has room for every whole
+ * chunk of every piece, plus two and a lane group. Touches no Python object. */
 static void run_chain(const uint8_t *seed, const uint8_t *data, size_t total, size_t step,
-                      size_t n, uint32_t (*values)[8], uint8_t *digests) {
+                      size_t n, uint32_t (*values)[8], uint8_t *digests, size_t stride,
+                      size_t offset) {
     /* 1. Every whole BLAKE3 chunk of every piece: none depends on a link. */
     const uint8_t *in[LANES];
     uint64_t counter[LANES];
@@ -250,15 +256,15 @@ static void run_chain(const uint8_t *seed, const uint8_t *data, size_t total, si
         memcpy(values[done], lane_out, filled * sizeof lane_out[0]);
     }
     /* 2. In order: each piece's tail with the link, then its tree. */
-    uint8_t link[DIGEST_LEN], tail[CHUNK_LEN + DIGEST_LEN];
+    uint8_t link[LINK_LEN], tail[CHUNK_LEN + LINK_LEN];
     uint32_t out[8], spare[2][8];
-    memcpy(link, seed, DIGEST_LEN);
+    memcpy(link, seed, LINK_LEN);
     size_t first = 0;
     for (size_t i = 0; i < n; i++) {
         size_t len = piece_len(total, step, i);
-        size_t whole = len / CHUNK_LEN, rest = len % CHUNK_LEN, tail_len = rest + DIGEST_LEN;
+        size_t whole = len / CHUNK_LEN, rest = len % CHUNK_LEN, tail_len = rest + LINK_LEN;
         memcpy(tail, data + i * step + whole * CHUNK_LEN, rest);
-        memcpy(tail + rest, link, DIGEST_LEN);
+        memcpy(tail + rest, link, LINK_LEN);
         if (whole == 0 && tail_len <= CHUNK_LEN) {
             chunk_value(tail, tail_len, 0, ROOT, out);
         } else {
@@ -276,8 +282,8 @@ static void run_chain(const uint8_t *seed, const uint8_t *data, size_t total, si
             tree_value((const uint32_t(*)[8])mine, count, ROOT, out);
             memcpy(mine + whole, spare, sizeof spare);
         }
-        for (int w = 0; w < DIGEST_LEN / 4; w++) store32(link + 4 * w, out[w]);
-        memcpy(digests + i * DIGEST_LEN, link, DIGEST_LEN);
+        for (int w = 0; w < LINK_LEN / 4; w++) store32(link + 4 * w, out[w]);
+        memcpy(digests + i * stride + offset, link, LINK_LEN);
         first += whole;
     }
 }
@@ -291,23 +297,24 @@ static PyObject *blake3_chain(PyObject *module, PyObject *args) {
     PyObject *result = NULL;
     uint8_t *digests = NULL;
     uint32_t(*values)[8] = NULL;
-    if (seed.len != DIGEST_LEN) {
-        PyErr_Format(PyExc_ValueError, "seed must be %d bytes, got %zd", DIGEST_LEN, seed.len);
+    if (seed.len != LINK_LEN) {
+        PyErr_Format(PyExc_ValueError, "seed must be %d bytes, got %zd", LINK_LEN, seed.len);
         goto done;
     }
     if (step <= 0) {
         PyErr_Format(PyExc_ValueError, "step must be positive, got %zd", step);
         goto done;
     }
-    if (tag.len > DIGEST_LEN) {
-        PyErr_Format(PyExc_ValueError, "tag must be at most %d bytes, got %zd", DIGEST_LEN,
+    if (tag.len > TAG_MAX_LEN) {
+        PyErr_Format(PyExc_ValueError, "tag must be at most %d bytes, got %zd", TAG_MAX_LEN,
                      tag.len);
         goto done;
     }
     size_t total = (size_t)data.len, n = (total + (size_t)step - 1) / (size_t)step;
     size_t whole = 0;
     for (size_t i = 0; i < n; i++) whole += piece_len(total, (size_t)step, i) / CHUNK_LEN;
-    digests = PyMem_Malloc(n * DIGEST_LEN + 1);
+    size_t tag_len = (size_t)tag.len, stride = tag_len + LINK_LEN;
+    digests = PyMem_Malloc(n * stride + 1);
     values = PyMem_Calloc(whole + 2 + LANES, sizeof *values);
     if (digests == NULL || values == NULL) {
         PyErr_NoMemory();
@@ -315,18 +322,17 @@ static PyObject *blake3_chain(PyObject *module, PyObject *args) {
     }
     if (total >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        run_chain(seed.buf, data.buf, total, (size_t)step, n, values, digests);
+        run_chain(seed.buf, data.buf, total, (size_t)step, n, values, digests, stride, tag_len);
         Py_END_ALLOW_THREADS
     } else {
-        run_chain(seed.buf, data.buf, total, (size_t)step, n, values, digests);
+        run_chain(seed.buf, data.buf, total, (size_t)step, n, values, digests, stride, tag_len);
     }
-    /* The keys: each digest with its first bytes the tag (the chain linked the digests). */
-    for (size_t i = 0; tag.len > 0 && i < n; i++)
-        memcpy(digests + i * DIGEST_LEN, tag.buf, (size_t)tag.len);
+    /* The keys: the tag, then the link (the chain linked the untagged links). */
+    for (size_t i = 0; tag_len > 0 && i < n; i++) memcpy(digests + i * stride, tag.buf, tag_len);
     result = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; result != NULL && i < n; i++) {
-        PyObject *digest = PyBytes_FromStringAndSize((const char *)digests + i * DIGEST_LEN,
-                                                     DIGEST_LEN);
+        PyObject *digest = PyBytes_FromStringAndSize((const char *)digests + i * stride,
+                                                     (Py_ssize_t)stride);
         if (digest == NULL) {
             Py_CLEAR(result);
             break;
@@ -410,7 +416,7 @@ static PyMethodDef methods[] = {
     {"blake3_chain", blake3_chain, METH_VARARGS,
      "blake3_chain(seed, data, step, tag=b'') -> list[bytes]\n\n"
      "h_i = BLAKE3(data[(i-1)*step : i*step] || h_{i-1})[:16], h_0 = seed (16 bytes);\n"
-     "each returned with its first len(tag) bytes replaced by tag."},
+     "each returned as tag || h_i (tag: at most 16 bytes)."},
     {"held_prefix_count", (PyCFunction)(void (*)(void))held_prefix_count, METH_FASTCALL,
      "held_prefix_count(index, keys) -> int\n\n"
      "How many leading keys the OrderedDict index holds; each is moved to its end."},

@@ -3,12 +3,12 @@
 Tokens are cut into chunks of ``chunk_size``; chunk ``i`` gets the key
 ``h_i = H(tokens_i || h_{i-1})`` where ``tokens_i`` are the chunk's tokens as little-endian
 int32 and ``h_0`` is a seed that binds the :class:`Namespace` (model, weights revision, KV
-layout, tenant). ``H`` is blake3 (default) or xxh3-128, both producing :data:`DIGEST_SIZE`
-bytes: a real hash, never Python's ``hash()``, so every process and host computes the same
-key for the same tokens. A chunk's key is ``h_i`` with its first
-:data:`~lmcache_async.tenancy.tenants.TAG_BYTES` bytes replaced by the tenant's tag
-(:mod:`lmcache_async.tenancy.tenants`), so every tier can tell whose a chunk is from its key; the
-chain links the untagged ``h_i``.
+layout, tenant). ``H`` is blake3 (default) or xxh3-128, both producing :data:`LINK_SIZE`
+(16) bytes: a real hash, never Python's ``hash()``, so every process and host computes the
+same key for the same tokens. A chunk's key is the tenant's
+:data:`~lmcache_async.tenancy.tenants.TAG_BYTES`-byte tag followed by ``h_i``
+(:data:`DIGEST_SIZE` = 32 bytes, :mod:`lmcache_async.tenancy.tenants`), so every tier can tell
+whose a chunk is from its key; the chain links the untagged ``h_i``, all 128 bits of it.
 
 Segment keys for blending (:class:`~lmcache_async.keys.segments.SegmentHasher`) live in
 :mod:`lmcache_async.keys.segments`. Re-exported here from the modules they live in:
@@ -35,7 +35,7 @@ import torch
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.keys.block_hashes import encode_block_hashes
 from lmcache_async.keys.digest_memo import DigestGuess, DigestProbe, MemoKey, TokenMemo
-from lmcache_async.keys.digests import DIGEST_SIZE, DigestFrames, split_digests
+from lmcache_async.keys.digests import DIGEST_SIZE, LINK_SIZE, DigestFrames, split_digests
 from lmcache_async.keys.hashing import (
     NATIVE_CHAIN,
     HashAlgorithm,
@@ -64,6 +64,7 @@ __all__ = [
     "DigestGuess",
     "DigestProbe",
     "HashAlgorithm",
+    "LINK_SIZE",
     "Namespace",
     "Tokens",
     "check_mask",
@@ -77,7 +78,8 @@ _MAX_LAYERS: Final = 1 << (8 * _LAYER_BYTES)
 _NAMESPACE_DOMAIN: Final = b"lmcache_async/namespace/v1\x00"
 _NONE_TAG: Final = b"\x00"
 _STR_TAG: Final = b"\x01"
-_KEY_TEXT: Final = re.compile(r"([0-9a-f]{32})(?:@L(0|[1-9][0-9]*))?")
+_KEY_HEX: Final = 2 * DIGEST_SIZE
+_KEY_TEXT: Final = re.compile(f"([0-9a-f]{{{_KEY_HEX}}})(?:@L(0|[1-9][0-9]*))?")
 
 
 class ChunkKey(bytes):
@@ -86,7 +88,7 @@ class ChunkKey(bytes):
     A key *is* its bytes: the digest, followed for a layer key by the layer number as 4
     little-endian bytes. It hashes and compares like those bytes, so a tier's index can be
     probed with a bare digest, with no key object built per chunk on the lookup path.
-    Immutable. :meth:`to_str` is the one stable text form (32 lowercase hex characters,
+    Immutable. :meth:`to_str` is the one stable text form (64 lowercase hex characters,
     plus ``@L<layer>`` for a layer key) used for file names and Redis keys.
 
     Raises:
@@ -127,7 +129,7 @@ class ChunkKey(bytes):
         return int.from_bytes(self[DIGEST_SIZE:], "little")
 
     def to_str(self) -> str:
-        """The stable text form: ``"<32 hex chars>"`` or ``"<32 hex chars>@L<layer>"``."""
+        """The stable text form: ``"<64 hex chars>"`` or ``"<64 hex chars>@L<layer>"``."""
         layer = self.layer
         if layer is None:
             return self[:DIGEST_SIZE].hex()
@@ -147,7 +149,7 @@ class ChunkKey(bytes):
         match = _KEY_TEXT.fullmatch(text)
         if match is None:
             raise InvalidInputError(
-                f"not a chunk key: {text!r:.80} (expected 32 lowercase hex chars, "
+                f"not a chunk key: {text!r:.80} (expected {_KEY_HEX} lowercase hex chars, "
                 "optionally followed by '@L<layer>')"
             )
         layer = match.group(2)
@@ -295,7 +297,7 @@ class Namespace:
         )
 
     def seed(self, algorithm: HashAlgorithm = HashAlgorithm.BLAKE3) -> bytes:
-        """``h_0``: :data:`DIGEST_SIZE` bytes, the same in every process for equal fields.
+        """``h_0``: :data:`LINK_SIZE` bytes, the same in every process for equal fields.
 
         Raises:
             InvalidInputError: ``algorithm`` is not a :class:`HashAlgorithm` (or its value).

@@ -1,7 +1,9 @@
 """Digests as bytes: their size, a wire frame of them cut into keys, recent frames kept.
 
-Every chunk key's digest is :data:`DIGEST_SIZE` bytes, whatever the hash algorithm; a
-lookup's wire frame carries the digests of a prompt one after another. Chunk keys and the
+Every chunk key's digest is :data:`DIGEST_SIZE` bytes, whatever the hash algorithm: the
+tenant's :data:`~lmcache_async.tenancy.tenants.TAG_BYTES`-byte tag, then the
+:data:`LINK_SIZE`-byte link of the key chain (a seed is one such link too). A lookup's wire
+frame carries the digests of a prompt one after another. Chunk keys and the
 chain that makes them live in :mod:`lmcache_async.keys.chunks`, which re-exports these names.
 """
 
@@ -15,11 +17,16 @@ import xxhash
 
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.keys.tokens import is_strict_int
+from lmcache_async.tenancy.tenants import TAG_BYTES
 
-__all__ = ["DIGEST_SIZE", "DigestFrames", "lru_put", "split_digests"]
+__all__ = ["DIGEST_SIZE", "LINK_SIZE", "DigestFrames", "lru_put", "split_digests"]
 
-DIGEST_SIZE: Final = 16
-"""Size in bytes of every key digest, whatever the algorithm."""
+LINK_SIZE: Final = 16
+"""Size in bytes of a link ``h_i`` of the key chain and of its seed ``h_0``: what ``H``
+produces (128 bits, whatever the algorithm)."""
+
+DIGEST_SIZE: Final = TAG_BYTES + LINK_SIZE
+"""Size in bytes of every key digest: the tenant's tag, then the chain's link."""
 
 _DIGEST_ITEM: Final = np.dtype(f"V{DIGEST_SIZE}")
 

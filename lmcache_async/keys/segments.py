@@ -16,7 +16,6 @@ from lmcache_async.errors import InvalidInputError
 from lmcache_async.keys.chunks import ChunkSpan, Namespace, _new_key, _new_span
 from lmcache_async.keys.hashing import HashAlgorithm, as_algorithm, hash_function
 from lmcache_async.keys.tokens import Tokens, token_array
-from lmcache_async.tenancy.tenants import TAG_BYTES
 
 __all__ = ["SegmentHasher"]
 
@@ -25,8 +24,9 @@ class SegmentHasher:
     """Segment keys for blending: one unchained key per separator-delimited segment.
 
     Tokens are split at each (non-overlapping, leftmost-first) occurrence of ``separator``;
-    each segment, separator tokens excluded, is keyed ``H(seed || segment)`` with no chain,
-    so a document's KV is found wherever it appears in a prompt.
+    each segment, separator tokens excluded, is keyed ``tag || H(segment || seed)`` with no
+    chain (the tenant's tag ahead of the whole link, as for chunk keys), so a document's
+    KV is found wherever it appears in a prompt.
 
     Raises:
         InvalidInputError: ``separator`` is empty or not valid tokens, ``namespace`` is not
@@ -105,7 +105,7 @@ class SegmentHasher:
             _new_span(
                 start,
                 end,
-                _new_key(tag + hash_function(array[start:end].tobytes() + seed)[TAG_BYTES:]),
+                _new_key(tag + hash_function(array[start:end].tobytes() + seed)),
                 None,
             )
             for start, end in bounds

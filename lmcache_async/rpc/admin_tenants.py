@@ -2,8 +2,9 @@
 prints.
 
 A sidecar's STATS reply holds the engine's stats as plain data; their ``"tenants"`` map each
-tenant's label (its name, ``"(none)"``, ``"tag:<hex>"``) to its lookups, its chunks and
-bytes over the tiers and its usage of each tier (:class:`~lmcache_async.stats.TenantStats`).
+tenant's label (the operator's label, else its tag's hex, or ``"(none)"``; never its name) to
+its lookups, its chunks and bytes over the tiers and its usage of each tier
+(:class:`~lmcache_async.stats.TenantStats`).
 """
 
 from __future__ import annotations

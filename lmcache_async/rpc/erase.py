@@ -12,6 +12,7 @@ from typing import Any
 
 from lmcache_async.errors import EraseIncompleteError, ProtocolError
 from lmcache_async.keys.tokens import is_strict_int
+from lmcache_async.tenancy.tenants import tag_hex, tenant_tag
 
 __all__ = ["erase_result", "format_erase"]
 
@@ -42,8 +43,14 @@ def erase_result(header: Mapping[str, Any]) -> dict[str, int]:
 def format_erase(
     tenant: str | None, removed: Mapping[str, int], failed: Mapping[str, str] | None = None
 ) -> str:
-    """What an erasure did, one line per tier: the chunks removed, or why it failed."""
-    who = "the engine's own tenant" if tenant is None else f"tenant {tenant!r}"
+    """What an erasure did, one line per tier: the chunks removed, or why it failed. A
+    tenant is named by its tag (the one its file names and Redis keys start with): its
+    name is a secret, kept out of output that may be logged or shared.
+
+    Raises:
+        InvalidInputError: ``tenant`` is not None or a valid tenant name.
+    """
+    who = "the engine's own tenant" if tenant is None else f"tenant {tag_hex(tenant_tag(tenant))}"
     failed = failed or {}
     total = sum(removed.values())
     lines = [f"erased {who}: {total} chunks removed" + (", INCOMPLETE" if failed else "")]

@@ -1,14 +1,16 @@
 """Prometheus series by tenant, with a cap on the tenants that get a label of their own.
 
-Each tenant of ``EngineStats.tenants`` is reported under ``tenant="<label>"`` (its name, or
-``tag:<hex>`` for a tenant a tier holds that the engine has not named). A tenant label is a
+Each tenant of ``EngineStats.tenants`` is reported under ``tenant="<label>"``: the label the
+operator gave it (config ``tenant_labels``), else its tag's 32 hex characters, never its
+name (a ``cache_salt`` is a secret that a scrape must not publish). A tenant label is a
 series per metric and tier, so at most ``cap`` tenants are labelled: the first ``cap`` seen
 keep their label for the life of the collector (a counter never moves between series), and
 every later one is summed under ``tenant="other"``.
 
 Series (``lmcache_async_tenant_*``): ``lookups_total``, ``lookup_tokens_total``,
 ``lookup_hit_tokens_total`` by tenant; ``chunks``, ``bytes``, ``quota_bytes`` (tenants
-with a quota), ``evictions_total``, ``erased_total`` by tenant and tier.
+with a quota), ``evictions_total``, ``erased_total``, ``pins_refused_total`` (chunks a
+prefetch or promise did not pin: the tenant's quota was full) by tenant and tier.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ _HELD: Final = (
 _COUNTED: Final = (
     ("evictions", "Chunks of a tenant a tier evicted"),
     ("erased", "Chunks of a tenant a tier removed by erasure"),
+    ("pins_refused", "Chunks a tenant's prefetches and promises did not pin: quota full"),
 )
 
 
@@ -77,7 +80,10 @@ class TenantSeries:
             _add(traffic.setdefault(label, [0] * len(_TRAFFIC)), _traffic_of(figures))
             for tier, usage in figures.tiers.items():
                 row = held.setdefault((label, tier), [0] * (len(_HELD) + len(_COUNTED)))
-                _add(row, [usage.chunks, usage.bytes, usage.evictions, usage.erased])
+                _add(
+                    row,
+                    [usage.chunks, usage.bytes, usage.evictions, usage.erased, usage.pins_refused],
+                )
                 if usage.quota_bytes is not None:
                     quotas[label, tier] = quotas.get((label, tier), 0) + usage.quota_bytes
         for i, (suffix, _, doc) in enumerate(_TRAFFIC):

@@ -3,15 +3,21 @@
 A tenant is a name (vLLM's ``cache_salt``, ``tenant=`` on the API and the wire) or None,
 the unnamed tenant. It is bound into the keys twice: the key chain's seed holds the name
 (:class:`~lmcache_async.keys.chunks.Namespace`), so two tenants' identical prompts never share a
-chunk; and the first :data:`TAG_BYTES` bytes of every key are the tenant's *tag*
-(:func:`tenant_tag`), so a tier can tell whose a chunk is from its key — to keep usage
-per tenant under a quota, and to find a tenant's chunks for erasure by a key prefix (file
-names and Redis keys start with the key's hex form).
+chunk; and every key starts with the tenant's :data:`TAG_BYTES`-byte *tag*
+(:func:`tenant_tag`), ahead of the chain's 16-byte link, so a tier can tell whose a chunk is
+from its key — to keep usage per tenant under a quota, to find a tenant's chunks for
+erasure by a key prefix (file names and Redis keys start with the key's hex form), and to
+derive the tenant's encryption key.
 
 The tag depends on the name only, not on the model: erasing a tenant reaches its chunks of
-every model in a shared Redis. The other ``DIGEST_SIZE - TAG_BYTES`` bytes (96 bits) come
-from the chain; two names whose tags collide (about one pair in 4·10⁹) still get distinct
-keys and merely share a quota's account.
+every model in a shared Redis. Everything a tier does for a tenant goes by its tag, so two
+names with one tag would be one tenant there: one quota, one erasure, one key. The tag is
+128 bits of blake3 so that finding such a pair costs about 2**64 hashes even as a birthday
+search, and finding a name with a given tag 2**128.
+
+A name is a secret (vLLM asks that a ``cache_salt`` be kept from third parties): figures
+and logs show a tenant by its tag (:func:`tag_hex`) or by the label an operator gave it
+(:mod:`.labels`), never by its name, and error messages do not repeat it.
 """
 
 from __future__ import annotations
@@ -25,17 +31,20 @@ from lmcache_async.tenancy.quotas import TierQuota
 
 __all__ = [
     "MAX_TENANT_BYTES",
+    "NONE_LABEL",
     "TAG_BYTES",
     "TenantLimits",
-    "TenantNames",
     "check_tenant",
     "tag_hex",
     "tag_of",
     "tenant_tag",
 ]
 
-TAG_BYTES: Final = 4
-"""Leading bytes of every chunk key that name its tenant."""
+TAG_BYTES: Final = 16
+"""Leading bytes of every chunk key that name its tenant (its tag)."""
+
+NONE_LABEL: Final = "(none)"
+"""How figures show the unnamed tenant (None)."""
 
 MAX_TENANT_BYTES: Final = 256
 """Longest tenant name, in UTF-8 bytes."""
@@ -59,10 +68,11 @@ def check_tenant(tenant: object, *, field: str = "tenant") -> str | None:
     try:
         size = len(tenant.encode("utf-8"))
     except UnicodeEncodeError:
-        raise InvalidInputError(f"{field} is not valid unicode: {tenant!r:.80}") from None
+        # The name is a secret: the message does not repeat it (it may end up in a log).
+        raise InvalidInputError(f"{field} is not valid unicode") from None
     if size > MAX_TENANT_BYTES:
         raise InvalidInputError(
-            f"{field} must be at most {MAX_TENANT_BYTES} UTF-8 bytes, got {size}: {tenant!r:.80}"
+            f"{field} must be at most {MAX_TENANT_BYTES} UTF-8 bytes, got {size}"
         )
     return tenant
 
@@ -84,42 +94,10 @@ def tag_of(key: bytes) -> bytes:
 
 
 def tag_hex(tag: bytes) -> str:
-    """A tag's text form: 8 lowercase hex characters, the start of every key's text form
-    (so a file name or Redis key of the tenant starts with it)."""
+    """A tag's text form: ``2 * TAG_BYTES`` lowercase hex characters, the start of every
+    key's text form (so a file name or Redis key of the tenant starts with it), and how
+    figures and logs show a tenant the operator gave no label."""
     return tag.hex()
-
-
-class TenantNames:
-    """The names behind the tags a process has seen, for figures by tenant.
-
-    A tier knows tags only; the engine records each name it keys a request for, and figures
-    name a tenant by its name when known, else as ``"tag:<8 hex>"``. Holds at most
-    ``capacity`` names (the oldest are forgotten first, then shown by tag).
-    """
-
-    __slots__ = ("_capacity", "_names")
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self._capacity = capacity
-        self._names: dict[bytes, str | None] = {}
-
-    def add(self, tenant: str | None) -> bytes:
-        """Record ``tenant`` (checked) and return its tag."""
-        tag = tenant_tag(tenant)
-        names = self._names
-        if tag not in names:
-            if len(names) >= self._capacity:
-                del names[next(iter(names))]
-            names[tag] = tenant
-        return tag
-
-    def label(self, tag: bytes) -> str:
-        """The tenant's name, ``"(none)"`` for the unnamed tenant, or ``"tag:<hex>"`` for a
-        tag whose name this process has not seen."""
-        if tag in self._names:
-            name = self._names[tag]
-            return "(none)" if name is None else name
-        return f"tag:{tag_hex(tag)}"
 
 
 class TenantLimits:

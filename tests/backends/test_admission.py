@@ -14,13 +14,13 @@ from lmcache_async.backends.admission import (
     admission_capacity,
 )
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.keys.chunks import ChunkKey, ChunkSpan
+from lmcache_async.keys.chunks import DIGEST_SIZE, ChunkKey, ChunkSpan
 
 CHUNK = 16
 
 
 def spans(n: int, first: int = 0) -> list[ChunkSpan]:
-    keys = [ChunkKey(bytes([i + 1]) * 16) for i in range(first, first + n)]
+    keys = [ChunkKey(bytes([i + 1]) * DIGEST_SIZE) for i in range(first, first + n)]
     return [
         ChunkSpan(i * CHUNK, (i + 1) * CHUNK, key, keys[i - first - 1] if i > first else None)
         for i, key in zip(range(first, first + n), keys, strict=True)

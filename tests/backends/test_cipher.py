@@ -46,9 +46,10 @@ from lmcache_async.backends.redis import DEFAULT_KEY_PREFIX, RedisBackend
 from lmcache_async.config import EngineConfig
 from lmcache_async.engine.tiers import record_cipher, record_spec
 from lmcache_async.errors import ConfigError, IntegrityError, InvalidInputError
-from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.keys.chunks import LINK_SIZE, ChunkKey
 from lmcache_async.layouts import KVLayout
 from lmcache_async.memory.pool import MemoryObj, MemoryPool
+from lmcache_async.tenancy.tenants import TAG_BYTES
 from tests.servers import RedisCluster, RedisServer
 
 PAGE = 4096
@@ -85,8 +86,8 @@ def make_spec(
 
 
 def key(i: int, tenant: int = 0) -> ChunkKey:
-    """A chunk key whose first 4 bytes (the tenant tag) are ``tenant``."""
-    return ChunkKey(tenant.to_bytes(4, "little") + i.to_bytes(12, "little"))
+    """A chunk key whose tenant tag (its first TAG_BYTES bytes) is ``tenant``."""
+    return ChunkKey(tenant.to_bytes(TAG_BYTES, "little") + i.to_bytes(LINK_SIZE, "little"))
 
 
 def pattern_bytes(nbytes: int, i: int) -> torch.Tensor:
@@ -237,13 +238,15 @@ def test_each_tenant_has_its_own_hkdf_key() -> None:
             algorithm=hashes.SHA256(),
             length=32,
             salt=None,
-            info=b"lmcache_async/record-key/v1\x00" + chunk_key[:4],
+            info=b"lmcache_async/record-key/v1\x00" + chunk_key[:16],
         ).derive(MASTER)
         expected = AESGCM(derived).encrypt(nonce, payload, header)
         assert cipher.seal(chunk_key, nonce, payload, header) == expected
     a = cipher.seal(bytes(key(1, 1)), nonce, payload, header)
     b = cipher.seal(bytes(key(1, 2)), nonce, payload, header)
-    assert a != b
+    # Tags that agree on their first 4 bytes (once the whole tag) are other tenants' keys.
+    c = cipher.seal(bytes(key(1, 1 + 2**32)), nonce, payload, header)
+    assert len({a, b, c}) == 3
     out = memoryview(bytearray(len(payload)))
     cipher.open_into(bytes(key(9, 1)), nonce, a, header, out)  # same tenant, any chunk
     assert bytes(out) == payload

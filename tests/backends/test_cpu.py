@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmcache_async.backends.cpu import CPUBackend
-from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.keys.chunks import DIGEST_SIZE, LINK_SIZE, ChunkKey
 from lmcache_async.memory.pool import MemoryPool
 from lmcache_async.stats import TenantUsage
 from lmcache_async.tenancy.tenants import tag_hex, tenant_tag
@@ -16,7 +16,7 @@ PAGE = 64 * 1024
 
 
 def key(i: int) -> ChunkKey:
-    return ChunkKey(i.to_bytes(16, "little"))
+    return ChunkKey(i.to_bytes(DIGEST_SIZE, "little"))
 
 
 def filled(pool: MemoryPool, value: int) -> object:
@@ -118,8 +118,8 @@ async def test_pool_waiter_is_served_by_eviction() -> None:
 def test_usage_is_accounted_by_tenant_without_quotas() -> None:
     pool, cpu, evicted = make(pages=4)
     a, b = tenant_tag("a"), tenant_tag("b")
-    keys = [ChunkKey(a + i.to_bytes(12, "little")) for i in range(4)]
-    other = ChunkKey(b + bytes(12))
+    keys = [ChunkKey(a + i.to_bytes(LINK_SIZE, "little")) for i in range(4)]
+    other = ChunkKey(b + bytes(LINK_SIZE))
     for k in [*keys, other]:  # the pool is full at the last one: evicts the oldest
         obj = pool.allocate_nowait((PAGE,), torch.uint8)
         assert obj is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import importlib.util
 import math
@@ -25,17 +26,17 @@ from structlog.testing import capture_logs
 from lmcache_async.backends import disk_file
 from lmcache_async.backends.codec import Codec
 from lmcache_async.backends.disk import CHUNK_SUFFIX, TEMP_PREFIX, DiskBackend
-from lmcache_async.backends.record import PREFIX_SIZE, RecordSpec
+from lmcache_async.backends.record import PREFIX_SIZE, RecordHeader, RecordSpec
 from lmcache_async.errors import (
     ConfigError,
     EngineClosedError,
     InvalidInputError,
     TierError,
 )
-from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.keys.chunks import DIGEST_SIZE, LINK_SIZE, ChunkKey
 from lmcache_async.layouts import KVLayout
 from lmcache_async.memory.pool import MemoryObj, MemoryPool
-from lmcache_async.tenancy.tenants import tag_hex, tenant_tag
+from lmcache_async.tenancy.tenants import TAG_BYTES, tag_hex, tenant_tag
 
 CHUNK = 16
 LAYOUT = KVLayout.vllm_flash_attn(
@@ -59,7 +60,7 @@ def make_spec(codec: Codec = Codec.NONE, layout: KVLayout = LAYOUT) -> RecordSpe
 
 
 def key(i: int, layer: int | None = None) -> ChunkKey:
-    return ChunkKey(i.to_bytes(16, "little"), layer)
+    return ChunkKey(i.to_bytes(DIGEST_SIZE, "little"), layer)
 
 
 def expected(i: int, tokens: int = CHUNK) -> torch.Tensor:
@@ -747,8 +748,8 @@ async def test_erase_tenant_finds_its_files_by_name_only(root: Path, pool: Memor
     a neighbour whose keys share the fan-out directory (the same first byte)."""
     tag = tenant_tag("a")
     neighbour = tag[:1] + bytes(b ^ 0xFF for b in tag[1:])
-    keys = [ChunkKey(tag + os.urandom(12)), ChunkKey(tag + os.urandom(12), layer=3)]
-    kept = [ChunkKey(neighbour + os.urandom(12)), ChunkKey(os.urandom(16))]
+    keys = [ChunkKey(tag + os.urandom(LINK_SIZE)), ChunkKey(tag + os.urandom(LINK_SIZE), layer=3)]
+    kept = [ChunkKey(neighbour + os.urandom(LINK_SIZE)), ChunkKey(os.urandom(DIGEST_SIZE))]
     other_layout = KVLayout.vllm_flash_attn(
         num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16
     )
@@ -756,7 +757,7 @@ async def test_erase_tenant_finds_its_files_by_name_only(root: Path, pool: Memor
         foreign = pool.allocate_nowait(other_layout.payload_shape(CHUNK), torch.bfloat16)
         assert foreign is not None
         foreign.tensor.fill_(1.5)
-        assert await other.put([ChunkKey(tag + os.urandom(12))], [foreign]) == 1
+        assert await other.put([ChunkKey(tag + os.urandom(LINK_SIZE))], [foreign]) == 1
         foreign.unref()
     async with opened(root, pool) as disk:
         objs = [make_obj(pool, i) for i in range(4)]
@@ -986,3 +987,45 @@ async def test_bench_disk_reports_both_sides_and_cleans_up(tmp_path: Path) -> No
         await bench_disk(tmp_path, chunk_bytes=1000, chunks=1, repeats=1)
     with pytest.raises(InvalidInputError, match="chunks"):
         await bench_disk(tmp_path, chunk_bytes=1024, chunks=0, repeats=1)
+
+
+def as_16_byte_record(data: bytes) -> tuple[bytes, str]:
+    """A record of the 16-byte key form (before tags were 16 bytes): the same record with
+    its header's key as that form had it (the tag's first 4 bytes over the link's), and the
+    file name that key had (32 hex chars)."""
+    header, offset = RecordHeader.from_bytes(data)
+    tag, link = bytes(header.key)[:TAG_BYTES], bytes(header.key)[TAG_BYTES:]
+    old_key = tag[:4] + link[4:]
+    old = dataclasses.replace(header, key=old_key)
+    return old.to_bytes() + data[offset:], old_key.hex() + CHUNK_SUFFIX
+
+
+@pytest.mark.anyio
+async def test_a_record_named_in_the_16_byte_key_form_is_a_miss_not_an_error(
+    root: Path, pool: MemoryPool
+) -> None:
+    chunk = ChunkKey(bytes(range(DIGEST_SIZE)))
+
+    async def put_chunk(disk: DiskBackend) -> int:
+        obj = make_obj(pool, 1)
+        try:
+            return await disk.put([chunk], [obj])
+        finally:
+            obj.unref()
+
+    async with opened(root, pool) as disk:
+        assert await put_chunk(disk) == 1
+    path = disk_file.record_path(root, chunk)
+    data, old_name = as_16_byte_record(path.read_bytes())
+    old_path = root / old_name[:2] / old_name
+    old_path.parent.mkdir(exist_ok=True)
+    old_path.write_bytes(data)
+    path.unlink()
+    async with opened(root, pool) as disk:  # the scan meets the old name
+        assert disk.stats().chunks == 0 and disk.stats().corrupt == 0
+        assert await disk.contains_prefix([chunk]) == 0
+        assert await disk.get([chunk]) == [None]
+        assert await disk.erase_tenant(chunk[:TAG_BYTES]) == 0
+        assert await put_chunk(disk) == 1  # stored again under its 64-hex name
+        assert await disk.contains_prefix([chunk]) == 1
+    assert old_path.exists(), "a name this tier does not write is left alone"

@@ -8,6 +8,7 @@ Every test ends with the pool empty: the tier never leaks a MemoryObj.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -24,7 +25,7 @@ import torch
 
 from lmcache_async.backends import redis_conn
 from lmcache_async.backends.codec import Codec
-from lmcache_async.backends.record import RecordSpec
+from lmcache_async.backends.record import RecordHeader, RecordSpec
 from lmcache_async.backends.redis import (
     DEFAULT_KEY_PREFIX,
     PUT_SPLIT,
@@ -38,9 +39,10 @@ from lmcache_async.errors import (
     InvalidInputError,
     TierUnavailableError,
 )
-from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.keys.chunks import DIGEST_SIZE, ChunkKey
 from lmcache_async.layouts import KVLayout
 from lmcache_async.memory.pool import MemoryObj, MemoryPool
+from lmcache_async.tenancy.tenants import TAG_BYTES
 from tests.servers import RedisCluster, RedisServer
 
 pytestmark = pytest.mark.subprocess
@@ -67,7 +69,7 @@ def make_spec(layout: KVLayout, codec: Codec = Codec.NONE) -> RecordSpec:
 
 
 def key(i: int, salt: int = 0) -> ChunkKey:
-    return ChunkKey((i + (salt << 64)).to_bytes(16, "little"))
+    return ChunkKey((i + (salt << 64)).to_bytes(DIGEST_SIZE, "little"))
 
 
 def raw_bytes(obj: MemoryObj) -> torch.Tensor:
@@ -1011,3 +1013,28 @@ async def test_bench_redis_reports_both_sides_and_cleans_up(redis_server: RedisS
     assert redis_server.command("DBSIZE") == b":0\r\n", "the benchmark left keys behind"
     with pytest.raises(InvalidInputError):
         await bench_redis(redis_server.url, chunk_bytes=1000, chunks=1, repeats=1)
+
+
+@pytest.mark.anyio
+async def test_a_value_of_the_16_byte_key_form_is_a_miss_not_an_error(
+    redis_server: RedisServer, open_tier: Opener
+) -> None:
+    env = await open_tier(redis_server.url)
+    raw: Any = redis.asyncio.Redis.from_url(redis_server.url)
+    chunk = ChunkKey(bytes(range(DIGEST_SIZE)))
+    try:
+        for obj in await put_random(env, [chunk], [CHUNK]):
+            obj.unref()
+        value = await raw.get(rkey(chunk))
+        # The record as the 16-byte key form had it: the tag's first 4 bytes over the link's.
+        header, offset = RecordHeader.from_bytes(value)
+        old_key = chunk[:4] + chunk[TAG_BYTES + 4 :]
+        old = dataclasses.replace(header, key=old_key).to_bytes() + value[offset:]
+        old_name = (DEFAULT_KEY_PREFIX + old_key.hex()).encode()
+        await raw.set(old_name, old)
+        await raw.delete(rkey(chunk))
+        assert await env.tier.contains_prefix([chunk]) == 0
+        assert await env.tier.get([chunk]) == [None]
+        assert await raw.get(old_name) == old, "another form's value is left alone"
+    finally:
+        await raw.aclose()

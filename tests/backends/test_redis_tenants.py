@@ -22,7 +22,7 @@ import torch
 
 from lmcache_async.backends.redis import DEFAULT_KEY_PREFIX, RedisBackend
 from lmcache_async.errors import ConfigError, InvalidInputError, TierError, TierUnavailableError
-from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.keys.chunks import LINK_SIZE, ChunkKey
 from lmcache_async.memory.pool import MemoryObj, MemoryPool
 from lmcache_async.tenancy.quotas import TierQuota
 from lmcache_async.tenancy.tenants import TenantLimits, tag_hex, tenant_tag
@@ -50,7 +50,7 @@ exactly ``n`` records."""
 
 
 def tkey(tag: bytes, i: int, layer: int | None = None) -> ChunkKey:
-    return ChunkKey(tag + i.to_bytes(12, "big"), layer)
+    return ChunkKey(tag + i.to_bytes(LINK_SIZE, "big"), layer)
 
 
 def rkey(k: ChunkKey) -> bytes:

@@ -11,7 +11,7 @@ import pytest
 
 from lmcache_async.backends.tenant_ledger import TenantLedger, check_tag
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.keys.chunks import LINK_SIZE, ChunkKey
 from lmcache_async.stats import TenantUsage
 from lmcache_async.tenancy.quotas import TierQuota
 from lmcache_async.tenancy.tenants import TenantLimits, tag_hex, tenant_tag
@@ -22,7 +22,7 @@ C = tenant_tag("c")  # no quota
 
 
 def key(tag: bytes) -> ChunkKey:
-    return ChunkKey(tag + os.urandom(12))
+    return ChunkKey(tag + os.urandom(LINK_SIZE))
 
 
 def limits(default: int | None = None, **named: int) -> TenantLimits:

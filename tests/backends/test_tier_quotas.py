@@ -21,7 +21,7 @@ from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.backends.disk import CHUNK_SUFFIX, TEMP_PREFIX, DiskBackend
 from lmcache_async.backends.pins import PinSets
 from lmcache_async.backends.record import RecordSpec
-from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.keys.chunks import LINK_SIZE, ChunkKey
 from lmcache_async.memory.pool import MemoryObj, MemoryPool
 from lmcache_async.tenancy.quotas import TierQuota
 from lmcache_async.tenancy.tenants import TenantLimits, tag_hex, tenant_tag
@@ -38,7 +38,7 @@ SHAPE = LAYOUT.payload_shape(16)  # 2048 bytes of bfloat16, as in test_disk
 
 
 def key(tag: bytes) -> ChunkKey:
-    return ChunkKey(tag + os.urandom(12))
+    return ChunkKey(tag + os.urandom(LINK_SIZE))
 
 
 def limits(**named: int) -> TenantLimits:

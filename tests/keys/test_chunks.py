@@ -47,7 +47,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def reference_hash(algorithm: HashAlgorithm) -> Callable[[bytes], bytes]:
     """``H`` written straight from the design, independent of the module's helpers."""
     if algorithm is HashAlgorithm.BLAKE3:
-        return lambda data: blake3.blake3(data).digest(length=DIGEST_SIZE)
+        return lambda data: blake3.blake3(data).digest(length=16)
     return xxhash.xxh3_128_digest
 
 
@@ -64,14 +64,14 @@ def reference_seed(ns: Namespace, algorithm: HashAlgorithm) -> bytes:
 
 
 def reference_tag(tenant: str | None) -> bytes:
-    """The tenant tag, from the design: blake3 of a domain and the tagged name, 4 bytes."""
+    """The tenant tag, from the design: blake3 of a domain and the tagged name, 16 bytes."""
     data = b"\x00" if tenant is None else b"\x01" + tenant.encode()
-    return blake3.blake3(b"lmcache_async/tenant/v1\x00" + data).digest(length=4)
+    return blake3.blake3(b"lmcache_async/tenant/v1\x00" + data).digest(length=16)
 
 
-def reference_key(digest: bytes, ns: Namespace = NS) -> bytes:
-    """A chain digest as a key: its first 4 bytes are the namespace tenant's tag."""
-    return reference_tag(ns.tenant_salt) + digest[4:]
+def reference_key(link: bytes, ns: Namespace = NS) -> bytes:
+    """A chain link as a key: the namespace tenant's 16-byte tag, then the whole link."""
+    return reference_tag(ns.tenant_salt) + link
 
 
 def reference_digests(
@@ -102,21 +102,24 @@ def suffix_mask(n: int, start: int) -> torch.Tensor:
         (
             HashAlgorithm.BLAKE3,
             "89be4f38e4c05e157a1646221dc65c09",
-            ["095826d8de91a74f97b368de359f3be6", "095826d84221b1250177c8698f1e286b"],
+            ["89417729de91a74f97b368de359f3be6", "b24016c74221b1250177c8698f1e286b"],
         ),
         (
             HashAlgorithm.XXH3_128,
             "ed89e6c3d1ceeea03280b67179ac4204",
-            ["095826d8fb3033db2953954c1b647aec", "095826d897582852532bc1c78d7d9144"],
+            ["aaae913cfb3033db2953954c1b647aec", "17c596a497582852532bc1c78d7d9144"],
         ),
     ],
 )
 def test_keys_are_pinned(algorithm: HashAlgorithm, seed_hex: str, first_hex: list[str]) -> None:
     # Keys name files on disk and values in Redis: a change here orphans every stored entry.
+    # A key is the unnamed tenant's 16-byte tag, then the chain's whole 16-byte link (the
+    # links are those of the 4-byte-tag keys, whose first 4 bytes the tag overwrote).
     assert NS.seed(algorithm).hex() == seed_hex
     digests = ChunkHasher(NS, chunk_size=4, algorithm=algorithm).digests(list(range(10)))
-    assert [d.hex() for d in digests[:2]] == first_hex
-    assert len(digests) == 3
+    tag = "095826d85f4b69268ac79df79707721e"
+    assert [d.hex() for d in digests[:2]] == [tag + link for link in first_hex]
+    assert len(digests) == 3 and all(len(d) == 32 == DIGEST_SIZE for d in digests)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -573,15 +576,19 @@ def test_segment_hasher_validation() -> None:
 # --------------------------------------------------------------------------- ChunkKey
 
 
+HEX = bytes(range(DIGEST_SIZE)).hex()
+"""The text form of the key whose digest is ``0, 1, ..., 31``."""
+
+
 def test_chunk_key_text_round_trip() -> None:
-    digest = bytes(range(16))
+    digest = bytes(range(DIGEST_SIZE))
     key = ChunkKey(digest)
-    assert key.to_str() == "000102030405060708090a0b0c0d0e0f"
+    assert key.to_str() == HEX and len(HEX) == 64
     assert str(key) == key.to_str()
-    assert repr(key) == "ChunkKey('000102030405060708090a0b0c0d0e0f')"
+    assert repr(key) == f"ChunkKey('{HEX}')"
     layered = key.with_layer(12)
     assert layered == ChunkKey(digest, 12)
-    assert layered.to_str() == "000102030405060708090a0b0c0d0e0f@L12"
+    assert layered.to_str() == HEX + "@L12"
     assert key.with_layer(0).to_str().endswith("@L0")
     for item in (key, layered, key.with_layer(0)):
         assert ChunkKey.from_str(item.to_str()) == item
@@ -596,18 +603,19 @@ def test_chunk_key_text_round_trip() -> None:
     "text",
     [
         "",
-        "00" * 15,
-        "00" * 17,
-        "000102030405060708090A0B0C0D0E0F",
-        "000102030405060708090a0b0c0d0e0g",
-        "000102030405060708090a0b0c0d0e0f@L",
-        "000102030405060708090a0b0c0d0e0f@L-1",
-        "000102030405060708090a0b0c0d0e0f@L01",
-        "000102030405060708090a0b0c0d0e0f@l1",
-        "000102030405060708090a0b0c0d0e0f@L1 ",
-        "000102030405060708090a0b0c0d0e0f\n",
-        " 000102030405060708090a0b0c0d0e0f",
-        "000102030405060708090a0b0c0d0e0f@L\u0661",
+        "00" * 31,
+        "00" * 33,
+        "00" * 16,  # a key of the 16-byte format
+        HEX.upper(),
+        HEX[:-1] + "g",
+        HEX + "@L",
+        HEX + "@L-1",
+        HEX + "@L01",
+        HEX + "@l1",
+        HEX + "@L1 ",
+        HEX + "\n",
+        " " + HEX,
+        HEX + "@L\u0661",
     ],
 )
 def test_chunk_key_from_str_refuses_other_forms(text: str) -> None:
@@ -616,29 +624,29 @@ def test_chunk_key_from_str_refuses_other_forms(text: str) -> None:
 
 
 def test_chunk_key_validation() -> None:
-    with pytest.raises(InvalidInputError, match="16 bytes"):
-        ChunkKey(b"\x00" * 15)
-    with pytest.raises(InvalidInputError, match="16 bytes"):
-        ChunkKey(bytearray(16))  # type: ignore[arg-type]
-    with pytest.raises(InvalidInputError, match="16 bytes"):
-        ChunkKey("00" * 16)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="32 bytes"):
+        ChunkKey(b"\x00" * 31)
+    with pytest.raises(InvalidInputError, match="32 bytes"):
+        ChunkKey(bytearray(DIGEST_SIZE))  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="32 bytes"):
+        ChunkKey("00" * DIGEST_SIZE)  # type: ignore[arg-type]
     for layer in (-1, True, 1.0, "1"):
         with pytest.raises(InvalidInputError, match="layer"):
-            ChunkKey(b"\x00" * 16, layer)  # type: ignore[arg-type]
+            ChunkKey(b"\x00" * DIGEST_SIZE, layer)  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="layer"):
-        ChunkKey(b"\x00" * 16).with_layer(-2)
+        ChunkKey(b"\x00" * DIGEST_SIZE).with_layer(-2)
     with pytest.raises(InvalidInputError, match="must be a str"):
-        ChunkKey.from_str(b"00" * 16)  # type: ignore[arg-type]
+        ChunkKey.from_str(b"00" * DIGEST_SIZE)  # type: ignore[arg-type]
 
 
 def test_chunk_span_validation() -> None:
-    key = ChunkKey(b"\x01" * 16)
+    key = ChunkKey(b"\x01" * DIGEST_SIZE)
     assert ChunkSpan(3, 7, key, None).num_tokens == 4
     for start, end in ((4, 4), (5, 4), (-1, 2), (0.0, 2)):
         with pytest.raises(InvalidInputError, match="start < end"):
             ChunkSpan(start, end, key, None)  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="key must be a ChunkKey"):
-        ChunkSpan(0, 1, b"\x01" * 16, None)  # type: ignore[arg-type]
+        ChunkSpan(0, 1, b"\x01" * DIGEST_SIZE, None)  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="parent must be a ChunkKey"):
         ChunkSpan(0, 1, key, "x")  # type: ignore[arg-type]
 
@@ -697,14 +705,22 @@ def test_prefix_keys_are_a_prefix(tokens: list[int], chunk_size: int, data: st.D
 
 
 def test_split_digests_gives_each_digest_whole() -> None:
-    digests = [bytes(16), b"a" * 15 + b"\0", b"\0" + b"b" * 15, bytes(range(16))]
+    size = DIGEST_SIZE
+    digests = [
+        bytes(size),
+        b"a" * (size - 1) + b"\0",
+        b"\0" + b"b" * (size - 1),
+        bytes(range(size)),
+    ]
     for joined in (b"".join(digests), bytearray(b"".join(digests)), memoryview(b"".join(digests))):
         got = split_digests(joined)
         assert got == digests  # zero bytes kept
         assert all(type(digest) is bytes for digest in got)
     assert split_digests(b"") == []
-    with pytest.raises(InvalidInputError, match="multiple of 16"):
-        split_digests(bytes(17))
+    with pytest.raises(InvalidInputError, match="multiple of 32"):
+        split_digests(bytes(DIGEST_SIZE + 1))
+    with pytest.raises(InvalidInputError, match="multiple of 32"):
+        split_digests(bytes(16))  # one digest of the 16-byte format
     as_words = memoryview(b"".join(digests)).cast("Q")  # any item format: read as bytes
     assert split_digests(as_words) == digests
     with pytest.raises(InvalidInputError, match="contiguous"):
@@ -713,7 +729,7 @@ def test_split_digests_gives_each_digest_whole() -> None:
 
 def test_a_digest_frame_cut_again_gives_the_same_keys_in_a_new_list() -> None:
     frames = DigestFrames(2)
-    digests = [bytes([i]) * 15 + b"\0" for i in range(8)]
+    digests = [bytes([i]) * (DIGEST_SIZE - 1) + b"\0" for i in range(8)]
     joined = b"".join(digests)
     first = frames.split(memoryview(joined))
     again = frames.split(bytearray(joined))  # equal bytes, another buffer
@@ -723,17 +739,17 @@ def test_a_digest_frame_cut_again_gives_the_same_keys_in_a_new_list() -> None:
     assert frames.split(joined) == digests
     # Another frame of the same length, one byte changed: cut anew, never confused.
     changed = bytearray(joined)
-    changed[40] ^= 1
+    changed[80] ^= 1
     assert frames.split(changed) == split_digests(bytes(changed)) != digests
-    changed[40] ^= 1  # the buffer now holds the first frame's bytes again
+    changed[80] ^= 1  # the buffer now holds the first frame's bytes again
     assert frames.split(changed) == digests
     assert len(frames) == 2
-    frames.split(bytes(32))
-    frames.split(bytes(48))
+    frames.split(bytes(2 * DIGEST_SIZE))
+    frames.split(bytes(3 * DIGEST_SIZE))
     assert len(frames) == 2  # the oldest went
     assert frames.split(b"") == []
-    with pytest.raises(InvalidInputError, match="multiple of 16"):
-        frames.split(bytes(17))
+    with pytest.raises(InvalidInputError, match="multiple of 32"):
+        frames.split(bytes(DIGEST_SIZE + 1))
     with pytest.raises(InvalidInputError, match="contiguous"):
         frames.split(memoryview(joined)[::2])
     with pytest.raises(InvalidInputError, match="capacity"):

@@ -23,6 +23,7 @@ from lmcache_async.backends import lru
 from lmcache_async.keys import hashing
 from lmcache_async.keys.chunks import (
     DIGEST_SIZE,
+    LINK_SIZE,
     NATIVE_CHAIN,
     ChunkHasher,
     ChunkKey,
@@ -45,7 +46,7 @@ def formula(seed: bytes, data: bytes, step: int) -> list[bytes]:
     """The chain written from its definition with the blake3 package, one call a piece."""
     out, prev = [], seed
     for offset in range(0, len(data), step):
-        prev = blake3.blake3(data[offset : offset + step] + prev).digest(length=DIGEST_SIZE)
+        prev = blake3.blake3(data[offset : offset + step] + prev).digest(length=LINK_SIZE)
         out.append(prev)
     return out
 
@@ -61,7 +62,7 @@ def test_the_chain_is_built_where_a_c_compiler_is() -> None:
 def test_every_piece_size_gives_the_blake3_keys(step: int) -> None:
     assert hashing._native_chain is not None
     rng = np.random.default_rng(step)
-    seed = rng.bytes(DIGEST_SIZE)
+    seed = rng.bytes(LINK_SIZE)
     # Lengths around whole pieces, and enough pieces to fill the lanes and leave a rest.
     for length in (0, 1, step - 1, step, step + 1, 3 * step + 5, 11 * step, 11 * step + 3):
         if length < 0 or length > 300_000:
@@ -74,13 +75,18 @@ def test_every_piece_size_gives_the_blake3_keys(step: int) -> None:
 
 @native
 @pytest.mark.parametrize("tag", [b"", b"\x01", b"tag!", bytes(range(16))])
-def test_a_tag_replaces_the_first_bytes_of_every_key_and_not_the_links(tag: bytes) -> None:
+def test_a_tag_goes_ahead_of_every_whole_link(tag: bytes) -> None:
     assert hashing._native_chain is not None
     rng = np.random.default_rng(len(tag))
-    seed, data = rng.bytes(DIGEST_SIZE), rng.bytes(9 * 1024 + 17)
-    expected = [tag + digest[len(tag) :] for digest in formula(seed, data, 1024)]
+    seed, data = rng.bytes(LINK_SIZE), rng.bytes(9 * 1024 + 17)
+    links = formula(seed, data, 1024)
+    expected = [tag + link for link in links]
     assert hashing._native_chain(seed, data, 1024, tag) == expected
     assert hashing._chain_blake3_py(seed, memoryview(data), 1024, tag) == expected
+    assert all(len(key) == len(tag) + LINK_SIZE for key in expected)
+    if len(tag) == 16:  # a tenant's tag: whole key digests, the chain's bytes all kept
+        assert all(len(key) == DIGEST_SIZE for key in expected)
+        assert hashing.with_tag(links, tag) == expected
     with pytest.raises(ValueError, match="tag must be at most 16 bytes"):
         hashing._native_chain(seed, data, 1024, bytes(17))
 
@@ -88,7 +94,7 @@ def test_a_tag_replaces_the_first_bytes_of_every_key_and_not_the_links(tag: byte
 @native
 @settings(max_examples=150, deadline=None)
 @given(
-    seed=st.binary(min_size=DIGEST_SIZE, max_size=DIGEST_SIZE),
+    seed=st.binary(min_size=LINK_SIZE, max_size=LINK_SIZE),
     data=st.binary(max_size=20_000),
     step=st.one_of(st.sampled_from(STEPS), st.integers(1, 5000)),
 )
@@ -103,7 +109,7 @@ def test_a_long_prompt_gives_the_blake3_keys_from_any_buffer() -> None:
     # the size where the C code lets other threads run.
     tokens = np.random.default_rng(7).integers(0, 2**31, 32768, dtype=np.int64).astype("<i4")
     data = tokens.tobytes()
-    seed = os.urandom(DIGEST_SIZE)
+    seed = os.urandom(LINK_SIZE)
     expected = formula(seed, data, 1024)
     assert hashing._native_chain is not None
     for buffer in (data, memoryview(data), tokens.data.cast("B"), bytearray(data)):
@@ -113,7 +119,7 @@ def test_a_long_prompt_gives_the_blake3_keys_from_any_buffer() -> None:
 @native
 def test_threads_hash_at_once_and_agree() -> None:
     data = os.urandom(1 << 20)
-    seed = os.urandom(DIGEST_SIZE)
+    seed = os.urandom(LINK_SIZE)
     expected = formula(seed, data, 1024)
     results: list[list[bytes]] = []
     assert hashing._native_chain is not None
@@ -138,13 +144,13 @@ def test_bad_arguments_raise() -> None:
     with pytest.raises(ValueError, match="seed must be 16 bytes, got 15"):
         chain(bytes(15), b"abcd", 4)
     with pytest.raises(ValueError, match="step must be positive, got 0"):
-        chain(bytes(16), b"abcd", 0)
+        chain(bytes(LINK_SIZE), b"abcd", 0)
     with pytest.raises(ValueError, match="step must be positive"):
-        chain(bytes(16), b"abcd", -4)
+        chain(bytes(LINK_SIZE), b"abcd", -4)
     with pytest.raises(TypeError):
-        chain(bytes(16), "text", 4)  # type: ignore[arg-type]
+        chain(bytes(LINK_SIZE), "text", 4)  # type: ignore[arg-type]
     with pytest.raises(BufferError):
-        chain(bytes(16), memoryview(bytes(64))[::2], 4)  # strided memory
+        chain(bytes(LINK_SIZE), memoryview(bytes(64))[::2], 4)  # strided memory
 
 
 @pytest.mark.parametrize("algorithm", list(HashAlgorithm))
@@ -193,10 +199,10 @@ def test_the_prefix_walk_in_c_counts_and_reorders_as_the_python_one(
 
 @native
 def test_the_prefix_walk_refuses_what_is_not_an_index_or_keys() -> None:
-    index: collections.OrderedDict[bytes, int] = collections.OrderedDict({b"k" * 16: 1})
+    index: collections.OrderedDict[bytes, int] = collections.OrderedDict({b"k" * DIGEST_SIZE: 1})
     for walk in (lru.held_prefix_count, lru.held_prefix_values):
         with pytest.raises(TypeError, match="must be an OrderedDict"):
-            walk([], [b"k" * 16])  # type: ignore[arg-type]
+            walk([], [b"k" * DIGEST_SIZE])  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="sequence"):
             walk(index, 5)  # type: ignore[arg-type]
         with pytest.raises(TypeError):

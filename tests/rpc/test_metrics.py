@@ -23,6 +23,7 @@ from lmcache_async.rpc.metrics import (
     make_registry,
 )
 from lmcache_async.stats import EngineStats, TenantStats, TenantUsage
+from lmcache_async.tenancy.tenants import tenant_tag
 
 CHUNK = 16
 TIMEOUT = 20
@@ -268,37 +269,52 @@ def _scrape(collector: EngineCollector) -> dict[tuple[str, tuple[tuple[str, str]
     return samples(prometheus_client.generate_latest(make_registry(collector)).decode())
 
 
+SECRET_A = "cache-salt-of-team-a-7f3e9b"
+"""A tenant's name (vLLM's ``cache_salt``): a secret no scrape may carry."""
+SECRET_B = "cache-salt-of-team-b-c41d08"
+
+
 @pytest.mark.anyio
 async def test_tenant_series_follow_each_tenants_lookups_usage_and_erasure() -> None:
+    """Series by tenant, under the operator's label for a (``team-a``) and under its tag's
+    hex for b, which has no label; neither name appears anywhere in a scrape."""
     tokens = [(i * 31 + 5) % 20_000 for i in range(4 * CHUNK)]
     kv = LAYOUT.allocate_kv_caches(4, generator=torch.Generator().manual_seed(3))
     slots = torch.arange(len(tokens))
-    config = EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.01)
+    config = EngineConfig(
+        chunk_size=CHUNK, max_local_cpu_size=0.01, tenant_labels={SECRET_A: "team-a"}
+    )
+    a, b = "team-a", tenant_tag(SECRET_B).hex()
     with anyio.fail_after(TIMEOUT):
         async with CacheEngine.open(config, LAYOUT, model_name="metrics") as engine:
-            for tenant in ("a", "b"):
+            for tenant in (SECRET_A, SECRET_B):
                 await engine.store(tokens, kv_caches=kv, slot_mapping=slots, tenant=tenant)
-            assert await engine.lookup(tokens, tenant="a") == 64
-            assert await engine.lookup(tokens[:CHUNK], tenant="a") == CHUNK
-            assert await engine.lookup([t + 1 for t in tokens], tenant="b") == 0
+            assert await engine.lookup(tokens, tenant=SECRET_A) == 64
+            assert await engine.lookup(tokens[:CHUNK], tenant=SECRET_A) == CHUNK
+            assert await engine.lookup([t + 1 for t in tokens], tenant=SECRET_B) == 0
             collector = EngineCollector(engine.stats)
-            found = _scrape(collector)
-            await engine.erase("a")
-            erased = _scrape(collector)
-            cpu_bytes = engine.stats().tenants["b"].tiers["cpu"].bytes
+            text = prometheus_client.generate_latest(make_registry(collector)).decode()
+            found = samples(text)
+            await engine.erase(SECRET_A)
+            erased_text = prometheus_client.generate_latest(make_registry(collector)).decode()
+            erased = samples(erased_text)
+            cpu_bytes = engine.stats().tenants[b].tiers["cpu"].bytes
+    for secret in (SECRET_A, SECRET_B):
+        assert secret not in text and secret not in erased_text
+    assert f'tenant="{a}"' in text and f'tenant="{b}"' in text and len(b) == 32
     prefix = "lmcache_async_tenant_"
-    assert value(found, prefix + "lookups_total", tenant="a") == 2
-    assert value(found, prefix + "lookup_tokens_total", tenant="a") == 80
-    assert value(found, prefix + "lookup_hit_tokens_total", tenant="a") == 80
-    assert value(found, prefix + "lookups_total", tenant="b") == 1
-    assert value(found, prefix + "lookup_hit_tokens_total", tenant="b") == 0
-    for tenant in ("a", "b"):
+    assert value(found, prefix + "lookups_total", tenant=a) == 2
+    assert value(found, prefix + "lookup_tokens_total", tenant=a) == 80
+    assert value(found, prefix + "lookup_hit_tokens_total", tenant=a) == 80
+    assert value(found, prefix + "lookups_total", tenant=b) == 1
+    assert value(found, prefix + "lookup_hit_tokens_total", tenant=b) == 0
+    for tenant in (a, b):
         assert value(found, prefix + "chunks", tenant=tenant, tier="cpu") == 4
         assert value(found, prefix + "bytes", tenant=tenant, tier="cpu") == cpu_bytes > 0
         assert value(found, prefix + "erased_total", tenant=tenant, tier="cpu") == 0
-    assert value(erased, prefix + "chunks", tenant="a", tier="cpu") == 0
-    assert value(erased, prefix + "erased_total", tenant="a", tier="cpu") == 4
-    assert value(erased, prefix + "chunks", tenant="b", tier="cpu") == 4
+    assert value(erased, prefix + "chunks", tenant=a, tier="cpu") == 0
+    assert value(erased, prefix + "erased_total", tenant=a, tier="cpu") == 4
+    assert value(erased, prefix + "chunks", tenant=b, tier="cpu") == 4
     assert not any(name == prefix + "quota_bytes" for name, _ in found), "no quotas here"
 
 

@@ -14,7 +14,7 @@ import xxhash
 from lmcache_async.bench.baselines import timed
 from lmcache_async.bench.micro.options import TARGETS, VOCAB, MicroOptions
 from lmcache_async.keys.chunks import (
-    DIGEST_SIZE,
+    LINK_SIZE,
     NATIVE_CHAIN,
     ChunkHasher,
     HashAlgorithm,
@@ -80,7 +80,7 @@ def _plain_blake3(seed: bytes, tokens: torch.Tensor, chunk_size: int) -> list[by
     digests: list[bytes] = []
     prev = seed
     for offset in range(0, len(data), step):
-        prev = blake3.blake3(data[offset : offset + step] + prev).digest(length=DIGEST_SIZE)
+        prev = blake3.blake3(data[offset : offset + step] + prev).digest(length=LINK_SIZE)
         digests.append(prev)
     return digests
 

@@ -30,6 +30,7 @@ from lmcache_async.bench.tiers.common import (
     fill_random,
     interleaved,
 )
+from lmcache_async.keys.chunks import DIGEST_SIZE
 from lmcache_async.memory.pool import DEFAULT_PAGE_SIZE, MemoryObj, MemoryPool
 
 __all__ = ["DISK_TARGETS", "bench_disk"]
@@ -93,7 +94,7 @@ async def bench_disk(
                 raise InvalidInputError("benchmark pool too small")  # sized above: a bug
             sources.append(obj)
         await anyio.to_thread.run_sync(fill_random, [obj.tensor for obj in sources])
-        keys = [ChunkKey(i.to_bytes(16, "little")) for i in range(chunks)]
+        keys = [ChunkKey(i.to_bytes(DIGEST_SIZE, "little")) for i in range(chunks)]
         runs = []
         for run in range(repeats):
             runs.append(

@@ -25,6 +25,7 @@ from lmcache_async.bench.tiers.common import (
     fill_random,
     interleaved,
 )
+from lmcache_async.keys.chunks import DIGEST_SIZE
 from lmcache_async.memory.pool import DEFAULT_PAGE_SIZE, MemoryObj, MemoryPool
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ async def bench_redis(
                 raise InvalidInputError("benchmark pool too small")  # sized above: a bug
             sources.append(obj)
         await anyio.to_thread.run_sync(fill_random, [obj.tensor for obj in sources])
-        keys = [ChunkKey(i.to_bytes(16, "little")) for i in range(chunks)]
+        keys = [ChunkKey(i.to_bytes(DIGEST_SIZE, "little")) for i in range(chunks)]
         records = []
         for key, obj in zip(keys, sources, strict=True):
             header, payload = spec.encode(key, obj)

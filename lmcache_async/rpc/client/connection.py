@@ -35,7 +35,6 @@ from lmcache_async.rpc.client.settings import ClientSettings
 from lmcache_async.rpc.client.welcome import Welcome, key_hasher
 from lmcache_async.rpc.client.wire import SessionLost, Unavailable
 from lmcache_async.rpc.protocol import Message, MessageType
-from lmcache_async.tenancy.tenants import TenantNames
 
 __all__ = ["ClientCounters", "Connection"]
 
@@ -69,7 +68,7 @@ class Connection:
         self._label = str(self._hello["client"])
         self._namespace = settings.key_namespace()
         self.timeout = float(settings.timeout)
-        self._server_key = settings.server_key
+        self._curve = settings.curve
         self._shared_memory = settings.shared_memory
         self._reconnect_interval = float(settings.reconnect_interval)
         self._limits = settings.limits
@@ -103,7 +102,8 @@ class Connection:
             if require_server:
                 raise TierUnavailableError(
                     f"no answer from the sidecar at {self.url} within {self.timeout} s ({exc}):"
-                    " is it running, and if it uses CURVE keys, was server_public_key given?"
+                    " is it running, and if it uses CURVE keys, were server_public_key and a"
+                    " client_certificate on its allow-list given?"
                 ) from None
             log.warning("sidecar_unreachable", url=self.url)
         task_group.start_soon(self._keep, name="sidecar-keeper")
@@ -142,7 +142,7 @@ class Connection:
             self._context,
             self.url,
             identity,
-            self._server_key,
+            self._curve,
             self._limits,
             on_disconnect=self._disconnected,
         )
@@ -162,7 +162,7 @@ class Connection:
         self._drop_link()
         self.link, self.welcome = link, welcome
         self.hasher = key_hasher(self._namespace, welcome, self.url)
-        self._hashers = None if self.hasher is None else TenantHashers(self.hasher, TenantNames())
+        self._hashers = None if self.hasher is None else TenantHashers(self.hasher)
         self.healthy = True
         self.connected.set()
         log.info(
@@ -171,6 +171,11 @@ class Connection:
             server=welcome.server,
             shared_memory=link.segment is not None,
         )
+
+    @property
+    def tenant(self) -> str | None:
+        """This client's own tenant (the one its requests name by default)."""
+        return self._namespace.tenant_salt
 
     def hasher_for(self, tenant: str | None) -> ChunkHasher | None:
         """The hasher of ``tenant``'s chunk keys as the server computes them (None: this

@@ -1,7 +1,7 @@
 """A client's lookups: LOOKUP (a promise too), PREFETCH and UNPIN.
 
 With the server's key hasher (from its welcome) a lookup by tokens sends the prompt's
-chunk digests (16 bytes a chunk), not the tokens: the server neither converts nor hashes
+chunk digests (32 bytes a chunk), not the tokens: the server neither converts nor hashes
 the prompt. A prompt the hasher remembers is sent on a guess, its tokens compared with the
 remembered ones while the request is in flight.
 """
