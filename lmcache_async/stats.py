@@ -68,6 +68,11 @@ class TenantUsage:
     """Chunks of the tenant removed by erasure."""
     quota_bytes: int | None = None
     """The tenant's quota in this tier, None when it has none."""
+    pinned_bytes: int = 0
+    """Bytes pinned for the tenant's lookups (prefetched, promised) that the tier does not
+    hold; its quota counts them too (the CPU tier's)."""
+    pins_refused: int = 0
+    """Chunks a prefetch or promise of the tenant did not pin: its quota was full."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +94,8 @@ class TierStats:
     errors: int = 0
     """Operations that failed against the tier (I/O or connection errors)."""
     tenants: Mapping[str, TenantUsage] = field(default_factory=lambda: MappingProxyType({}))
-    """Usage by tenant tag (8 hex characters, :func:`lmcache_async.tenancy.tenants.tag_hex`), for
-    the tenants the tier has seen."""
+    """Usage by tenant tag (32 hex characters, :func:`lmcache_async.tenancy.tenants.tag_hex`),
+    for the tenants the tier has seen."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +227,7 @@ class TenantStats:
     """
 
     tag: str
-    """The tenant's tag as 8 hex characters (``""`` for the tenants summed together)."""
+    """The tenant's tag as 32 hex characters (``""`` for the tenants summed together)."""
     lookup_requests: int = 0
     lookup_tokens: int = 0
     lookup_hit_tokens: int = 0
@@ -244,6 +249,11 @@ class TenantStats:
     def erased(self) -> int:
         """Chunks of the tenant removed by erasure, over every tier."""
         return sum(usage.erased for usage in self.tiers.values())
+
+    @property
+    def pins_refused(self) -> int:
+        """Chunks the tenant's prefetches and promises did not pin: its quota was full."""
+        return sum(usage.pins_refused for usage in self.tiers.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,9 +312,9 @@ class EngineStats:
     admission: AdmissionStats = field(default_factory=AdmissionStats)
     """Store admission to the slow tiers (``store_threshold``)."""
     tenants: Mapping[str, TenantStats] = field(default_factory=lambda: MappingProxyType({}))
-    """Figures by tenant label: the tenant's name when this engine has keyed for it,
-    ``"(none)"`` for the unnamed tenant, ``"tag:<8 hex>"`` for a tenant a tier holds that
-    this engine has not named, :data:`OTHER_TENANTS` for lookups past the cap."""
+    """Figures by tenant label: the operator's label of the tenant (config
+    ``tenant_labels``), else its tag's 32 hex characters, never its name; ``"(none)"`` for
+    the unnamed tenant, :data:`OTHER_TENANTS` for lookups past the cap."""
 
     @property
     def hit_rate(self) -> float:

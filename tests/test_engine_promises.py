@@ -5,6 +5,7 @@ chunks until the load and go with it, with ``lookup_unpin`` or when the prompt c
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import anyio
@@ -12,25 +13,29 @@ import pytest
 import torch
 
 from lmcache_async import CacheEngine, InvalidInputError, Promise
+from lmcache_async.config import GB
 from tests.test_engine_tiers import (
     CHUNK,
     TIMEOUT,
     chunk_files,
     engine_on,
+    layout,
     retrieve,
     store,
     tokens_of,
 )
 
 
-async def settled(engine: CacheEngine, n: int, lookup_id: str) -> Promise:
+async def settled(
+    engine: CacheEngine, n: int, lookup_id: str, seed: int = 1, tenant: str | None = None
+) -> Promise:
     """Ask until the answer is not pending, waiting for the prefetch between the asks."""
-    promise = await engine.promise(tokens_of(n, 1), lookup_id=lookup_id)
+    promise = await engine.promise(tokens_of(n, seed), lookup_id=lookup_id, tenant=tenant)
     while promise.pending:
         prefetch = engine._parts.core.load.prefetching(lookup_id)
         assert prefetch is not None
         await prefetch.done.wait()
-        promise = await engine.promise(tokens_of(n, 1), lookup_id=lookup_id)
+        promise = await engine.promise(tokens_of(n, seed), lookup_id=lookup_id, tenant=tenant)
     return promise
 
 
@@ -211,3 +216,37 @@ async def test_a_promise_of_nothing_is_asked_afresh(tmp_path: Path) -> None:
             assert await engine.promise(tokens_of(64, 1), lookup_id="r1") == Promise(64, False)
             await engine.lookup_unpin("r1")
             assert engine.stats().pinned_chunks == 0
+
+
+PAGE = 65536  # the pool's page: each chunk here takes one
+CHUNK_BYTES = math.prod(layout().payload_shape(CHUNK)) * layout().dtype.itemsize
+
+
+@pytest.mark.anyio
+async def test_promises_past_a_tenants_cpu_quota_stop_short_and_leave_others_room(
+    tmp_path: Path,
+) -> None:
+    """A tenant with a 2-chunk CPU quota asks for promises of 4 prompts of 2 chunks on disk
+    (the whole pool of 8): the first is promised in full, the others stop short (nothing
+    more may be pinned for the tenant), counted; another tenant within its quota stores."""
+    quotas = {"a": 2 * (CHUNK_BYTES + 64) / GB, "b": 4 * (CHUNK_BYTES + 64) / GB}
+    options = {
+        "max_local_cpu_size": 8 * PAGE / GB,
+        "allocation_timeout": 1.0,
+        "tenant_quotas": {"cpu": quotas},
+    }
+    n = 2 * CHUNK
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path, **options) as engine:
+            for seed in range(10, 14):
+                assert await store(engine, n, seed, tenant="a", store_location=["disk"]) == n
+            promises = [await settled(engine, n, f"r{seed}", seed, "a") for seed in range(10, 14)]
+            assert promises == [Promise(n, False)] + [Promise(0, False)] * 3
+            stats = engine.stats()
+            assert stats.pinned_chunks == 2
+            assert stats.promise_shortfall_tokens == 3 * n
+            assert engine.tenant_stats("a").pins_refused == 3 * 2
+            assert engine.tenant_stats("a").tiers["cpu"].bytes <= 2 * (CHUNK_BYTES + 64)
+            assert await store(engine, 3 * CHUNK, 20, tenant="b") == 3 * CHUNK
+            await retrieve(engine, 3 * CHUNK, 3 * CHUNK, 20, tenant="b")
+            await retrieve(engine, n, n, 10, tenant="a", lookup_id="r10")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import prometheus_client
 import pytest
 import torch
 
@@ -19,7 +20,9 @@ from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.config import GB
 from lmcache_async.keys.chunks import ChunkKey
 from lmcache_async.memory.pool import MemoryObj
+from lmcache_async.rpc.metrics import EngineCollector, make_registry
 from lmcache_async.tenancy.tenants import tenant_tag
+from tests.rpc.test_metrics import samples, value
 from tests.servers import RedisServer
 from tests.test_engine import (
     CHUNK,
@@ -266,3 +269,112 @@ async def test_chunks_promoted_from_disk_keep_their_tenant_within_its_cpu_quota(
                 for tokens in a_prompts
             ]
             assert in_ram == [0] * (len(a_prompts) - 2) + [PROMPT] * 2
+
+
+# -- pins count against the CPU quota --------------------------------------------------------
+
+PAGE = 65536  # the pool's page: each chunk of these tests takes one
+PIN_PROMPT = 2 * CHUNK  # two whole chunks
+
+
+def pins_settings(tmp_path: Path) -> dict[str, Any]:
+    """A pool of 8 chunks; "a" may hold 2 of them in the CPU tier, "b" 4."""
+    return {
+        "local_disk": str(tmp_path),
+        "wait_for_slow_tiers": True,
+        "max_local_cpu_size": 8 * PAGE / GB,
+        "allocation_timeout": 1.0,
+        "tenant_quotas": {"cpu": {"a": quota_gb(2), "b": quota_gb(4)}},
+    }
+
+
+async def store_prompt(
+    engine: CacheEngine, scene: Scene, tokens: list[int], tenant: str, **options: Any
+) -> int:
+    return await engine.store(
+        tokens,
+        kv_caches=scene.source,
+        slot_mapping=scene.src_slots[: len(tokens)],
+        tenant=tenant,
+        **options,
+    )
+
+
+def pins_refused(engine: CacheEngine, tenant: str) -> int:
+    got = engine.stats().tiers["cpu"].tenants.get(tenant_tag(tenant).hex())
+    return 0 if got is None else got.pins_refused
+
+
+@pytest.mark.anyio
+async def test_prefetches_past_a_tenants_cpu_quota_stop_short_and_leave_others_room(
+    tmp_path: Path,
+) -> None:
+    """The reported case: a tenant with a 2-chunk CPU quota prefetches 4 prompts of 2
+    chunks from disk (8 chunks: the whole pool); its pins stop at its quota, and another
+    tenant within its own quota then stores a whole prompt."""
+    scene = Scene.build("flash_nhd", torch.float16, PROMPT, seed=25)
+    a_prompts = [random_tokens(PIN_PROMPT, 1300 + i) for i in range(4)]
+    b_prompt = random_tokens(PROMPT, 1400)
+    with anyio.fail_after(TIMEOUT * 3):
+        settings = config(**pins_settings(tmp_path))
+        async with CacheEngine.open(settings, scene.layout, model_name="m") as engine:
+            for tokens in a_prompts:
+                stored = await store_prompt(engine, scene, tokens, "a", store_location=["disk"])
+                assert stored == PIN_PROMPT
+            load = engine._parts.core.load
+            for i, tokens in enumerate(a_prompts):
+                assert await engine.prefetch(tokens, lookup_id=f"a{i}", tenant="a") == PIN_PROMPT
+                prefetch = load.prefetching(f"a{i}")
+                assert prefetch is not None
+                await prefetch.done.wait()
+            stats = engine.stats()
+            assert stats.pinned_chunks == 2, "a's pins stop at its quota"
+            assert pins_refused(engine, "a") == 3 * 2
+            assert engine.tenant_stats("a").pins_refused == 3 * 2
+            label = next(
+                name for name, t in stats.tenants.items() if t.tag == tenant_tag("a").hex()
+            )
+            exposition = prometheus_client.generate_latest(
+                make_registry(EngineCollector(engine.stats))
+            )
+            scraped = samples(exposition.decode())
+            name = "lmcache_async_tenant_pins_refused_total"
+            assert value(scraped, name, tenant=label, tier="cpu") == 3 * 2
+            assert usage(engine, "cpu", "a")[1] <= quota_gb(2) * GB
+            assert stats.pool.used_bytes <= 2 * PAGE
+            assert await store_prompt(engine, scene, b_prompt, "b") == PROMPT
+            assert engine.stats().partial_stores == 0
+            assert await engine.lookup(b_prompt, tenant="b", search_range=["cpu"]) == PROMPT
+            await retrieve_exactly(engine, scene, b_prompt, "b")
+            # A prefetch cut short still loads: its retrieve reads the rest from disk.
+            loaded = await engine.retrieve(
+                a_prompts[3],
+                kv_caches=scene.target,
+                slot_mapping=scene.dst_slots[:PIN_PROMPT],
+                tenant="a",
+                lookup_id="a3",
+            )
+            assert loaded.tolist() == [True] * PIN_PROMPT
+            for i in range(3):
+                await engine.lookup_unpin(f"a{i}")
+            assert engine.stats().pinned_chunks == 0
+            assert usage(engine, "cpu", "a")[0] <= 2
+
+
+@pytest.mark.anyio
+async def test_a_tenant_without_a_quota_prefetches_as_before(tmp_path: Path) -> None:
+    scene = Scene.build("flash_nhd", torch.float16, PROMPT, seed=26)
+    prompts = [random_tokens(PIN_PROMPT, 1500 + i) for i in range(3)]
+    with anyio.fail_after(TIMEOUT * 3):
+        settings = config(**pins_settings(tmp_path))
+        async with CacheEngine.open(settings, scene.layout, model_name="m") as engine:
+            for tokens in prompts:
+                stored = await store_prompt(engine, scene, tokens, "c", store_location=["disk"])
+                assert stored == PIN_PROMPT
+            for i, tokens in enumerate(prompts):
+                await engine.prefetch(tokens, lookup_id=f"c{i}", tenant="c")
+                prefetch = engine._parts.core.load.prefetching(f"c{i}")
+                assert prefetch is not None
+                await prefetch.done.wait()
+            assert engine.stats().pinned_chunks == 3 * 2
+            assert pins_refused(engine, "c") == 0

@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,10 @@ from lmcache_async import (
     RemoteCacheEngine,
     SyncCacheEngine,
 )
+from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.errors import EraseIncompleteError
+from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.memory.pool import MemoryObj
 from lmcache_async.tenancy.tenants import tag_hex, tenant_tag
 from tests.rpc.test_sidecar import Sidecars, serve_command, wait_ready
 from tests.servers import RedisCluster, RedisServer
@@ -316,15 +319,16 @@ def test_a_sync_engine_erases_on_its_loop_thread(tmp_path: Path) -> None:
 async def test_stats_by_tenant_count_lookups_usage_and_erasure(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     with anyio.fail_after(TIMEOUT):
-        async with open_engine(disk, None) as engine:
+        # a has a label; b is shown by its tag, never by its name.
+        async with open_engine(disk, None, tenant_labels={"a": "team-a"}) as engine:
             await store_all(engine)
             for seed in SEEDS["a"]:
                 assert await engine.lookup(tokens_of(PROMPT, seed), tenant="a") == PROMPT
             assert await engine.lookup(tokens_of(PROMPT, 9), tenant="b") == 0
             assert await engine.lookup(tokens_of(PROMPT, 3)) == 0  # the engine's own: (none)
             figures = engine.stats().tenants
-            assert set(figures) == {"a", "b", "(none)"}
-            a, b = figures["a"], figures["b"]
+            assert set(figures) == {"team-a", TAGS["b"], "(none)"}
+            a, b = figures["team-a"], figures[TAGS["b"]]
             assert (a.tag, b.tag) == (TAGS["a"], TAGS["b"])
             assert (a.lookup_requests, a.lookup_tokens, a.lookup_hit_tokens) == (
                 2,
@@ -343,14 +347,14 @@ async def test_stats_by_tenant_count_lookups_usage_and_erasure(tmp_path: Path) -
                 assert tenant.bytes == sum(u.bytes for u in tenant.tiers.values()) > 0
             await engine.erase("a")
             after = engine.stats().tenants
-            assert after["a"].chunks == 0 and after["a"].bytes == 0
-            assert {tier: u.erased for tier, u in after["a"].tiers.items()} == {
+            assert after["team-a"].chunks == 0 and after["team-a"].bytes == 0
+            assert {tier: u.erased for tier, u in after["team-a"].tiers.items()} == {
                 "cpu": CHUNKS["a"],
                 "disk": CHUNKS["a"],
             }
-            assert after["a"].erased == 2 * CHUNKS["a"]
-            assert after["b"].tiers == b.tiers, "b's usage is untouched"
-            assert after["a"].lookup_hit_tokens == 2 * PROMPT, "traffic figures stay"
+            assert after["team-a"].erased == 2 * CHUNKS["a"]
+            assert after[TAGS["b"]].tiers == b.tiers, "b's usage is untouched"
+            assert after["team-a"].lookup_hit_tokens == 2 * PROMPT, "traffic figures stay"
 
 
 # -- a sidecar process, erased by `lmcache-async ctl erase` -----------------------------------
@@ -403,7 +407,8 @@ async def test_ctl_erase_empties_a_sidecars_tiers_of_a_tenant_across_restarts(
             )
             assert done.returncode == 0, done.stderr
             lines = done.stdout.splitlines()
-            assert lines[0] == f"erased tenant 'a': {3 * CHUNKS['a']} chunks removed"
+            # The output names the tenant by its tag: a name is a secret, even in a terminal.
+            assert lines[0] == f"erased tenant {TAGS['a']}: {3 * CHUNKS['a']} chunks removed"
             assert [line.split() for line in lines[1:]] == [
                 [tier, str(CHUNKS["a"]), "chunks"] for tier in ("cpu", "disk", "redis")
             ]
@@ -417,12 +422,13 @@ async def test_ctl_erase_empties_a_sidecars_tiers_of_a_tenant_across_restarts(
             traffic = {line.split()[0]: line.split() for line in text[2:usage_at]}
             usage = {tuple(line.split()[:2]): line.split() for line in text[usage_at + 2 :]}
             # TENANT TAG LOOKUPS HIT-TOKENS TOKENS HIT-RATE CHUNKS BYTES...
-            assert traffic["a"][:3] == ["a", TAGS["a"], "2"]
-            assert traffic["b"][:3] == ["b", TAGS["b"], "2"]
-            assert traffic["a"][6] == "0" and traffic["b"][6] == str(3 * CHUNKS["b"])
+            a, b = TAGS["a"], TAGS["b"]  # no labels configured: tenants show as their tags
+            assert traffic[a][:3] == [a, a, "2"]
+            assert traffic[b][:3] == [b, b, "2"]
+            assert traffic[a][6] == "0" and traffic[b][6] == str(3 * CHUNKS["b"])
             # TENANT TIER CHUNKS BYTES(2) QUOTA EVICTED ERASED
-            assert usage["a", "disk"][2] == "0" and usage["a", "disk"][-1] == str(CHUNKS["a"])
-            assert usage["b", "redis"][2] == str(CHUNKS["b"])
+            assert usage[a, "disk"][2] == "0" and usage[a, "disk"][-1] == str(CHUNKS["a"])
+            assert usage[b, "redis"][2] == str(CHUNKS["b"])
         assert sidecar.terminate() == 0
         # The sidecar restarted over the same directory and server: a is gone for good.
         restarted = sidecars.start(url, *flags)
@@ -442,3 +448,150 @@ def test_ctl_erase_needs_a_tenant_and_a_sidecar_that_answers(short_dir: Path) ->
     assert both.returncode == 2
     silent = cli("ctl", "erase", "--tenant", "a", "--url", url, "--timeout", "0.2")
     assert silent.returncode == 1 and "did not answer ERASE within 0.2 s" in silent.stderr
+
+
+# -- erasure is final: nothing read or reserved before it lands after it ----------------------
+
+
+class HeldDiskReads:
+    """Holds each disk read once it has read its chunks: ``read`` is set then, and the
+    read returns them when ``release`` is set (a slow read in flight, at a known point)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.read = anyio.Event()
+        self.release = anyio.Event()
+        get_prefix = DiskBackend.get_prefix
+
+        async def held(tier: DiskBackend, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+            run = await get_prefix(tier, keys)
+            self.read.set()
+            await self.release.wait()
+            return run
+
+        monkeypatch.setattr(DiskBackend, "get_prefix", held)
+
+
+def cpu_chunks_of(engine: CacheEngine, tenant: str) -> int:
+    """Chunks of ``tenant`` the engine's CPU tier holds."""
+    usage = engine.stats().tiers["cpu"].tenants.get(TAGS[tenant])
+    return 0 if usage is None else usage.chunks
+
+
+async def store_on_disk_only(engine: CacheEngine, seed: int, tenant: str) -> list[int]:
+    tokens = tokens_of(PROMPT, seed)
+    stored = await engine.store(
+        tokens,
+        kv_caches=source_caches(seed),
+        slot_mapping=slots_of(PROMPT, seed),
+        tenant=tenant,
+        store_location=["disk"],
+    )
+    assert stored == PROMPT
+    assert cpu_chunks_of(engine, tenant) == 0
+    return tokens
+
+
+@pytest.mark.anyio
+async def test_a_retrieve_reading_disk_when_the_tenant_is_erased_promotes_nothing_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retrieve began before the erasure: it loads what it read, but puts none of it
+    back into the CPU tier, and every later lookup of the tenant misses."""
+    seed = SEEDS["a"][0]
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(tmp_path / "disk", None) as engine:
+            tokens = await store_on_disk_only(engine, seed, "a")
+            reads = HeldDiskReads(monkeypatch)
+            target = [torch.zeros_like(t) for t in source_caches(seed)]
+            loaded: list[torch.Tensor] = []
+
+            async def retrieve() -> None:
+                loaded.append(
+                    await engine.retrieve(
+                        tokens, kv_caches=target, slot_mapping=slots_of(PROMPT, seed), tenant="a"
+                    )
+                )
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(retrieve)
+                await reads.read.wait()
+                assert await engine.erase("a") == {"cpu": 0, "disk": PROMPT // CHUNK}
+                reads.release.set()
+            assert_loaded_exactly(
+                source_caches(seed), target, slots_of(PROMPT, seed), loaded[0], PROMPT
+            )
+            assert cpu_chunks_of(engine, "a") == 0
+            assert engine.stats().tiers["cpu"].chunks == 0
+            assert engine.stats().promoted_chunks == 0
+            assert await engine.lookup(tokens, tenant="a") == 0
+            assert await engine.lookup(tokens, tenant="a", search_range=["cpu"]) == 0
+
+
+@pytest.mark.anyio
+async def test_a_prefetch_reading_disk_when_the_tenant_is_erased_pins_and_promotes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed = SEEDS["a"][0]
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(tmp_path / "disk", None) as engine:
+            tokens = await store_on_disk_only(engine, seed, "a")
+            reads = HeldDiskReads(monkeypatch)
+            assert await engine.prefetch(tokens, lookup_id="p", tenant="a") == PROMPT
+            prefetch = engine._parts.core.load.prefetching("p")
+            assert prefetch is not None
+            await reads.read.wait()
+            await engine.erase("a")
+            reads.release.set()
+            await prefetch.done.wait()
+            stats = engine.stats()
+            assert (stats.pinned_chunks, stats.tiers["cpu"].chunks) == (0, 0)
+            assert cpu_chunks_of(engine, "a") == 0
+            assert await engine.lookup(tokens, tenant="a") == 0
+            target = [torch.zeros_like(t) for t in source_caches(seed)]
+            mask = await engine.retrieve(
+                tokens,
+                kv_caches=target,
+                slot_mapping=slots_of(PROMPT, seed),
+                tenant="a",
+                lookup_id="p",
+            )
+            assert not mask.any(), "nothing of a is served to a load begun after the erasure"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("wait_for_slow_tiers", [True, False])
+async def test_a_store_reserved_before_the_erasure_and_committed_after_lands_nowhere(
+    tmp_path: Path, wait_for_slow_tiers: bool
+) -> None:
+    """A store's memory is reserved, the tenant erased, then the store commits (the
+    sidecar's STORE and the pipelines run these same steps): no tier takes any of it,
+    whether the slow tiers are written at once or behind."""
+    disk = tmp_path / "disk"
+    seed = SEEDS["a"][0]
+    tokens = tokens_of(PROMPT, seed)
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(disk, None, wait_for_slow_tiers=wait_for_slow_tiers) as engine:
+            core = engine._parts.core.store
+            txn = core.begin(
+                "r1", engine.hasher_for("a").spans(tokens), None, limit=None, locations=None
+            )
+            objs = await core.reserve(txn, txn.todo)
+            assert len(objs) == PROMPT // CHUNK
+            await engine.erase("a")
+            assert await core.commit(txn, txn.todo, objs) == 0
+            assert core.finish(txn) == 0
+            assert await engine.flush()
+            assert cpu_chunks_of(engine, "a") == 0
+            assert with_tag(await anyio.to_thread.run_sync(disk_names, disk), "a") == []
+            assert await engine.lookup(tokens, tenant="a") == 0
+            # A store begun after the erasure is kept.
+            assert (
+                await engine.store(
+                    tokens,
+                    kv_caches=source_caches(seed),
+                    slot_mapping=slots_of(PROMPT, seed),
+                    tenant="a",
+                )
+                == PROMPT
+            )
+            assert await engine.lookup(tokens, tenant="a") == PROMPT

@@ -194,6 +194,51 @@ class CPUBackend(StorageBackend):
             obj.pin()
         return objs
 
+    def admit_pins(
+        self, keys: Sequence[bytes], objs: Sequence[MemoryObj]
+    ) -> tuple[int, list[tuple[bytes, int]]]:
+        """How many leading ``objs`` (payloads read for a lookup, about to be pinned for it
+        under ``keys``) their tenants' quotas take, and what each pin outside the tier was
+        charged, ``(tag, bytes)``, for :meth:`release_pins` when the pins end.
+
+        Pins count against the tenant's quota: a payload the tier holds as its entry is
+        counted already; any other is charged to its tenant, first evicting the tenant's
+        own least recently used evictable chunks to make room. The first that cannot fit
+        ends the run; it and those after it are counted as refused pins. A tenant with no
+        quota is charged nothing.
+        """
+        ledger = self._ledger
+        charges: list[tuple[bytes, int]] = []
+        if not ledger.active:
+            return len(objs), charges
+        quota_evicted: list[ChunkKey] = []
+        admitted = len(objs)
+        for i, (key, obj) in enumerate(zip(keys, objs, strict=False)):
+            tag = key[:TAG_BYTES]
+            if self._entries.get(key) is obj or ledger.limit(tag) is None:
+                continue
+            own = ledger.victims(tag, obj.nbytes, self._evictable)
+            if own is None:
+                admitted = i
+                break
+            for victim in own:
+                self._evict_entry(victim)
+                quota_evicted.append(cast(ChunkKey, victim))
+            ledger.charge_pin(tag, obj.nbytes)
+            charges.append((tag, obj.nbytes))
+        for key in keys[admitted : len(objs)]:
+            ledger.refuse_pins(key[:TAG_BYTES], 1)
+        if admitted < len(objs):
+            log.debug("cpu_tier_pins_refused", chunks=len(objs) - admitted)
+        if quota_evicted:
+            self._evicted(quota_evicted)
+        return admitted, charges
+
+    def release_pins(self, charges: Sequence[tuple[bytes, int]]) -> None:
+        """The pins :meth:`admit_pins` charged have ended."""
+        for tag, nbytes in charges:
+            self._ledger.release_pin(tag, nbytes)
+
     def evict(self, nbytes: int) -> int:
         """Drop unpinned, otherwise unreferenced entries, oldest first, until ``nbytes`` are
         released or none is left; returns the bytes released. A chunk of a tenant within

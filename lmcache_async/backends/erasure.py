@@ -7,6 +7,10 @@ first; a slow tier is erased only once a write of the tenant under way there has
 past the timeout, that write is told to remove what it put when it ends). A tier that is
 down is asked all the same: it may be back, and if not its error says why the tenant may
 still be there.
+
+Around it all, the tenant's erasure epoch (:mod:`.epochs`) begins and ends: from its
+beginning nothing of the tenant lands anywhere (a read promoted, a store committed, a
+prefetch pinned, a write coming up), and after its end only work begun after it does.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from lmcache_async.tenancy.tenants import TAG_BYTES, tag_hex
 
 from ..errors import EraseIncompleteError, InvalidInputError, TierError
 from .cpu import CPUBackend
+from .epochs import ErasureEpochs
 from .tier_events import TierEvents
 from .writers import TierWriter, TierWriters
 
@@ -27,12 +32,20 @@ log = structlog.get_logger(__name__)
 
 
 async def erase_tenant(
-    tag: bytes, cpu: CPUBackend, writers: TierWriters, events: TierEvents, *, timeout: float
+    tag: bytes,
+    cpu: CPUBackend,
+    writers: TierWriters,
+    events: TierEvents,
+    epochs: ErasureEpochs,
+    *,
+    timeout: float,
 ) -> dict[str, int]:
     """Remove every chunk of the tenant with ``tag`` from the ``cpu`` tier, the slow tiers
     of ``writers`` (in their order) and their queued writes; returns the chunks removed per
     tier. The CPU tier's chunks go at once, pinned or not (their memory when the pins end),
     with a KV event in ``events``; the slow tiers' without one (their keys are not listed).
+    The tenant's erasure runs in ``epochs`` from the first step to the last, so that work
+    marked before it lands nothing (nor does any while it runs).
 
     Raises:
         InvalidInputError: ``tag`` is not :data:`~lmcache_async.tenancy.tenants.TAG_BYTES` bytes.
@@ -42,6 +55,17 @@ async def erase_tenant(
     """
     if not isinstance(tag, bytes) or len(tag) != TAG_BYTES:
         raise InvalidInputError(f"a tenant tag is {TAG_BYTES} bytes, got {tag!r:.40}")
+    epochs.begin(tag)
+    try:
+        return await _erase(tag, cpu, writers, events, timeout=timeout)
+    finally:
+        epochs.end(tag)
+
+
+async def _erase(
+    tag: bytes, cpu: CPUBackend, writers: TierWriters, events: TierEvents, *, timeout: float
+) -> dict[str, int]:
+    """:func:`erase_tenant` within the tenant's erasure epoch."""
     queued = {name: writer.forget(tag) for name, writer in writers.items()}
     erased = cpu.erase_tenant_nowait(tag)
     events.removed(erased, cpu.name)

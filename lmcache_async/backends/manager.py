@@ -4,13 +4,16 @@ The CPU tier is the hot cache; slow tiers (disk, Redis) sit behind it. A store p
 into the CPU tier at once and hands them to each slow tier's writer through a bounded queue
 (write-behind, :mod:`.writers`: a full queue skips that tier's write and counts it), or
 waits for the slow tiers when configured to. Erasure by tenant reaches every tier and the
-queued writes. A lookup counts a prefix across tiers (it may
-begin on CPU and continue on disk or in Redis); a fetch reads the chunks the CPU tier lacks
-from the slow tiers and promotes them into it. A slow tier that is down is skipped, never
-waited on; a failing call is a miss. The manager decides what a write goes to and what a
-read comes from (the enabled tiers and locations: :mod:`.tiers`); it knows nothing of
-pipelines or requests. Lookup pins are kept in :mod:`.pins`, KV events built in
-:mod:`.tier_events`. Everything here runs on the event loop; no method blocks.
+queued writes, and it is final: work that read or reserved a tenant's payloads before an
+erasure of it (a store's commit, a promotion, a prefetch's pins, a write behind) lands
+nothing after it (:mod:`.epochs`). A lookup counts a prefix across tiers (it may begin on
+CPU and continue on disk or in Redis); a fetch reads the chunks the CPU tier lacks from the
+slow tiers and promotes them into it. A slow tier that is down is skipped, never waited
+on; a failing call is a miss. The manager decides what a write goes to and what a read
+comes from (the enabled tiers and locations: :mod:`.tiers`); it knows nothing of pipelines
+or requests. Lookup pins are kept in :mod:`.pins` (counted against the tenants' CPU
+quotas, :mod:`.manager_pins`), KV events built in :mod:`.tier_events`. Everything here
+runs on the event loop; no method blocks.
 """
 
 from __future__ import annotations
@@ -27,15 +30,16 @@ from anyio.abc import TaskGroup
 from lmcache_async.keys.chunks import ChunkKey, ChunkSpan
 from lmcache_async.memory.pool import MemoryObj
 
-from ..errors import InvalidInputError, TierError
+from ..errors import InvalidInputError
 from ..events import EventBuffer
 from ..stats import TierStats
-from . import erasure
 from .admission import Admission
 from .base import StorageBackend
 from .cpu import CPUBackend
+from .epochs import ErasureEpochs
 from .manager_admission import HeldWrites
 from .manager_pins import LookupPins
+from .manager_removals import Removals
 from .pins import Clock, PinSets
 from .prefix import OnRead, chunk_keys, count_prefix, read_prefix
 from .tier_events import TierEvents
@@ -52,7 +56,7 @@ def _check_count(name: str, value: object, most: int) -> None:
         raise InvalidInputError(f"{name} must be an int from 0 to {most}, got {value!r}")
 
 
-class StorageManager(LookupPins, HeldWrites):
+class StorageManager(LookupPins, HeldWrites, Removals):
     """Routes reads and writes to the tiers and keeps lookup pins.
 
     ``slow_tiers``: disk / Redis backends, fastest first. ``store_location`` and
@@ -82,7 +86,8 @@ class StorageManager(LookupPins, HeldWrites):
         self._cpu = cpu
         self._events = events
         self._kv_events = TierEvents(events, chunk_size=chunk_size)
-        self._pins = PinSets(timeout=pin_timeout, clock=clock)
+        self._epochs = ErasureEpochs()
+        self._pins = PinSets(timeout=pin_timeout, clock=clock, on_release=cpu.release_pins)
         self._frozen = False
         self._hot_cache = hot_cache
         self._want_store = None if store_location is None else tuple(store_location)
@@ -91,7 +96,9 @@ class StorageManager(LookupPins, HeldWrites):
         self._wait_for_slow = wait_for_slow_tiers
         self._admission = admission
         self._tiers = TierSet(cpu)
-        self._writers = TierWriters((), queue_size=write_queue_size, events=events)
+        self._writers = TierWriters(
+            (), queue_size=write_queue_size, events=events, epochs=self._epochs
+        )
         self.attach_slow_tiers(slow_tiers)
         self.promoted_chunks = 0
         self.tier_read_errors = 0
@@ -106,7 +113,10 @@ class StorageManager(LookupPins, HeldWrites):
             self._cpu, tiers, wanted_store=self._want_store, wanted_read=self._want_read
         )
         self._writers = TierWriters(
-            self._tiers.slow, queue_size=self._write_queue_size, events=self._events
+            self._tiers.slow,
+            queue_size=self._write_queue_size,
+            events=self._events,
+            epochs=self._epochs,
         )
 
     def check_locations(self, locations: Sequence[str] | None, name: str) -> tuple[str, ...]:
@@ -265,6 +275,8 @@ class StorageManager(LookupPins, HeldWrites):
         keys: Sequence[ChunkKey],
         locations: Sequence[str] | None = None,
         lookup_id: Hashable | None = None,
+        *,
+        since: int | None = None,
     ) -> list[MemoryObj]:
         """Payloads of the longest leading run of ``keys`` held anywhere readable, each
         referenced for the caller; no :meth:`lookup_prefix` is needed first.
@@ -275,26 +287,32 @@ class StorageManager(LookupPins, HeldWrites):
         tier, or no pool memory in time). Slow tiers read only from where the run stands,
         with their reads alone (:meth:`StorageBackend.get_prefix`: GETs on Redis, no
         EXISTS); what they return is promoted into the CPU tier (hot cache on, CPU among
-        ``locations``). A failing tier is a miss counted in ``tier_read_errors``.
+        ``locations``), unless the tenant was erased since the mark ``since`` (when the
+        caller's read began; None: now): the caller still gets them, no tier does. A
+        failing tier is a miss counted in ``tier_read_errors``.
         """
         names = self._tiers.read_from if locations is None else tuple(locations)
+        mark = self._epochs.mark() if since is None else since
         pinned = self._pins.get(lookup_id) if lookup_id is not None else None
         return await read_prefix(
             keys,
             pinned=None if pinned is None else pinned.by_key,
             cpu=self._cpu if self._cpu.name in names else None,
             slow=self._readable(names),
-            promote=functools.partial(self._promote, names),
+            promote=functools.partial(self._promote, names, mark),
             on_error=self._read_failed,
             on_read=self._read_observer,
         )
 
     def _promote(
-        self, names: Sequence[str], keys: Sequence[ChunkKey], run: list[MemoryObj]
+        self, names: Sequence[str], mark: int, keys: Sequence[ChunkKey], run: list[MemoryObj]
     ) -> None:
-        """Keep in the CPU tier what a slow tier returned, if the CPU tier takes writes."""
+        """Keep in the CPU tier what a slow tier returned, if the CPU tier takes writes and
+        no erasure of the tenant came since ``mark``."""
         if self._cpu_writable(tuple(names) if self._cpu.name in names else ()):
-            self.promoted_chunks += self._cpu.put_nowait(list(keys), run)
+            intact = self._epochs.intact(keys, mark)
+            if intact:
+                self.promoted_chunks += self._cpu.put_nowait(list(keys[:intact]), run[:intact])
 
     def _read_failed(self, tier: StorageBackend, exc: Exception) -> None:
         self.tier_read_errors += 1
@@ -308,8 +326,14 @@ class StorageManager(LookupPins, HeldWrites):
         objs: Sequence[MemoryObj],
         tokens: np.ndarray | None,
         locations: Sequence[str] | None = None,
+        *,
+        since: int | None = None,
     ) -> int:
         """Cache payloads for ``spans``; returns how many chunks a tier took or queued.
+
+        ``since``: the erasure mark of the store (when it reserved its memory; None: now):
+        the run ends before the first chunk of a tenant erased since, in every tier, and
+        the slow tiers check it again when each write comes up.
 
         ``tokens`` (the request's tokens, or None when keys came from engine block hashes)
         fill the KV events: one per tier written, all built from one copy of the tokens
@@ -318,6 +342,10 @@ class StorageManager(LookupPins, HeldWrites):
         keeps and that were seen too few times are held back from the slow tiers
         (:meth:`sighted` writes them behind later).
         """
+        mark = self._epochs.mark() if since is None else since
+        intact = self._epochs.intact([span.key for span in spans], mark)
+        if intact < len(spans):
+            spans, objs = spans[:intact], objs[:intact]
         if self._frozen or not spans:
             return 0
         targets = self._tiers.store_to if locations is None else tuple(locations)
@@ -348,8 +376,9 @@ class StorageManager(LookupPins, HeldWrites):
                 writer = self._writers[tier.name]
                 event = event_of.to(tier.name)
                 if self._wait_for_slow:
-                    kept = max(kept, await writer.write(part_keys, part_objs, event))
-                elif writer.submit(part_keys, part_objs, event):
+                    written = await writer.write(part_keys, part_objs, event, since=mark)
+                    kept = max(kept, written)
+                elif writer.submit(part_keys, part_objs, event, since=mark):
                     kept = max(kept, stop)
         return kept
 
@@ -362,55 +391,6 @@ class StorageManager(LookupPins, HeldWrites):
         self._kv_events.removed(keys, self._cpu.name)
         if self._admission is not None:
             self._admission.release(keys)  # nothing of theirs is left to write behind
-
-    async def remove(self, keys: Sequence[ChunkKey], locations: Sequence[str] | None = None) -> int:
-        """Forget ``keys`` in the named tiers (all by default); returns chunks removed."""
-        names = self.check_locations(locations, "locations")
-        removed = 0
-        if self._cpu.name in names:
-            present = [key for key in keys if key in self._cpu]
-            removed += self._cpu.remove_nowait(present)
-            self._kv_events.removed(present, self._cpu.name)
-        for tier in self._tiers.slow:
-            if tier.name in names and tier.healthy():
-                try:
-                    gone = await tier.remove(keys)
-                except TierError as exc:
-                    self._read_failed(tier, exc)
-                    continue
-                removed += gone
-                if gone:
-                    self._kv_events.removed(keys, tier.name)
-        return removed
-
-    async def clear(self, locations: Sequence[str] | None = None) -> int:
-        """Drop every chunk of the named tiers (all by default) and, for the CPU tier, every
-        pin; returns the number of chunks dropped."""
-        names = self.check_locations(locations, "locations")
-        dropped = 0
-        if self._cpu.name in names:
-            self.release_all_pins()
-            keys = self._cpu.clear_nowait()
-            self._kv_events.removed(keys, self._cpu.name)
-            dropped += len(keys)
-        for tier in self._tiers.slow:
-            if tier.name in names:
-                await self._writers[tier.name].drain()
-                try:
-                    dropped += await tier.clear()
-                except TierError as exc:
-                    self._read_failed(tier, exc)
-        log.info("cache_cleared", chunks=dropped, locations=list(names))
-        return dropped
-
-    async def erase_tenant(self, tag: bytes, *, timeout: float) -> dict[str, int]:
-        """Remove every chunk of the tenant with ``tag`` from every tier (one that is down
-        too) and the slow-tier writes queued; the chunks removed per tier. Nothing queued
-        before lands after (:func:`.erasure.erase_tenant`: it raises InvalidInputError for
-        a bad tag, EraseIncompleteError when some tier could not be erased)."""
-        return await erasure.erase_tenant(
-            tag, self._cpu, self._writers, self._kv_events, timeout=timeout
-        )
 
     # -- state ----------------------------------------------------------------------------
 

@@ -1,5 +1,10 @@
 """The storage manager's lookup pins: the CPU-tier chunks (or prefetched payloads) a lookup
-holds for the load that follows it, by lookup id (:class:`~.pins.PinSets`)."""
+holds for the load that follows it, by lookup id (:class:`~.pins.PinSets`).
+
+Pins count against their tenant's CPU quota: CPU-tier chunks are in its account already,
+prefetched payloads the tier does not hold are charged to it while pinned
+(:meth:`~.cpu.CPUBackend.admit_pins`), and a prefetch past the quota pins no further. A
+prefetch begun before an erasure of its tenant pins nothing after it (:mod:`.epochs`)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from collections.abc import Hashable, Sequence
 from lmcache_async.memory.pool import MemoryObj
 
 from .cpu import CPUBackend
+from .epochs import ErasureEpochs
 from .pins import PinSets
 from .tiers import TierSet
 
@@ -21,6 +27,7 @@ class LookupPins:
     _cpu: CPUBackend
     _tiers: TierSet
     _pins: PinSets
+    _epochs: ErasureEpochs
 
     def pin_prefix(self, keys: Sequence[bytes], lookup_id: Hashable) -> int:
         """Pin the leading CPU-tier keys for ``lookup_id``; returns how many were pinned.
@@ -36,15 +43,29 @@ class LookupPins:
         return len(objs)
 
     def pin_objects(
-        self, keys: Sequence[bytes], objs: Sequence[MemoryObj], lookup_id: Hashable
-    ) -> None:
-        """Reference and pin prefetched ``objs`` for ``lookup_id``; a retrieve under that id
-        is served from them."""
+        self,
+        keys: Sequence[bytes],
+        objs: Sequence[MemoryObj],
+        lookup_id: Hashable,
+        *,
+        since: int | None = None,
+    ) -> int:
+        """Reference and pin the leading prefetched ``objs`` (of ``keys``) for
+        ``lookup_id`` that may land; a retrieve under that id is served from them. The run
+        ends at the first chunk of a tenant erased since the mark ``since`` (when the
+        reading began; None: now) or past its tenant's CPU quota (counted as a refused
+        pin). The id's earlier pins are released first. Returns how many were pinned."""
         self._pins.release(lookup_id)
-        held = [obj.ref() for obj in objs]
+        mark = self._epochs.mark() if since is None else since
+        count = self._epochs.intact(keys[: len(objs)], mark)
+        count, charges = self._cpu.admit_pins(keys[:count], objs[:count])
+        if not count:
+            return 0
+        held = [obj.ref() for obj in objs[:count]]
         for obj in held:
             obj.pin()
-        self._pins.add(lookup_id, held, dict(zip(keys, held, strict=False)))
+        self._pins.add(lookup_id, held, dict(zip(keys, held, strict=False)), charges)
+        return count
 
     def holds_pins(self, lookup_id: Hashable) -> bool:
         """Whether chunks are pinned for ``lookup_id``."""

@@ -16,12 +16,18 @@ import structlog
 
 from lmcache_async.memory.pool import MemoryObj
 
-__all__ = ["Clock", "PinSet", "PinSets"]
+__all__ = ["Charges", "Clock", "OnRelease", "PinSet", "PinSets"]
 
 log = structlog.get_logger(__name__)
 
 Clock = Callable[[], float]
 """Seconds on a monotonic clock (``time.monotonic`` unless a test passes its own)."""
+
+Charges = list[tuple[bytes, int]]
+"""What a pin set's pins were charged to their tenants' quotas: ``(tag, bytes)`` each."""
+
+OnRelease = Callable[[Charges], None]
+"""Told of a released set's charges (the quotas they counted against get them back)."""
 
 
 @dataclass(slots=True)
@@ -33,15 +39,20 @@ class PinSet:
     # Prefetched payloads by key, for a retrieve under the same lookup id (they may not be
     # in the CPU tier when the hot cache is off).
     by_key: dict[bytes, MemoryObj] = field(default_factory=dict)
+    charges: Charges = field(default_factory=list)
 
 
 class PinSets:
     """Pin sets by lookup id, each released at the latest ``timeout`` seconds after it was
-    made (by :meth:`expire`, which the engine's pin reaper calls)."""
+    made (by :meth:`expire`, which the engine's pin reaper calls). ``on_release`` is told
+    of each released set's quota charges."""
 
-    def __init__(self, *, timeout: float, clock: Clock) -> None:
+    def __init__(
+        self, *, timeout: float, clock: Clock, on_release: OnRelease | None = None
+    ) -> None:
         self._timeout = timeout
         self._clock = clock
+        self._on_release = on_release
         self._sets: dict[Hashable, PinSet] = {}
         self.expired = 0
         """Lookup ids whose pins were released by their deadline."""
@@ -51,12 +62,17 @@ class PinSets:
         lookup_id: Hashable,
         objs: Sequence[MemoryObj],
         by_key: Mapping[bytes, MemoryObj] | None = None,
+        charges: Charges | None = None,
     ) -> None:
         """Keep ``objs`` (already referenced and pinned for the set, which now owns them)
-        under ``lookup_id``, replacing (releasing) a set already under that id."""
+        under ``lookup_id``, replacing (releasing) a set already under that id; ``charges``:
+        what the pins were charged to quotas, handed back when the set is released."""
         self.release(lookup_id)
         self._sets[lookup_id] = PinSet(
-            list(objs), self._clock() + self._timeout, dict(by_key) if by_key else {}
+            list(objs),
+            self._clock() + self._timeout,
+            dict(by_key) if by_key else {},
+            list(charges) if charges else [],
         )
 
     def get(self, lookup_id: Hashable) -> PinSet | None:
@@ -70,6 +86,8 @@ class PinSets:
         for obj in pins.objs:
             obj.unpin()
             obj.unref()
+        if pins.charges and self._on_release is not None:
+            self._on_release(pins.charges)
         return len(pins.objs)
 
     def release_all(self) -> int:

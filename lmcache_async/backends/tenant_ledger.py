@@ -27,6 +27,7 @@ from lmcache_async.tenancy.tenants import TAG_BYTES, TenantLimits, tag_hex
 
 from ..errors import InvalidInputError
 from ..stats import TenantUsage
+from .epochs import ErasureEpochs
 from .lru import held_prefix_count
 
 __all__ = ["KeyFilter", "TenantLedger", "check_tag"]
@@ -47,16 +48,24 @@ def check_tag(tag: object) -> bytes:
 
 
 class _Account:
-    """One tenant's chunks in one tier: key → bytes, least recently used first."""
+    """One tenant's chunks in one tier: key → bytes, least recently used first; and the
+    bytes pinned for it that the tier does not hold."""
 
-    __slots__ = ("bytes", "erased", "evictions", "keys", "refused")
+    __slots__ = ("bytes", "erased", "evictions", "keys", "pinned", "pins_refused", "refused")
 
     def __init__(self) -> None:
         self.keys: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.bytes = 0
+        self.pinned = 0
         self.evictions = 0
         self.erased = 0
         self.refused = 0
+        self.pins_refused = 0
+
+    @property
+    def counted(self) -> int:
+        """What the tenant's quota counts: its chunks and its pins outside the tier."""
+        return self.bytes + self.pinned
 
 
 class TenantLedger:
@@ -66,15 +75,14 @@ class TenantLedger:
     disk); a quota bounds their sum per tenant.
     """
 
-    __slots__ = ("_accounts", "_erased_at", "_erasures", "_limits", "active", "refused")
+    __slots__ = ("_accounts", "_epochs", "_limits", "active", "refused")
 
     def __init__(self, limits: TenantLimits | None = None) -> None:
         self._limits = limits if limits is not None else TenantLimits(None)
         self.active = self._limits.active
         """Whether some tenant has a quota here (else nothing is ever protected)."""
         self._accounts: dict[bytes, _Account] = {}
-        self._erasures = 0
-        self._erased_at: dict[bytes, int] = {}
+        self._epochs = ErasureEpochs()
         self.refused = 0
         """Chunks the tier did not store because of a quota (all tenants)."""
 
@@ -178,7 +186,7 @@ class TenantLedger:
         if incoming_bytes > limit:
             return None
         account = self._accounts.get(tag)
-        excess = (account.bytes if account is not None else 0) + incoming_bytes - limit
+        excess = (account.counted if account is not None else 0) + incoming_bytes - limit
         if account is None or excess <= 0:
             return []
         out: list[bytes] = []
@@ -202,7 +210,7 @@ class TenantLedger:
         if limit is None or not (default_too or self._limits.named(tag)):
             return False
         account = self._accounts.get(tag)
-        return account is None or account.bytes - freed <= limit
+        return account is None or account.counted - freed <= limit
 
     def pick_unprotected(
         self,
@@ -275,13 +283,31 @@ class TenantLedger:
         self._account(key[:TAG_BYTES]).refused += 1
         self.refused += 1
 
+    # -- pins outside the tier (prefetched payloads pinned for a lookup) --------------------
+
+    def charge_pin(self, tag: bytes, nbytes: int) -> None:
+        """Count ``nbytes`` pinned for the tenant that the tier does not hold (its quota
+        counts them, as :meth:`victims` then makes room for them)."""
+        self._account(tag).pinned += nbytes
+
+    def release_pin(self, tag: bytes, nbytes: int) -> None:
+        """The pin :meth:`charge_pin` counted has ended."""
+        account = self._accounts.get(tag)
+        if account is not None:
+            account.pinned = max(0, account.pinned - nbytes)
+
+    def refuse_pins(self, tag: bytes, chunks: int) -> None:
+        """Count ``chunks`` of the tenant not pinned because its quota was full."""
+        if chunks:
+            self._account(tag).pins_refused += chunks
+
     def _unprotected_bound(self, round_to: int) -> int:
         """An upper bound on what :meth:`pick_unprotected` can release: the (rounded)
         bytes of the tenants not protected now."""
         total = 0
         for tag, account in self._accounts.items():
             limit = self._limits.limit(tag)
-            if limit is None or account.bytes > limit or not self._limits.named(tag):
+            if limit is None or account.counted > limit or not self._limits.named(tag):
                 total += account.bytes + len(account.keys) * (round_to - 1)
         return total
 
@@ -291,21 +317,21 @@ class TenantLedger:
             account = self._accounts[tag] = _Account()
         return account
 
-    # -- erasure generations (a write that waited must not bring back an erased chunk) --
+    # -- erasure epochs (a write that waited must not bring back an erased chunk) --------
 
     @property
     def erasures(self) -> int:
-        """A mark to hand to :meth:`erased_since` later (the erasures so far)."""
-        return self._erasures
+        """A mark to hand to :meth:`erased_since` later (:meth:`.epochs.ErasureEpochs.mark`)."""
+        return self._epochs.mark()
 
     def mark_erased(self, tag: bytes) -> None:
         """Record that the tenant was erased now."""
-        self._erasures += 1
-        self._erased_at[tag] = self._erasures
+        self._epochs.begin(tag)
+        self._epochs.end(tag)
 
     def erased_since(self, key: bytes, mark: int) -> bool:
         """Whether the key's tenant was erased after :attr:`erasures` was ``mark``."""
-        return self._erased_at.get(key[:TAG_BYTES], 0) > mark
+        return self._epochs.erased_since(key, mark)
 
     # -- figures ------------------------------------------------------------------------
 
@@ -318,6 +344,8 @@ class TenantLedger:
                 evictions=account.evictions,
                 erased=account.erased,
                 quota_bytes=self._limits.limit(tag),
+                pinned_bytes=account.pinned,
+                pins_refused=account.pins_refused,
             )
             for tag, account in self._accounts.items()
         }

@@ -9,8 +9,11 @@ added something. Everything here runs on the event loop.
 Erasing a tenant: :meth:`TierWriter.forget` drops the tenant's chunks from the queued
 writes at once; :meth:`TierWriter.settle` waits for a write of the tenant under way, so the
 tier's own erasure comes after it; a write the erasure stopped waiting for is
-:meth:`TierWriter.abandon`-ed: it removes the tenant's chunks it put once it ends. Nothing
-queued before an erasure stays in the tier after it.
+:meth:`TierWriter.abandon`-ed: it removes the tenant's chunks it put once it ends. And each
+write carries the erasure mark of the store or read its payloads came from
+(:mod:`.epochs`): when it comes up, the chunks of a tenant erased since (or being erased)
+are dropped, so a write handed over during an erasure, or by a store reserved before it,
+never lands either. Nothing queued before an erasure stays in the tier after it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from lmcache_async.tenancy.tenants import TAG_BYTES
 from ..errors import TierError
 from ..events import EventBuffer, PendingEvent
 from .base import StorageBackend
+from .epochs import ErasureEpochs
 
 __all__ = ["TierWriter", "TierWriters"]
 
@@ -41,6 +45,8 @@ class _Write:
     keys: list[ChunkKey]
     objs: list[MemoryObj]  # one reference each when queued, owned by the write
     event: PendingEvent | None
+    since: int = 0
+    """The erasure mark of the store or read the payloads came from."""
     ended: anyio.Event | None = None
     """Set when the write is done, for an erasure waiting on it (made on demand)."""
     undo: frozenset[bytes] = frozenset()
@@ -67,11 +73,23 @@ def _release(objs: Sequence[MemoryObj]) -> None:
 
 
 class TierWriter:
-    """Writes chunks behind the stores into one slow tier, through a bounded queue."""
+    """Writes chunks behind the stores into one slow tier, through a bounded queue.
 
-    def __init__(self, tier: StorageBackend, *, queue_size: int, events: EventBuffer) -> None:
+    ``epochs``: the erasure epochs a write's mark is checked against when it comes up
+    (None: a private set, for a writer used alone).
+    """
+
+    def __init__(
+        self,
+        tier: StorageBackend,
+        *,
+        queue_size: int,
+        events: EventBuffer,
+        epochs: ErasureEpochs | None = None,
+    ) -> None:
         self.tier = tier
         self._events = events
+        self._epochs = epochs if epochs is not None else ErasureEpochs()
         self._send: MemoryObjectSendStream[_Write]
         self._receive: MemoryObjectReceiveStream[_Write]
         self._send, self._receive = anyio.create_memory_object_stream[_Write](queue_size)
@@ -87,10 +105,17 @@ class TierWriter:
         self._running: set[_Write] = set()
 
     def submit(
-        self, keys: list[ChunkKey], objs: Sequence[MemoryObj], event: PendingEvent | None
+        self,
+        keys: list[ChunkKey],
+        objs: Sequence[MemoryObj],
+        event: PendingEvent | None,
+        *,
+        since: int | None = None,
     ) -> bool:
-        """Queue a write (taking references); False when the queue is full or closed."""
-        write = _Write(keys, [obj.ref() for obj in objs], event)
+        """Queue a write (taking references); False when the queue is full or closed.
+        ``since``: the erasure mark of the payloads' store or read (None: now)."""
+        mark = self._epochs.mark() if since is None else since
+        write = _Write(keys, [obj.ref() for obj in objs], event, mark)
         try:
             self._send.send_nowait(write)
         except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -103,10 +128,37 @@ class TierWriter:
         return True
 
     async def write(
-        self, keys: list[ChunkKey], objs: Sequence[MemoryObj], event: PendingEvent | None
+        self,
+        keys: list[ChunkKey],
+        objs: Sequence[MemoryObj],
+        event: PendingEvent | None,
+        *,
+        since: int | None = None,
     ) -> int:
-        """Write now and wait for it; returns the chunks written (0 on failure)."""
-        return await self._put(_Write(keys, list(objs), event))
+        """Write now and wait for it; returns the chunks written (0 on failure, or when
+        every chunk is of a tenant erased since the mark ``since``; None: now)."""
+        mark = self._epochs.mark() if since is None else since
+        write = _Write(keys, list(objs), event, mark)
+        held = [obj.ref() for obj in write.objs]  # drop_tag releases what it drops
+        write.objs = held
+        try:
+            self._drop_erased(write)
+            if not write.keys:
+                return 0
+            return await self._put(write)
+        finally:
+            _release(write.objs)
+
+    def _drop_erased(self, write: _Write) -> int:
+        """Drop from ``write`` the chunks of tenants erased since its mark (or being
+        erased); returns how many were dropped. Call right before the tier's put."""
+        epochs = self._epochs
+        if epochs.intact(write.keys, write.since) == len(write.keys):
+            return 0
+        erased = {key[:TAG_BYTES] for key in write.keys if epochs.erased_since(key, write.since)}
+        dropped = sum(write.drop_tag(tag) for tag in erased)
+        self.erased += dropped
+        return dropped
 
     async def _put(self, write: _Write) -> int:
         self._running.add(write)
@@ -161,6 +213,7 @@ class TierWriter:
             async for item in self._receive:
                 self._queued.discard(item)
                 try:
+                    self._drop_erased(item)
                     if not item.keys:
                         pass  # erased while queued
                     elif self.tier.healthy():
@@ -223,10 +276,16 @@ class TierWriters(Mapping[str, TierWriter]):
     """The writers of a set of slow tiers, by tier name, and what they do together."""
 
     def __init__(
-        self, tiers: Sequence[StorageBackend], *, queue_size: int, events: EventBuffer
+        self,
+        tiers: Sequence[StorageBackend],
+        *,
+        queue_size: int,
+        events: EventBuffer,
+        epochs: ErasureEpochs | None = None,
     ) -> None:
         self._writers = {
-            tier.name: TierWriter(tier, queue_size=queue_size, events=events) for tier in tiers
+            tier.name: TierWriter(tier, queue_size=queue_size, events=events, epochs=epochs)
+            for tier in tiers
         }
 
     def __getitem__(self, name: str) -> TierWriter:

@@ -139,7 +139,7 @@ class LoadCore:
         if not keys or self._background is None:
             return None
         self.stop_prefetch(lookup_id)
-        prefetch = Prefetch(chunks=pinned)
+        prefetch = Prefetch(chunks=pinned, since=self._manager.erasure_mark)
         self._prefetches[lookup_id] = prefetch
         self._background.start_soon(
             self._prefetch, list(keys), skip, locations, lookup_id, prefetch
@@ -180,15 +180,20 @@ class LoadCore:
                 for start in range(0, len(as_keys), step):
                     batch = as_keys[start : start + step]
                     with budget.scope():
-                        got = await self._manager.fetch_prefix(batch, locations)
+                        got = await self._manager.fetch_prefix(
+                            batch, locations, since=prefetch.since
+                        )
                     objs.extend(got)
                     if len(got) < len(batch):
                         break
             if not prefetch.abandoned and skip + len(objs) > prefetch.chunks:
-                self._manager.pin_objects(keys[skip : skip + len(objs)], objs, lookup_id)
+                # Past the tenant's CPU quota, or after an erasure of it, fewer are pinned.
+                pinned = self._manager.pin_objects(
+                    keys[skip : skip + len(objs)], objs, lookup_id, since=prefetch.since
+                )
                 self._pins_changed()
-                prefetch.chunks = skip + len(objs)
-                log.debug("prefetched", lookup_id=str(lookup_id), chunks=len(objs))
+                prefetch.chunks = skip + pinned
+                log.debug("prefetched", lookup_id=str(lookup_id), chunks=pinned, read=len(objs))
         except Exception:
             log.exception("prefetch_failed", lookup_id=str(lookup_id))
         finally:
@@ -200,10 +205,11 @@ class LoadCore:
 class Prefetch:
     """A prefetch in the background: ``done`` once what it read is pinned; ``chunks``: how
     many leading chunks are pinned for its lookup id (those pinned before it began, until
-    it pins more)."""
+    it pins more); ``since``: the erasure mark taken when it began."""
 
     done: anyio.Event = field(default_factory=anyio.Event)
     chunks: int = 0
+    since: int = 0
     stopped: bool = False
     abandoned: bool = False
     scope: CancelScope | None = None

@@ -50,7 +50,8 @@ class StoreTxn:
     counts as cached), so the store's own later allocations cannot evict its prefix.
     ``layers``: 0 when each chunk is one payload under its key; ``n`` when it is ``n``
     per-layer payloads under ``key.with_layer(i)`` (a layerwise store), a chunk counting
-    as held only when every layer is.
+    as held only when every layer is. ``since``: the erasure mark taken at
+    :meth:`StoreCore.begin`; a tenant erased after it gets nothing of the store.
     """
 
     req_id: str
@@ -63,6 +64,7 @@ class StoreTxn:
     partial: bool = False
     finished: bool = False
     layers: int = 0
+    since: int = 0
 
     def stored_tokens(self) -> int:
         """Tokens covered by the leading run of chunks that are cached."""
@@ -162,6 +164,7 @@ class StoreCore:
             held=[obj for obj in found if obj is not None],
             todo=[index for index, ok in enumerate(stored) if not ok],
             layers=layers,
+            since=self._manager.erasure_mark,
         )
 
     async def reserve(
@@ -240,7 +243,8 @@ class StoreCore:
         """Put the filled payloads ``objs`` of the chunks at ``indices`` into the tiers
         (the CPU tier now, the slow tiers written behind unless configured otherwise) and
         mark them stored; returns how many leading chunks a tier took (a layerwise chunk:
-        every layer). The caller's references on ``objs`` are released, whatever happens.
+        every layer); 0 for a tenant erased since :meth:`begin` (an erasure is
+        final). The caller's references on ``objs`` are released, whatever happens.
 
         Raises:
             InvalidInputError: ``txn.locations`` names a tier that is not enabled.
@@ -250,7 +254,7 @@ class StoreCore:
             spans = [txn.spans[index] for index in indices]
             layers = txn.layers
             if not layers:
-                kept = await manager.put(spans, objs, txn.tokens, txn.locations)
+                kept = await manager.put(spans, objs, txn.tokens, txn.locations, since=txn.since)
                 keys = [span.key for span in spans[:kept]]
             else:
                 kept = len(spans)
@@ -260,7 +264,11 @@ class StoreCore:
                         for span in spans
                     ]
                     put = await manager.put(
-                        layer_spans, objs[layer::layers], txn.tokens, txn.locations
+                        layer_spans,
+                        objs[layer::layers],
+                        txn.tokens,
+                        txn.locations,
+                        since=txn.since,
                     )
                     kept = min(kept, put)
                 keys = layer_keys([span.key for span in spans[:kept]], layers)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -15,12 +15,22 @@ __all__ = ["reencode_prefix"]
 log = structlog.get_logger(__name__)
 
 
+Intact = Callable[[Sequence[bytes]], int]
+"""How many leading keys no erasure of their tenant reached since the work began."""
+
+
 async def reencode_prefix(
-    tier: StorageBackend, keys: Sequence[bytes], spec: RecordSpec, *, batch_chunks: int
+    tier: StorageBackend,
+    keys: Sequence[bytes],
+    spec: RecordSpec,
+    *,
+    batch_chunks: int,
+    intact: Intact | None = None,
 ) -> int:
     """Rewrite the leading run of ``keys`` that ``tier`` holds with ``spec``'s codec,
     ``batch_chunks`` at a time; returns the number of chunks re-encoded. A chunk that
-    vanishes midway ends the run."""
+    vanishes midway ends the run, and so does one of a tenant erased since the work began
+    (``intact``): what was read before an erasure is never written back after it."""
     as_keys = chunk_keys(keys)
     hits = await tier.contains_prefix(as_keys)
     done = 0
@@ -32,6 +42,8 @@ async def reencode_prefix(
             if len(objs) < len(batch):
                 break
             await tier.remove(batch)
+            if intact is not None and intact(batch) < len(batch):
+                break  # erased meanwhile: what was read is not written back
             done += await tier.put(batch, objs, spec=spec)
         finally:
             for obj in objs:

@@ -45,12 +45,15 @@ class TierControls(EngineBase):
         tier = self._parts.manager.tier(location)
         if tier.name == "cpu":
             raise InvalidInputError("compress works on the disk or redis tier, not on cpu")
+        manager = self._parts.manager
+        mark = manager.erasure_mark
         keys, _, _ = await self._parts.keys.lookup_keys(tokens, hashes, offsets)
         return await reencode_prefix(
             tier,
             keys,
             record_spec(self._parts.config, self._parts.layout, codec, self._parts.cipher),
             batch_chunks=self._parts.config.pipeline_batch_chunks,
+            intact=lambda batch: manager.intact(batch, mark),
         )
 
     async def decompress(
@@ -144,7 +147,7 @@ class TierControls(EngineBase):
             parts.manager,
             parts.events,
             healthy=self.is_healthy(),
-            names=parts.hashers.names,
+            labels=parts.config.tenant_labels,
             costs=parts.costs,
         )
 

@@ -5,7 +5,7 @@ still under way when the erasure stops waiting for them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import anyio
 import pytest
@@ -14,7 +14,7 @@ from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.backends.manager import StorageManager
 from lmcache_async.errors import EraseIncompleteError, InvalidInputError
 from lmcache_async.events import EventBuffer, EventKind
-from lmcache_async.keys.chunks import ChunkHasher, ChunkSpan, Namespace
+from lmcache_async.keys.chunks import ChunkHasher, ChunkKey, ChunkSpan, Namespace
 from lmcache_async.memory.pool import MemoryObj, MemoryPool
 from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
 from tests.backends.test_manager import TIMEOUT, FakeTier, named_tier, payloads
@@ -226,4 +226,82 @@ async def test_writes_after_the_erasure_land() -> None:
             assert set(disk.data) == {bytes(a[1].key)}
             release(objs)
             await manager.aclose()
+    assert pool.stats().used_bytes == 0
+
+
+@pytest.mark.anyio
+async def test_a_store_half_way_through_its_tier_writes_writes_nothing_after_the_erasure() -> None:
+    """A store that waits for the slow tiers is held at the disk; the erasure stops waiting
+    for it and returns. When the disk write ends it removes what it put, and the store's
+    next write (Redis), begun after the erasure with payloads from before it, is dropped."""
+    pool = MemoryPool(1 << 22)
+    manager, cpu, disk, redis, _ = two_tier_manager(pool, wait_for_slow_tiers=True)
+    disk.gate = anyio.Event()
+    a = tenant_spans("a", 2)
+    objs = payloads(pool, 2)
+    stored = anyio.Event()
+    kept: list[int] = []
+
+    async def store() -> None:
+        kept.append(await manager.put(a, objs, None))
+        stored.set()
+
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            await manager.start(tg)
+            tg.start_soon(store)
+            await anyio.wait_all_tasks_blocked()  # the disk write is held at its gate
+            assert len(cpu) == 2 and not redis.data
+            with pytest.raises(EraseIncompleteError) as caught:
+                await manager.erase_tenant(A, timeout=0.01)
+            assert caught.value.removed == {"cpu": 2, "disk": 0, "redis": 0}
+            disk.gate.set()
+            await stored.wait()
+            assert disk.data == {} and redis.data == {}, "nothing of a lands after the erasure"
+            assert redis.puts == 0
+            assert len(cpu) == 0
+            release(objs)
+            await manager.aclose()
+    assert pool.stats().used_bytes == 0
+
+
+@pytest.mark.anyio
+async def test_a_slow_read_in_flight_is_returned_but_never_promoted_after_the_erasure() -> None:
+    pool = MemoryPool(1 << 22)
+    manager, cpu, disk, _, _ = two_tier_manager(pool)
+    a = tenant_spans("a", 2)
+    objs = payloads(pool, 2)
+    for span, obj in zip(a, objs, strict=True):
+        disk.data[bytes(span.key)] = obj.tensor.clone()
+    release(objs)
+    read, go = anyio.Event(), anyio.Event()
+    get = disk.get
+
+    async def held_get(keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        got = await get(keys)  # the bytes are read...
+        read.set()
+        await go.wait()  # ...and returned only after the erasure
+        return got
+
+    disk.get = held_get  # type: ignore[method-assign]
+    fetched: list[MemoryObj] = []
+
+    async def fetch() -> None:
+        fetched.extend(await manager.fetch_prefix([span.key for span in a]))
+
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fetch)
+            await read.wait()
+            assert await manager.erase_tenant(A, timeout=TIMEOUT) == {
+                "cpu": 0,
+                "disk": 2,
+                "redis": 0,
+            }
+            go.set()
+        assert len(fetched) == 2, "the read began before the erasure: its caller gets it"
+        release(fetched)
+        assert len(cpu) == 0 and manager.promoted_chunks == 0
+        assert await manager.lookup_prefix([span.key for span in a]) == 0
+        await manager.aclose()
     assert pool.stats().used_bytes == 0

@@ -17,6 +17,8 @@ import torch
 
 from lmcache_async import RemoteCacheEngine
 from lmcache_async.config import GB
+from lmcache_async.tenancy.tenants import tag_hex, tenant_tag
+from tests.backends.test_redis import poll_until
 from tests.rpc.test_sidecar import (
     CHUNK,
     LAYOUT,
@@ -61,8 +63,9 @@ def connect(url: str) -> Any:
 
 
 def cpu_usage(engine_stats: Mapping[str, Any], tenant: str) -> Mapping[str, Any]:
-    """The tenant's usage of the sidecar's CPU tier, from its STATS reply."""
-    usage: Mapping[str, Any] = engine_stats["tenants"][tenant]["tiers"]["cpu"]
+    """The tenant's usage of the sidecar's CPU tier, from its STATS reply (where a tenant
+    with no label is shown by its tag, never by its name)."""
+    usage: Mapping[str, Any] = engine_stats["tenants"][tag_hex(tenant_tag(tenant))]["tiers"]["cpu"]
     return usage
 
 
@@ -103,3 +106,77 @@ async def test_a_tenant_writing_ten_times_its_quota_leaves_another_tenants_promp
     assert a_usage["evictions"] == 3 * len(a_prompts) - QUOTA_CHUNKS
     assert (b_usage["chunks"], b_usage["bytes"]) == (QUOTA_CHUNKS, QUOTA_CHUNKS * CHUNK_BYTES)
     assert b_usage["evictions"] == 0
+
+
+PAGE: Final = 65536  # the pool's page: each chunk here takes one
+PIN_PROMPT: Final = 2 * CHUNK  # two whole chunks
+
+
+def tenant_cpu(engine_stats: Mapping[str, Any], tenant: str) -> Mapping[str, Any]:
+    """The tenant's usage of the CPU tier in a STATS reply (found by its tag), or {}."""
+    tag = tag_hex(tenant_tag(tenant))
+    for figures in engine_stats["tenants"].values():
+        if figures["tag"] == tag:
+            usage: Mapping[str, Any] = figures["tiers"].get("cpu", {})
+            return usage
+    return {}
+
+
+async def test_prefetches_past_a_tenants_cpu_quota_stop_short_and_leave_others_room(
+    tmp_path: Path,
+) -> None:
+    """The reported case through PREFETCH: a tenant with a 2-chunk CPU quota prefetches 4
+    prompts of 2 chunks from disk (8 chunks: the sidecar's whole pool); its pins stop at
+    its quota, counted, and another tenant within its own quota then stores."""
+    short = Path(tempfile.mkdtemp(prefix="lmc-qp-", dir="/tmp"))
+    launcher = Sidecars(tmp_path)
+    quota = {"a": 2 * (CHUNK_BYTES + 256) / GB, "b": 4 * (CHUNK_BYTES + 256) / GB}
+    a_prompts = [prompt(PIN_PROMPT, salt=5000 + i) for i in range(4)]
+    a_kv, a_slots = kv_for(PIN_PROMPT, seed=50)
+    b_tokens, (b_kv, b_slots) = prompt(N, salt=5100), kv_for(N, seed=51)
+    try:
+        sidecar = launcher.start(
+            f"ipc://{short}/pins.sock",
+            *("--tenant-quotas", f"cpu.a={quota['a']!r},cpu.b={quota['b']!r}"),
+            *("--local-disk", str(tmp_path / "disk"), "--wait-for-slow-tiers", "true"),
+            *("--max-local-cpu-size", repr(8 * PAGE / GB), "--allocation-timeout", "1"),
+        )
+        with anyio.fail_after(TIMEOUT):
+            await wait_ready(sidecar)
+            async with connect(sidecar.url) as engine:
+                for tokens in a_prompts:
+                    stored = await engine.store(
+                        tokens,
+                        kv_caches=a_kv,
+                        slot_mapping=a_slots,
+                        tenant="a",
+                        store_location=["disk"],
+                    )
+                    assert stored == PIN_PROMPT
+                for i, tokens in enumerate(a_prompts):
+                    hits = await engine.prefetch(tokens, lookup_id=f"a{i}", tenant="a")
+                    assert hits == PIN_PROMPT
+
+                async def prefetches_done() -> bool:
+                    figures, _ = await server_state(engine)
+                    refused = tenant_cpu(figures, "a").get("pins_refused", 0)
+                    return bool(figures["pinned_chunks"] + refused == 4 * 2)
+
+                await poll_until(prefetches_done)
+                figures, _ = await server_state(engine)
+                assert figures["pinned_chunks"] == 2, "a's pins stop at its quota"
+                assert tenant_cpu(figures, "a")["pins_refused"] == 3 * 2
+                stored = await engine.store(
+                    b_tokens, kv_caches=b_kv, slot_mapping=b_slots, tenant="b"
+                )
+                assert stored == N, "b, within its quota, stores whole"
+                target = [torch.zeros_like(layer) for layer in b_kv]
+                mask = await engine.retrieve(
+                    b_tokens, kv_caches=target, slot_mapping=b_slots, tenant="b"
+                )
+                assert mask.tolist() == [True] * N
+                loaded, want = payload_of(target, b_slots), payload_of(b_kv, b_slots)
+                assert torch.equal(loaded.view(torch.int16), want.view(torch.int16))
+    finally:
+        launcher.stop_all()
+        shutil.rmtree(short, ignore_errors=True)
