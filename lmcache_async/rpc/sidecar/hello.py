@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from lmcache_async.rpc.protocol import Message
+from lmcache_async.rpc.sidecar.fields import label_field
 from lmcache_async.rpc.sidecar.host import EngineHost
 from lmcache_async.rpc.sidecar.routes import Reply
 from lmcache_async.rpc.sidecar.sessions import Session, Sessions
@@ -55,14 +56,16 @@ class SessionHandlers:
         the session and welcome the client.
 
         Raises:
-            InvalidInputError: a malformed namespace, or not the one served.
+            ProtocolError: the client's name (``"client"``) is neither a str nor an int.
+            InvalidInputError: a malformed namespace, or not the one served; a client name
+                longer than :data:`~.fields.MAX_ID_CHARS`.
         """
         assert session is not None
         header = message.header
+        label = label_field(header, "client", session.identity.hex())
         namespace = SidecarNamespace.from_wire(header)
         engine = await self._host.open(namespace)
-        label = header.get("client")
-        session.label = label if isinstance(label, str) else session.identity.hex()
+        session.label = label
         session.last_seen = time.monotonic()
         self._sessions.add(session)
         settings = self._settings

@@ -51,6 +51,11 @@ class EngineHost:
         self._close_engine = anyio.Event()
         self._engine_closed = anyio.Event()
 
+    @property
+    def settings(self) -> SidecarSettings:
+        """What the sidecar serves and how it runs (its limits, its engine's config)."""
+        return self._settings
+
     def need_engine(self) -> CacheEngine:
         """The open engine.
 

@@ -5,7 +5,9 @@ Lookup ids are scoped to the client's session (:meth:`Session.scoped`); the ids 
 pins with are remembered, so its pins go when it does. A LOOKUP by chunk digests that the
 CPU tier answers alone is served in the socket's reader callback (:meth:`LookupHandlers.now`).
 Each request may name the tenant whose prompt it is (``"tenant"``; none: the session's own);
-digests must then be that tenant's (the engine refuses another's).
+digests must then be that tenant's (the engine refuses another's). Every field is read
+checked (:mod:`~.fields`): a request names at most as many chunks as the longest prompt
+within the sidecar's message limits.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from lmcache_async.rpc.sidecar.fields import (
     key_input,
     locations_field,
     lookup_id_field,
+    max_prompt_chunks,
 )
 from lmcache_async.rpc.sidecar.host import EngineHost
 from lmcache_async.rpc.sidecar.routes import Reply
@@ -48,6 +51,8 @@ class LookupHandlers:
 
     def __init__(self, host: EngineHost) -> None:
         self._host = host
+        settings = host.settings
+        self._max_chunks = max_prompt_chunks(settings.limits, settings.config.chunk_size)
 
     def now(self, session: Session | None, message: Message) -> dict[str, Any] | None:
         """A LOOKUP by chunk digests that the engine answers without waiting (its CPU tier
@@ -58,7 +63,7 @@ class LookupHandlers:
             return None
         pin, lookup_id, scoped = pin_fields(session, header)
         hits = engine.lookup_digests_now(
-            digests_frame(message),
+            digests_frame(message, self._max_chunks),
             int_field(header, "digests_of", -1),
             lookup_id=scoped,
             pin=pin,
@@ -82,7 +87,7 @@ class LookupHandlers:
         if "digests_of" in header:
             # The client hashed the prompt: one frame of DIGEST_SIZE-byte chunk digests.
             num_tokens = int_field(header, "digests_of", -1)
-            digests = digests_frame(message)
+            digests = digests_frame(message, self._max_chunks)
             if pin and lookup_id is not None:
                 session.lookup_ids.add(lookup_id)
             hits = await engine.lookup_digests(
@@ -94,7 +99,7 @@ class LookupHandlers:
                 tenant=tenant,
             )
             return {"hits": hits}, ()
-        tokens, hashes, offsets = key_input(message)
+        tokens, hashes, offsets = key_input(message, self._max_chunks)
         if pin and lookup_id is not None:
             session.lookup_ids.add(lookup_id)
         hits = await engine.lookup(
@@ -115,7 +120,7 @@ class LookupHandlers:
         header = message.header
         lookup_id = lookup_id_field(header, required=True)
         assert lookup_id is not None
-        tokens, hashes, offsets = key_input(message)
+        tokens, hashes, offsets = key_input(message, self._max_chunks)
         session.lookup_ids.add(lookup_id)
         promise = await engine.promise(
             tokens,
@@ -136,7 +141,7 @@ class LookupHandlers:
         lookup_id = lookup_id_field(header, required=True)
         assert lookup_id is not None
         tenant = tenant_of(header)
-        tokens, hashes, offsets = key_input(message)
+        tokens, hashes, offsets = key_input(message, self._max_chunks)
         session.lookup_ids.add(lookup_id)
         hits = await engine.prefetch(
             tokens,
