@@ -12,6 +12,7 @@ the caller can do next::
     │   └── EraseIncompleteError              erasure failed in some tiers: retry (.failed)
     ├── IntegrityError                        stored bytes failed their checksum
     ├── ProtocolError                         a malformed or unexpected wire message
+    ├── PermissionDeniedError (PermissionError) the peer's certificate does not allow it
     └── EngineClosedError (RuntimeError)      the engine was closed
 """
 
@@ -27,6 +28,7 @@ __all__ = [
     "IntegrityError",
     "InvalidInputError",
     "LMCacheAsyncError",
+    "PermissionDeniedError",
     "ProtocolError",
     "TierError",
     "TierUnavailableError",
@@ -91,6 +93,11 @@ class ForeignRecordError(IntegrityError):
 
 class ProtocolError(LMCacheAsyncError):
     """A wire message is malformed, oversized, of unknown type or wrong version."""
+
+
+class PermissionDeniedError(LMCacheAsyncError, PermissionError):
+    """The sidecar refused a request its peer's certificate does not allow (an erase,
+    clear, move or shutdown from a client certificate): use an admin certificate."""
 
 
 class EngineClosedError(LMCacheAsyncError, RuntimeError):

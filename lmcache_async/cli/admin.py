@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmcache_async.cli.common import EXIT_FAILED, EXIT_OK
-from lmcache_async.errors import InvalidInputError
+from lmcache_async.errors import ConfigError, InvalidInputError
 from lmcache_async.tenancy.tenants import check_tenant
+
+if TYPE_CHECKING:
+    from lmcache_async.rpc.curve import CurveClientKeys
 
 __all__ = ["add_admin_parsers", "run_admin", "run_events"]
 
 
 def add_admin_parsers(sub: Any) -> None:
     """Add ``events``, ``ctl`` and ``stats`` to the subcommands ``sub``."""
+
+    def add_keys(cmd: argparse.ArgumentParser) -> None:
+        cmd.add_argument(
+            "--curve-public-key-file", metavar="FILE", help="the CURVE sidecar's public key"
+        )
+        cmd.add_argument(
+            "--certificate",
+            metavar="FILE",
+            help="this client's zmq.auth secret certificate, on the sidecar's allow-list",
+        )
 
     def add_url(cmd: argparse.ArgumentParser) -> None:
         cmd.add_argument("--url", default=None, help="the sidecar (default: its default ipc path)")
@@ -25,9 +38,7 @@ def add_admin_parsers(sub: Any) -> None:
             metavar="SECONDS",
             help="how long to wait for the answer (default 5, 60 for erase)",
         )
-        cmd.add_argument(
-            "--curve-public-key-file", metavar="FILE", help="the CURVE sidecar's public key"
-        )
+        add_keys(cmd)
 
     events = sub.add_parser(
         "events",
@@ -39,6 +50,7 @@ def add_admin_parsers(sub: Any) -> None:
     events.add_argument("--json", action="store_true", help="one JSON object per line")
     events.add_argument("--count", type=int, default=None, metavar="N", help="stop after N")
     events.add_argument("--topic", default="kv")
+    add_keys(events)
     ctl = sub.add_parser(
         "ctl",
         help="switch or query a running sidecar",
@@ -94,8 +106,42 @@ def run_events(args: argparse.Namespace) -> int:
     def show(received: ReceivedEvent) -> None:
         print(format_event(received, as_json=args.json), flush=True)
 
-    anyio.run(lambda: tail_events(args.connect, show, topic=args.topic.encode(), count=args.count))
+    keys = _client_keys(args)
+    anyio.run(
+        lambda: tail_events(
+            args.connect, show, topic=args.topic.encode(), count=args.count, keys=keys
+        )
+    )
     return EXIT_OK
+
+
+def _server_key(args: argparse.Namespace) -> bytes | None:
+    """The sidecar's public key from ``--curve-public-key-file`` (None: no CURVE).
+
+    Raises:
+        ConfigError: the file holds no public key, or ``--certificate`` came without it.
+    """
+    from lmcache_async.rpc.curve import load_curve_public_key  # noqa: PLC0415
+
+    if args.curve_public_key_file is None:
+        if args.certificate is not None:
+            raise ConfigError(
+                "certificate", "--certificate needs the sidecar's --curve-public-key-file"
+            )
+        return None
+    return load_curve_public_key(args.curve_public_key_file)
+
+
+def _client_keys(args: argparse.Namespace) -> CurveClientKeys | None:
+    """The CURVE keys the flags name (None: no CURVE).
+
+    Raises:
+        ConfigError: a key file or the certificate cannot be read.
+    """
+    from lmcache_async.rpc.curve import CurveClientKeys  # noqa: PLC0415
+
+    key = _server_key(args)
+    return None if key is None else CurveClientKeys.make(key, args.certificate)
 
 
 def run_admin(args: argparse.Namespace) -> int:
@@ -121,9 +167,7 @@ def run_admin(args: argparse.Namespace) -> int:
     timeout = args.timeout
     if timeout is None:
         timeout = admin.DEFAULT_ERASE_TIMEOUT if erasing else admin.DEFAULT_ADMIN_TIMEOUT
-    key = None
-    if args.curve_public_key_file is not None:
-        key = admin.load_curve_public_key(args.curve_public_key_file)
+    key = _server_key(args)
     url = default_endpoint() if args.url is None else args.url
 
     async def run(client: admin.AdminClient) -> tuple[str, bool]:
@@ -155,7 +199,9 @@ def run_admin(args: argparse.Namespace) -> int:
             return f"freeze {'on' if await client.freeze(on) else 'off'}", True
         return f"hot cache {'on' if await client.set_hot_cache(on) else 'off'}", True
 
-    with admin.AdminClient(url, timeout=timeout, server_public_key=key) as client:
+    with admin.AdminClient(
+        url, timeout=timeout, server_public_key=key, client_certificate=args.certificate
+    ) as client:
         try:
             text, ok = anyio.run(run, client)
         except LMCacheAsyncError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any, Final
 
 from lmcache_async.cli.common import EXIT_OK
@@ -36,13 +37,34 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument(
         "--allow-remote",
         action="store_true",
-        help="allow a tcp bind beyond loopback (use with --curve-secret-key-file)",
+        help="allow a tcp bind beyond loopback (needs --curve-secret-key-file and --curve-clients)",
     )
-    serve.add_argument(
+    access = serve.add_argument_group("who may connect (CURVE)")
+    access.add_argument(
         "--curve-secret-key-file",
         metavar="FILE",
-        help="CURVE secret key (a zmq certificate or the z85 key): encrypt the traffic and "
-        "refuse clients without the server's public key",
+        help="CURVE secret key (a zmq.auth secret certificate or the z85 key): encrypt the "
+        "traffic and serve only the certificates of --curve-clients and --curve-admins",
+    )
+    access.add_argument(
+        "--curve-clients",
+        metavar="DIR",
+        help="directory of zmq.auth public certificates that may store, retrieve, look up, "
+        "prefetch, promise and subscribe to events",
+    )
+    access.add_argument(
+        "--curve-admins",
+        metavar="DIR",
+        help="directory of public certificates that may also erase, clear, freeze, "
+        "hot-cache, move, shut down and read per-tenant figures",
+    )
+    access.add_argument(
+        "--move-targets",
+        nargs="+",
+        default=(),
+        metavar="URL[=KEYFILE]",
+        help="sidecars a MOVE may go to, each with its CURVE public key file (a target "
+        "without one must be on this host)",
     )
     serve.add_argument(
         "--heartbeat-interval",
@@ -63,7 +85,14 @@ def add_serve_parser(sub: Any) -> None:
         default=None,
         metavar="URL",
         help="publish KV events (chunks stored / removed) on a PUB socket at this ipc:// or "
-        "tcp:// URL (see lmcache-async events)",
+        "tcp:// URL (see lmcache-async events); under CURVE only allowed certificates "
+        "subscribe",
+    )
+    serve.add_argument(
+        "--events-tenants",
+        action="store_true",
+        help="publish named tenants' events too (their prompts' tokens and digests); "
+        "default: only the unnamed tenant's",
     )
     serve.add_argument(
         "--metrics-port",
@@ -100,6 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from lmcache_async.config import ENV_PREFIX  # noqa: PLC0415
     from lmcache_async.layouts import KVLayout  # noqa: PLC0415
+    from lmcache_async.rpc.curve import load_curve_secret_key  # noqa: PLC0415
     from lmcache_async.rpc.sidecar import (  # noqa: PLC0415
         DEFAULT_HEARTBEAT_INTERVAL,
         SidecarNamespace,
@@ -107,10 +137,8 @@ def run_serve(args: argparse.Namespace) -> int:
         SidecarSettings,
         serve,
     )
-    from lmcache_async.rpc.transport import (  # noqa: PLC0415
-        default_endpoint,
-        load_curve_secret_key,
-    )
+    from lmcache_async.rpc.sidecar.access import AccessList  # noqa: PLC0415
+    from lmcache_async.rpc.transport import default_endpoint  # noqa: PLC0415
 
     # Flag values are text: parse them by each key's type, as environment variables are.
     given = {
@@ -131,6 +159,13 @@ def run_serve(args: argparse.Namespace) -> int:
     curve = None
     if args.curve_secret_key_file is not None:
         curve = load_curve_secret_key(args.curve_secret_key_file)
+    if args.curve_admins is not None and args.curve_clients is None:
+        raise ConfigError("curve_admins", "--curve-admins goes with --curve-clients")
+    access = (
+        None
+        if args.curve_clients is None
+        else AccessList.load(args.curve_clients, args.curve_admins)
+    )
     heartbeat = args.heartbeat_interval
     settings = SidecarSettings(
         listen=default_endpoint() if args.listen is None else args.listen,
@@ -140,7 +175,10 @@ def run_serve(args: argparse.Namespace) -> int:
         client_timeout=args.client_timeout,
         allow_remote=args.allow_remote,
         curve_secret_key=curve,
+        access=access,
+        move_targets=_move_targets(args.move_targets),
         events=args.events,
+        tenant_events=args.events_tenants,
         metrics_port=args.metrics_port,
     )
 
@@ -156,3 +194,18 @@ def run_serve(args: argparse.Namespace) -> int:
 
     anyio.run(run)
     return EXIT_OK
+
+
+def _move_targets(given: Sequence[str]) -> dict[str, bytes | None]:
+    """``--move-targets``: each ``URL`` or ``URL=KEYFILE``, the key read from its file.
+
+    Raises:
+        ConfigError: ``field="move_targets"``: a key file that holds no public key.
+    """
+    from lmcache_async.rpc.curve import load_curve_public_key  # noqa: PLC0415
+
+    targets: dict[str, bytes | None] = {}
+    for item in given:
+        url, sep, key_file = item.partition("=")
+        targets[url] = load_curve_public_key(key_file, field="move_targets") if sep else None
+    return targets

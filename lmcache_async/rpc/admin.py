@@ -20,14 +20,15 @@ import zmq
 import zmq.asyncio
 
 from lmcache_async.errors import (
-    ConfigError,
     EngineClosedError,
     InvalidInputError,
+    PermissionDeniedError,
     ProtocolError,
     TierError,
     TierUnavailableError,
 )
 from lmcache_async.rpc.admin_tenants import format_tenants
+from lmcache_async.rpc.curve import CurveClientKeys
 from lmcache_async.rpc.erase import erase_result
 from lmcache_async.rpc.protocol import (
     ErrorCode,
@@ -47,7 +48,6 @@ __all__ = [
     "format_health",
     "format_stats",
     "format_tenants",
-    "load_curve_public_key",
 ]
 
 DEFAULT_ADMIN_TIMEOUT: Final = 5.0
@@ -75,6 +75,7 @@ _ERRORS: Final[dict[str, type[Exception]]] = {
     ErrorCode.NO_SESSION: EngineClosedError,
     ErrorCode.PROTOCOL: ProtocolError,
     ErrorCode.UNSUPPORTED: ProtocolError,
+    ErrorCode.FORBIDDEN: PermissionDeniedError,
     ErrorCode.INTERNAL: TierError,
 }
 
@@ -82,10 +83,13 @@ _ERRORS: Final[dict[str, type[Exception]]] = {
 class AdminClient:
     """Admin requests to the sidecar at ``url``; use as a context manager or :meth:`close`.
 
-    ``server_public_key`` (z85) is needed for a sidecar started with a CURVE secret key.
+    ``server_public_key`` (z85) is needed for a sidecar started with a CURVE secret key,
+    and ``client_certificate``, the path of a ``zmq.auth`` secret certificate on its
+    allow-list (an admin certificate for anything but STATS without tenants and HEALTH).
 
     Raises (constructor):
-        InvalidInputError: a bad URL, timeout or key.
+        InvalidInputError: a bad URL, timeout or key, or a certificate without a server key.
+        ConfigError: ``field="client_certificate"``: the certificate cannot be read.
     """
 
     def __init__(
@@ -94,12 +98,20 @@ class AdminClient:
         *,
         timeout: float = DEFAULT_ADMIN_TIMEOUT,
         server_public_key: bytes | None = None,
+        client_certificate: str | None = None,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("ipc://", "tcp://")):
             raise InvalidInputError(f"url must be ipc://PATH or tcp://HOST:PORT, got {url!r:.80}")
         _check_timeout(timeout)
         if server_public_key is not None and len(server_public_key) != 40:
             raise InvalidInputError("server_public_key must be a 40-character z85 CURVE key")
+        if client_certificate is not None and server_public_key is None:
+            raise InvalidInputError("client_certificate needs the server's public key")
+        keys = (
+            None
+            if server_public_key is None
+            else CurveClientKeys.make(server_public_key, client_certificate)
+        )
         self.url = url
         self.timeout = float(timeout)
         self._ids = itertools.count(1)
@@ -107,11 +119,8 @@ class AdminClient:
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, _LIMITS.max_frame_bytes)
-        if server_public_key is not None:
-            public, secret = zmq.curve_keypair()
-            self._socket.curve_serverkey = server_public_key
-            self._socket.curve_publickey = public
-            self._socket.curve_secretkey = secret
+        if keys is not None:
+            keys.apply(self._socket)
         try:
             self._socket.connect(url)
         except zmq.ZMQError as exc:
@@ -231,34 +240,6 @@ class AdminClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def load_curve_public_key(path: str) -> bytes:
-    """The z85 CURVE public key in ``path``: a ZeroMQ certificate file (``public-key =
-    "..."``) or a file holding just the key.
-
-    Raises:
-        ConfigError: ``field="curve_public_key_file"``: unreadable, or no public key.
-    """
-    field = "curve_public_key_file"
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read().strip()
-    except OSError as exc:
-        raise ConfigError(field, f"cannot read {path!r}: {exc.strerror}") from exc
-    key: bytes | None = None
-    if len(text) == 40 and "\n" not in text:
-        key = text.encode("ascii", "replace")
-    else:
-        from zmq.auth import load_certificate  # noqa: PLC0415  (certificate files only)
-
-        try:
-            key, _ = load_certificate(path)
-        except (ValueError, OSError):
-            key = None
-    if not key or len(key) != 40:
-        raise ConfigError(field, f"{path!r} holds no 40-character z85 CURVE public key")
-    return key
 
 
 def _check_timeout(timeout: object) -> None:

@@ -16,6 +16,13 @@ The publisher wakes when the engine records an event (no polling). A slow or stu
 subscriber never slows the engine: PUB sockets drop messages for a subscriber whose queue
 (``SNDHWM``) is full, and the engine's own buffer is bounded too. :class:`EventSubscriber`
 is the receiving side (``lmcache-async events``).
+
+Events name chunks by their digests and carry the prompt's tokens, so they are as private
+as the prompts. A publisher given the sidecar's CURVE secret key serves only subscribers
+the sidecar's allow-list admits (the ZAP handler of the shared context decides), and by
+default it withholds every event of a *named* tenant (chunks whose key tag is not the
+unnamed tenant's): ``tenant_events=True`` publishes them too, and a subscriber then learns
+those tenants' prompts and the digests that look them up (never their names).
 """
 
 from __future__ import annotations
@@ -41,9 +48,11 @@ from lmcache_async.errors import ConfigError, InvalidInputError, ProtocolError
 from lmcache_async.events import EventKind, KVEvent
 from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.rpc.transport import check_listen_url
+from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
 
 if TYPE_CHECKING:  # a subscriber needs no engine
     from lmcache_async.engine import CacheEngine
+    from lmcache_async.rpc.curve import CurveClientKeys
 
 __all__ = [
     "DEFAULT_EVENT_SNDHWM",
@@ -251,6 +260,8 @@ class EventPublisher:
         sndhwm: int = DEFAULT_EVENT_SNDHWM,
         allow_remote: bool = False,
         context: zmq.asyncio.Context | None = None,
+        curve_secret_key: bytes | None = None,
+        tenant_events: bool = False,
     ) -> None:
         if not isinstance(topic, bytes) or not topic:
             raise InvalidInputError("topic must be non-empty bytes")
@@ -264,6 +275,9 @@ class EventPublisher:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, sndhwm)
         self._socket.setsockopt(zmq.XPUB_VERBOSER, 1)  # every (un)subscription, to count them
+        if curve_secret_key is not None:
+            self._socket.curve_secretkey = curve_secret_key
+            self._socket.curve_server = True
         try:
             self._socket.bind(url)
         except zmq.ZMQError as exc:
@@ -273,6 +287,8 @@ class EventPublisher:
         self.endpoint: str = endpoint.decode() if isinstance(endpoint, bytes) else url
         self._ipc_path = self.endpoint.removeprefix("ipc://") if url.startswith("ipc://") else None
         self.published = 0
+        self.withheld = 0
+        self._public_tag = None if tenant_events else tenant_tag(None)
         self._seq = 0
         self._subscriptions: dict[bytes, int] = {}
         self._subscribed = anyio.Event()
@@ -290,6 +306,7 @@ class EventPublisher:
             "endpoint": self.endpoint,
             "topic": self.topic.decode(errors="replace"),
             "published": self.published,
+            "withheld": self.withheld,
             "subscribers": self.subscribers,
         }
 
@@ -324,7 +341,11 @@ class EventPublisher:
         A subscriber whose queue is full misses them (the socket drops, it never waits).
         """
         sent = 0
+        public = self._public_tag
         for event in events:
+            if public is not None and not _of_tag(event, public):
+                self.withheld += 1
+                continue
             frames = encode_event(event, self._seq, topic=self.topic)
             self._seq += 1
             try:
@@ -391,6 +412,11 @@ class EventPublisher:
         self.close()
 
 
+def _of_tag(event: KVEvent, tag: bytes) -> bool:
+    """Whether every chunk of ``event`` belongs to the tenant with ``tag``."""
+    return all(digest[:TAG_BYTES] == tag for digest in event.block_hashes)
+
+
 class EventSubscriber:
     """Receives a publisher's events: ``async for received in subscriber``.
 
@@ -409,6 +435,7 @@ class EventSubscriber:
         topic: bytes = DEFAULT_EVENT_TOPIC,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
         context: zmq.asyncio.Context | None = None,
+        keys: CurveClientKeys | None = None,
     ) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise InvalidInputError(f"expected an ipc:// or tcp:// URL, got {url!r}")
@@ -420,6 +447,8 @@ class EventSubscriber:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_event_bytes)
         self._socket.setsockopt(zmq.SUBSCRIBE, topic)
+        if keys is not None:
+            keys.apply(self._socket)
         try:
             self._socket.connect(url)
         except zmq.ZMQError as exc:
@@ -504,6 +533,7 @@ async def tail_events(
     topic: bytes = DEFAULT_EVENT_TOPIC,
     count: int | None = None,
     stop_on_signals: bool = True,
+    keys: CurveClientKeys | None = None,
 ) -> int:
     """Hand each event published at ``url`` to ``on_event`` until ``count`` were received,
     SIGINT or SIGTERM (with ``stop_on_signals``), or cancellation; returns how many were.
@@ -522,7 +552,7 @@ async def tail_events(
             if stop_on_signals
             else None
         )
-        subscriber = stack.enter_context(EventSubscriber(url, topic=topic))
+        subscriber = stack.enter_context(EventSubscriber(url, topic=topic, keys=keys))
         async with anyio.create_task_group() as task_group:
             if signals is not None:
                 task_group.start_soon(_cancel_on_signal, signals, task_group.cancel_scope)

@@ -42,6 +42,9 @@ async def move(
     copy: bool = True,
     *,
     timeout: float | None = None,
+    tenant: str | None = None,
+    server_public_key: bytes | None = None,
+    client_certificate: str | tuple[bytes, bytes] | None = None,
 ) -> int:
     """Copy (or, with ``copy=False``, move) the stored chunks of a prefix of ``tokens``
     from ``engine``'s tier ``old_position`` to a sidecar's tier.
@@ -56,6 +59,11 @@ async def move(
     ``copy=False`` the chunks the target took are then removed from ``old_position``
     (so moving onto this very instance's same tier drops them). The target flushes its
     queued disk or Redis writes before it answers each message.
+
+    ``tenant``: whose chunks move (None: the engine's own tenant); the target keeps them
+    as that tenant's. ``server_public_key`` and ``client_certificate``: the target's
+    CURVE key and the certificate this side proves itself with (see
+    :meth:`RemoteCacheEngine.connect <lmcache_async.RemoteCacheEngine.connect>`).
 
     ``timeout``: seconds each request to the target may take, the hello included
     (default ``remote_timeout``). Returns the number of prefix tokens (from token 0)
@@ -81,7 +89,7 @@ async def move(
     wait = engine.config.remote_timeout if timeout is None else timeout
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
         raise InvalidInputError(f"timeout must be a positive number, got {timeout!r}")
-    spans, array = await engine.chunk_spans(tokens)
+    spans, array = await engine.chunk_spans(tokens, tenant=tenant)
     if not spans or array is None or not engine.is_healthy():
         return 0
     namespace = engine.namespace
@@ -93,6 +101,8 @@ async def move(
             revision=namespace.revision,
             tenant=namespace.tenant_salt,
             timeout=float(wait),
+            server_public_key=server_public_key,
+            client_certificate=client_certificate,
             shared_memory=False,
             name=f"move-from-{namespace.model_name}",
         ) as target:
@@ -102,7 +112,14 @@ async def move(
                     f"this engine {engine.config.chunk_size}: their chunks do not match"
                 )
             moved = await _push_prefix(
-                engine, target, spans, array, source=source, location=location, copy=copy
+                engine,
+                target,
+                spans,
+                array,
+                source=source,
+                location=location,
+                copy=copy,
+                tenant=tenant,
             )
     except TierUnavailableError as exc:
         log.warning("move_target_unreachable", url=url, error=str(exc))
@@ -128,6 +145,7 @@ async def _push_prefix(
     source: str,
     location: str,
     copy: bool,
+    tenant: str | None,
 ) -> int:
     """Send the leading run of ``spans`` held by ``source`` to ``target``, batch by
     batch; returns the prefix tokens it took (removed from ``source`` unless ``copy``)."""
@@ -154,6 +172,7 @@ async def _push_prefix(
                 checksums=checksums,
                 start=first.start,
                 location=location,
+                tenant=tenant,
             )
         finally:
             load.release(objs)

@@ -144,6 +144,8 @@ class ErrorCode(enum.StrEnum):
     NO_SESSION = "no_session"
     """The request needs a session and the sender has none (no HELLO yet, or it expired):
     say hello again."""
+    FORBIDDEN = "forbidden"
+    """The sender's certificate does not allow this request (it needs an admin one)."""
     INTERNAL = "internal"
     """The endpoint failed while serving a valid request; see its log."""
 

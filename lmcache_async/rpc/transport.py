@@ -17,9 +17,9 @@ to the callback.
 
 The module also holds what the ends agree on before any message: where a sidecar listens
 by default (:func:`default_endpoint`), which addresses it may bind
-(:func:`check_listen_url`: loopback unless remote binds are asked for), the CURVE secret
-key it encrypts with (:func:`load_curve_secret_key`), and the boot id that tells two
-processes on one host apart from two hosts (:func:`boot_id`).
+(:func:`check_listen_url`: loopback unless remote binds are asked for) and the boot id that
+tells two processes on one host apart from two hosts (:func:`boot_id`). CURVE keys are in
+:mod:`lmcache_async.rpc.curve`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ __all__ = [
     "boot_id",
     "check_listen_url",
     "default_endpoint",
-    "load_curve_secret_key",
 ]
 
 log = structlog.get_logger(__name__)
@@ -288,36 +287,3 @@ def boot_id() -> str | None:
             return f.read().strip() or None
     except OSError:
         return None
-
-
-def load_curve_secret_key(path: str) -> bytes:
-    """The z85 CURVE secret key in ``path``: a ZeroMQ certificate file (``secret-key =
-    "..."``, as ``zmq.auth.create_certificates`` writes) or a file holding just the key.
-
-    Raises:
-        ConfigError: ``field="curve_secret_key_file"``: unreadable, or no secret key.
-    """
-    field_name = "curve_secret_key_file"
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ConfigError(field_name, f"cannot read {path!r}: {exc.strerror}") from exc
-    key: bytes | None = None
-    stripped = text.strip()
-    if len(stripped) == 40 and "\n" not in stripped:
-        key = stripped.encode("ascii", "replace")
-    else:
-        from zmq.auth import load_certificate  # noqa: PLC0415  (certificate files only)
-
-        try:
-            _, key = load_certificate(path)
-        except (ValueError, OSError):
-            key = None
-    if not key or len(key) != 40:
-        raise ConfigError(field_name, f"{path!r} holds no 40-character z85 CURVE secret key")
-    try:
-        zmq.curve_public(key)
-    except (zmq.ZMQError, ValueError) as exc:
-        raise ConfigError(field_name, f"{path!r}: invalid CURVE secret key: {exc}") from exc
-    return key

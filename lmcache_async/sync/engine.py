@@ -145,6 +145,7 @@ class SyncCacheEngine:
         require_server: bool = False,
         shared_memory: bool | None = None,
         server_public_key: bytes | str | None = None,
+        client_certificate: str | None = None,
         name: str | None = None,
     ) -> SyncCacheEngine:
         """Start a client of the sidecar at ``url`` on a new event-loop thread.
@@ -175,6 +176,7 @@ class SyncCacheEngine:
             tenant=tenant,
             timeout=timeout,
             server_public_key=server_public_key,
+            client_certificate=client_certificate,
             shared_memory=shared_memory,
             require_server=require_server,
             name=name,

@@ -16,6 +16,7 @@ import anyio
 import anyio.to_thread
 import pytest
 import torch
+import zmq
 
 from lmcache_async import EngineConfig, KVLayout, RemoteCacheEngine
 from lmcache_async.cli import main
@@ -33,6 +34,8 @@ from lmcache_async.rpc.erase import erase_result, format_erase
 from lmcache_async.rpc.events import EventSubscriber
 from lmcache_async.rpc.protocol import MessageType
 from lmcache_async.rpc.sidecar import SidecarServer, SidecarSettings, serve
+from lmcache_async.rpc.sidecar.access import AccessList
+from lmcache_async.tenancy.tenants import tenant_tag
 
 CHUNK = 16
 TIMEOUT = 60
@@ -220,8 +223,9 @@ def test_an_erase_reply_is_read_back_as_the_engine_reports_it() -> None:
     for bad in ({}, {"removed": {"cpu": -1}, "failed": {}}, {"removed": {}, "failed": []}):
         with pytest.raises(ProtocolError):
             erase_result(bad)
-    assert format_erase("a", {"cpu": 2, "disk": 3}).splitlines() == [
-        "erased tenant 'a': 5 chunks removed",
+    secret = "cache-salt-of-a"
+    assert format_erase(secret, {"cpu": 2, "disk": 3}).splitlines() == [
+        f"erased tenant {tenant_tag(secret).hex()}: 5 chunks removed",  # never the name
         "  cpu              2 chunks",
         "  disk             3 chunks",
     ]
@@ -267,7 +271,14 @@ def test_event_and_metrics_settings_are_checked(capsys: pytest.CaptureFixture[st
     with pytest.raises(ConfigError, match="beyond loopback") as refused:
         SidecarSettings(listen="ipc:///tmp/x.sock", events="tcp://0.0.0.0:5000")
     assert refused.value.field == "events"
-    assert SidecarSettings(events="tcp://0.0.0.0:5000", allow_remote=True).events is not None
+    public, secret = zmq.curve_keypair()
+    remote = SidecarSettings(
+        events="tcp://0.0.0.0:5000",
+        allow_remote=True,
+        curve_secret_key=secret,
+        access=AccessList(frozenset({public})),
+    )
+    assert remote.events is not None
     for port in (-1, 65536, True):
         with pytest.raises(ConfigError) as refused:
             SidecarSettings(metrics_port=port)

@@ -22,6 +22,7 @@ import zmq
 from lmcache_async import CacheEngine, EngineConfig, KVLayout
 from lmcache_async.errors import ConfigError, InvalidInputError, ProtocolError
 from lmcache_async.events import EventBuffer, EventKind, KVEvent
+from lmcache_async.keys.digests import DIGEST_SIZE
 from lmcache_async.rpc.events import (
     EVENT_FORMAT_VERSION,
     EventPublisher,
@@ -32,6 +33,7 @@ from lmcache_async.rpc.events import (
     engine_event_source,
     format_event,
 )
+from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
 
 CHUNK = 16
 TIMEOUT = 20
@@ -40,10 +42,18 @@ LAYOUT = KVLayout.vllm_flash_attn(
 )
 
 
-def stored(n: int, *, tokens: int = 3, parent: bytes | None = None) -> KVEvent:
+UNNAMED_TAG = tenant_tag(None)
+
+
+def stored(
+    n: int, *, tokens: int = 3, parent: bytes | None = None, tag: bytes = UNNAMED_TAG
+) -> KVEvent:
+    """A stored event of the unnamed tenant's chunks (or of the tenant with ``tag``)."""
     return KVEvent(
         kind=EventKind.STORED,
-        block_hashes=tuple(bytes([n, i]) * 8 for i in range(tokens)),
+        block_hashes=tuple(
+            tag + bytes([n, i]) * ((DIGEST_SIZE - TAG_BYTES) // 2) for i in range(tokens)
+        ),
         parent_block_hash=parent,
         token_ids=tuple(range(n, n + tokens * CHUNK)),
         block_size=CHUNK,
@@ -142,7 +152,7 @@ def test_another_topic_and_a_bad_seq_are_refused() -> None:
 
 
 def test_format_event_as_json_and_text() -> None:
-    received = ReceivedEvent(9, stored(2, tokens=2, parent=b"\x0f" * 16))
+    received = ReceivedEvent(9, stored(2, tokens=2, parent=b"\x0f" * 16, tag=b""))
     line = format_event(received, as_json=True)
     assert "\n" not in line
     assert json.loads(line) == {
@@ -225,12 +235,41 @@ async def test_published_events_reach_a_subscriber_in_order(short_dir: Path) -> 
                 "endpoint": url,
                 "topic": "kv",
                 "published": 5,
+                "withheld": 0,
                 "subscribers": 1,
             }
     assert [r.seq for r in got] == [0, 1, 2, 3, 4]
     assert [r.event for r in got] == events
     assert subscriber.missed == 0
     assert not await anyio.Path(url.removeprefix("ipc://")).exists()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("tenant_events", [False, True])
+async def test_a_named_tenants_events_are_published_only_when_asked(
+    short_dir: Path, tenant_events: bool
+) -> None:
+    """By default a subscriber learns nothing of a named tenant: its events (tokens and
+    digests) are withheld and counted; ``tenant_events`` publishes them."""
+    url = f"ipc://{short_dir}/named.sock"
+    buffer = EventBuffer(100)
+    secret = stored(1, tag=tenant_tag("a-secret-salt"))
+    public = stored(2)
+    with anyio.fail_after(TIMEOUT):
+        with (
+            EventPublisher(url, tenant_events=tenant_events) as publisher,
+            EventSubscriber(url) as subscriber,
+        ):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publisher.run, BufferSource(buffer))
+                await publisher.wait_subscribed()
+                buffer.extend([secret, public])
+                got = [await subscriber.receive()]
+                if tenant_events:
+                    got.append(await subscriber.receive())
+                tg.cancel_scope.cancel()
+    assert [r.event for r in got] == ([secret, public] if tenant_events else [public])
+    assert publisher.info()["withheld"] == (0 if tenant_events else 1)
 
 
 @pytest.mark.anyio
@@ -343,7 +382,8 @@ def _events_command(*args: str) -> list[str]:
 @pytest.mark.subprocess
 async def test_events_command_prints_json_lines_and_stops_after_count(short_dir: Path) -> None:
     url = f"ipc://{short_dir}/cli.sock"
-    events = [stored(1), KVEvent(EventKind.REMOVED, (b"\x02" * 16,), None, (), CHUNK, "cpu")]
+    gone = UNNAMED_TAG + b"\x02" * (DIGEST_SIZE - TAG_BYTES)
+    events = [stored(1), KVEvent(EventKind.REMOVED, (gone,), None, (), CHUNK, "cpu")]
     with anyio.fail_after(60), EventPublisher(url) as publisher:
         process = await anyio.open_process(
             _events_command("--connect", url, "--json", "--count", "2")
@@ -362,7 +402,7 @@ async def test_events_command_prints_json_lines_and_stops_after_count(short_dir:
     assert [line["seq"] for line in lines] == [0, 1]
     assert lines[0]["token_ids"] == list(events[0].token_ids)
     assert lines[0]["block_hashes"] == [h.hex() for h in events[0].block_hashes]
-    assert lines[1]["kind"] == "removed" and lines[1]["block_hashes"] == ["02" * 16]
+    assert lines[1]["kind"] == "removed" and lines[1]["block_hashes"] == [gone.hex()]
 
 
 @pytest.mark.subprocess

@@ -64,7 +64,9 @@ def pair(
     """Sidecars A (CPU only) and B (CPU and a disk tier), shared by the module's tests."""
     launcher = Sidecars(tmp_path_factory.mktemp("move-logs"))
     try:
-        a = launcher.start(f"ipc://{short_dir}/a.sock")
+        # A may move to B and to an address nobody listens on (the unreachable case).
+        targets = [f"ipc://{short_dir}/b.sock", f"ipc://{short_dir}/nobody.sock"]
+        a = launcher.start(f"ipc://{short_dir}/a.sock", "--move-targets", *targets)
         b = launcher.start(f"ipc://{short_dir}/b.sock", "--local-disk", str(short_dir / "disk"))
         anyio.run(wait_ready, a)
         anyio.run(wait_ready, b)

@@ -41,14 +41,16 @@ from lmcache_async import (
 )
 from lmcache_async.cli import main
 from lmcache_async.errors import ConfigError, ProtocolError
-from lmcache_async.keys.chunks import DigestGuess
+from lmcache_async.keys.chunks import DIGEST_SIZE, LINK_SIZE, DigestGuess
 from lmcache_async.logging import configure_logging
 from lmcache_async.rpc.client.link import Link
 from lmcache_async.rpc.client.wire import Unavailable
+from lmcache_async.rpc.curve import load_client_certificate, load_curve_secret_key
 from lmcache_async.rpc.protocol import MessageLimits, MessageType, decode, encode
 from lmcache_async.rpc.sidecar import SidecarNamespace, SidecarServer, SidecarSettings, serve
-from lmcache_async.rpc.transport import check_listen_url, load_curve_secret_key
-from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
+from lmcache_async.rpc.sidecar.access import AccessList
+from lmcache_async.rpc.transport import check_listen_url
+from lmcache_async.tenancy.tenants import tenant_tag
 
 HERE = Path(__file__).parent
 CLIENT_SCRIPT = HERE / "sidecar_client.py"
@@ -493,13 +495,13 @@ async def test_malformed_digest_lookups_get_error_replies(sidecar: Sidecar) -> N
         link = engine._conn.link
         assert link is not None
         # Digests of this client's tenant (none named): its tag leads each one.
-        digests = (tenant_tag(None) + b"\1" * (16 - TAG_BYTES)) * 3
+        digests = (tenant_tag(None) + b"\1" * LINK_SIZE) * 3
         cases = [
             ({"digests_of": 3 * CHUNK, "pin": False}, [digests[:-1]], ProtocolError),
             ({"digests_of": 3 * CHUNK, "pin": False}, [digests, digests], ProtocolError),
             ({"digests_of": 5 * CHUNK, "pin": False}, [digests], InvalidInputError),
             ({"digests_of": -1, "pin": False}, [digests], ProtocolError),
-            ({"digests_of": 3 * CHUNK, "pin": False}, [b"\1" * 16 * 3], InvalidInputError),
+            ({"digests_of": 3 * CHUNK, "pin": False}, [b"\1" * DIGEST_SIZE * 3], InvalidInputError),
         ]
         with anyio.fail_after(30):
             for header, payloads, error in cases:
@@ -660,6 +662,7 @@ def free_port() -> int:
 @pytest.mark.anyio
 async def test_curve_server_refuses_a_client_without_its_key(tmp_path: Path) -> None:
     public, secret = zmq.curve_keypair()
+    client = zmq.curve_keypair()
     key_file = tmp_path / "server.key"
     key_file.write_bytes(secret + b"\n")
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -668,6 +671,7 @@ async def test_curve_server_refuses_a_client_without_its_key(tmp_path: Path) -> 
         config=EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.01),
         heartbeat_interval=HEARTBEAT,
         curve_secret_key=load_curve_secret_key(str(key_file)),
+        access=AccessList(frozenset({client[0]})),
     )
     kv, slots = kv_for(2 * CHUNK, 5)
     with anyio.fail_after(60):
@@ -676,11 +680,20 @@ async def test_curve_server_refuses_a_client_without_its_key(tmp_path: Path) -> 
                 async with connect(url, timeout=0.5):
                     pass
             assert not await ping(url, 0.5)  # a plain socket gets nothing either
-            async with connect(url, timeout=10, server_public_key=public) as engine:
+            with pytest.raises(TierUnavailableError, match="allow-list"):
+                async with connect(url, timeout=0.5, server_public_key=public):
+                    pass  # the server's key but a key pair not on its allow-list
+            async with connect(
+                url, timeout=10, server_public_key=public, client_certificate=client
+            ) as engine:
                 assert engine.uses_shared_memory  # tcp on this host: same host name and boot
                 stored = await engine.store(prompt(2 * CHUNK), kv_caches=kv, slot_mapping=slots)
                 hits = await engine.lookup(prompt(2 * CHUNK))
-            assert await ping(url, 10, curve_key=public)  # it lives on
+            assert not await ping(url, 0.5, curve_key=public)  # a fresh key pair: refused
+            async with connect(
+                url, timeout=10, server_public_key=public, client_certificate=client
+            ) as engine:
+                assert await engine.lookup(prompt(2 * CHUNK)) == 2 * CHUNK  # it lives on
     assert (stored, hits) == (2 * CHUNK, 2 * CHUNK)
 
 
@@ -709,9 +722,9 @@ async def test_pings_and_digest_lookups_the_cpu_tier_answers_skip_the_request_ta
     tasked: list[MessageType] = []
     answer = SidecarServer._answer
 
-    async def counting(self: SidecarServer, identity: bytes, body: Any) -> Any:
+    async def counting(self: SidecarServer, identity: bytes, body: Any, peer: Any) -> Any:
         tasked.append(MessageType(bytes(body[0])[0]))
-        return await answer(self, identity, body)
+        return await answer(self, identity, body, peer)
 
     monkeypatch.setattr(SidecarServer, "_answer", counting)
     tokens = prompt(3 * CHUNK + 5, 77)
@@ -870,6 +883,33 @@ def test_curve_key_files_and_settings_are_checked(tmp_path: Path) -> None:
         SidecarSettings(listen="ipc:///tmp/x.sock", client_timeout=float("nan"))
     settings = SidecarSettings(listen="ipc:///tmp/x.sock", heartbeat_interval=0.5)
     assert settings.session_timeout == 2.5
+    # A client proves itself with a secret certificate; a public one is refused.
+    assert load_client_certificate(secret_file) == (public, secret)
+    with pytest.raises(ConfigError, match="not a secret certificate"):
+        load_client_certificate(public_file)
+    # CURVE and an allow-list go together; remote binds need both; plain move targets
+    # are local only, keyed ones need the sidecar's own key pair.
+    access = AccessList(frozenset({zmq.curve_keypair()[0]}))
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"curve_secret_key": secret}, "curve_clients"),
+        ({"access": access}, "curve_clients"),
+        ({"listen": "tcp://0.0.0.0:1", "allow_remote": True}, "allow_remote"),
+        ({"move_targets": {"tcp://10.0.0.1:5": None}}, "move_targets"),
+        ({"move_targets": {"tcp://10.0.0.1:5": public}}, "move_targets"),
+        ({"move_targets": {"http://x": None}}, "move_targets"),
+    ]
+    for options, field_name in refused:
+        options.setdefault("listen", "ipc:///tmp/x.sock")
+        with pytest.raises(ConfigError, match=field_name):
+            SidecarSettings(**options)
+    remote = SidecarSettings(
+        listen="tcp://0.0.0.0:1",
+        allow_remote=True,
+        curve_secret_key=secret,
+        access=access,
+        move_targets={"tcp://10.0.0.1:5": public, "ipc:///tmp/y.sock": None},
+    )
+    assert remote.move_targets["tcp://10.0.0.1:5"] == public
 
 
 def test_pool_carved_from_a_shared_segment_is_seen_by_another_mapping() -> None:
@@ -945,8 +985,9 @@ async def test_sidecar_bench_reports_every_figure() -> None:
         head_size=16,
         dtype="float16",
         startup_timeout=READY_TIMEOUT,
+        curve=True,
     )
-    with anyio.fail_after(2 * READY_TIMEOUT):
+    with anyio.fail_after(3 * READY_TIMEOUT):
         results = await run_sidecar_bench(options, EngineConfig(chunk_size=64))
     assert results["problems"] == []
     assert results["verified_bit_exact"] and results["shared_memory"]
@@ -958,6 +999,11 @@ async def test_sidecar_bench_reports_every_figure() -> None:
     table = format_sidecar(results)
     assert "store 256 tok" in table and "lookup 1024 tok (sidecar) p50" in table
     assert "round trip (bare ZeroMQ echo, same frames) p50" in table
+    curve = results["curve"]  # the same work through a CURVE sidecar with an allow-list
+    for name in ("store", "retrieve"):
+        assert curve[name]["curve_gbps"] > 0 and curve[name]["ratio"] > 0
+    assert curve["lookup"]["curve_p50_ms"] > 0
+    assert "lookup (CURVE sidecar) p50" in table
 
 
 def test_rpc_modules_never_touch_pickle() -> None:

@@ -51,6 +51,8 @@ CONNECTOR_KEYS: Final = (
     "prefetch_timeout",
     "prefill_tokens_per_s",
     "request_stats",
+    "sidecar_client_certificate",
+    "sidecar_server_key_file",
     "sidecar_timeout",
     "sidecar_url",
     "socket_dir",
@@ -77,6 +79,10 @@ CONNECTOR_KEYS: Final = (
   serve``): the workers keep their cache there instead of in an embedded engine. The
   sidecar owns the tiers, so the only engine keys allowed beside it are
   :data:`SIDECAR_ENGINE_KEYS` (``chunk_size`` must be the sidecar's);
+* ``sidecar_server_key_file``: the sidecar's CURVE public key (its public certificate or
+  the bare z85 key), for a sidecar started with ``--curve-secret-key-file``;
+* ``sidecar_client_certificate``: the ``zmq.auth`` secret certificate the workers prove
+  themselves with; its public half must be in the sidecar's ``--curve-clients``;
 * ``sidecar_timeout``: seconds each request to the sidecar may take (default 5); a sidecar
   that does not answer in time is a miss;
 * ``socket_dir``: directory of the lookup sockets (default: the temporary directory);
@@ -107,6 +113,8 @@ class ConnectorSettings:
     request_stats: bool = False
     sidecar_url: str | None = None
     sidecar_timeout: float = DEFAULT_SIDECAR_TIMEOUT
+    sidecar_server_key: bytes | None = None
+    sidecar_client_certificate: str | None = None
     prefetch_timeout: float = DEFAULT_PREFETCH_TIMEOUT
     load_timeout: float = DEFAULT_LOAD_TIMEOUT
     prefill_tokens_per_s: float | None = None
@@ -150,8 +158,11 @@ class ConnectorSettings:
         sidecar_url = _optional_str(own, "sidecar_url")
         if sidecar_url is not None:
             _check_sidecar(sidecar_url, engine, engine_keys)
-        elif "sidecar_timeout" in own:
-            raise ConfigError("sidecar_timeout", "only meaningful with sidecar_url")
+        else:
+            for key in ("sidecar_timeout", "sidecar_server_key_file", "sidecar_client_certificate"):
+                if key in own:
+                    raise ConfigError(key, "only meaningful with sidecar_url")
+        server_key, certificate = _sidecar_keys(own)
         return cls(
             engine=engine,
             instance_id=instance_id,
@@ -161,11 +172,38 @@ class ConnectorSettings:
             request_stats=request_stats,
             sidecar_url=sidecar_url,
             sidecar_timeout=_seconds(own, "sidecar_timeout", DEFAULT_SIDECAR_TIMEOUT),
+            sidecar_server_key=server_key,
+            sidecar_client_certificate=certificate,
             prefetch_timeout=_seconds(own, "prefetch_timeout", DEFAULT_PREFETCH_TIMEOUT),
             load_timeout=_seconds(own, "load_timeout", DEFAULT_LOAD_TIMEOUT),
             prefill_tokens_per_s=_speed(own, "prefill_tokens_per_s"),
             store_decode_tokens=_flag(own, "store_decode_tokens"),
         )
+
+
+def _sidecar_keys(values: Mapping[str, Any]) -> tuple[bytes | None, str | None]:
+    """The sidecar's CURVE public key and the workers' certificate path, both checked.
+
+    Raises:
+        ConfigError: a key file that holds no key, an unusable certificate, or a
+            certificate without the sidecar's key.
+    """
+    from lmcache_async.rpc.curve import (  # noqa: PLC0415
+        load_client_certificate,
+        load_curve_public_key,
+    )
+
+    key_file = _optional_str(values, "sidecar_server_key_file")
+    certificate = _optional_str(values, "sidecar_client_certificate")
+    if certificate is not None:
+        if key_file is None:
+            raise ConfigError(
+                "sidecar_client_certificate", "needs sidecar_server_key_file (the sidecar's key)"
+            )
+        load_client_certificate(certificate, field="sidecar_client_certificate")
+    if key_file is None:
+        return None, certificate
+    return load_curve_public_key(key_file, field="sidecar_server_key_file"), certificate
 
 
 def _seconds(values: Mapping[str, Any], key: str, default: float) -> float:
@@ -281,6 +319,8 @@ def open_engine(
         revision=revision,
         tenant=tenant,
         timeout=settings.sidecar_timeout,
+        server_public_key=settings.sidecar_server_key,
+        client_certificate=settings.sidecar_client_certificate,
     )
     chunk = engine.chunk_size
     if chunk is None:

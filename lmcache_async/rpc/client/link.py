@@ -22,6 +22,7 @@ from lmcache_async.errors import ProtocolError
 from lmcache_async.rpc.client.segment import Segment
 from lmcache_async.rpc.client.welcome import Welcome
 from lmcache_async.rpc.client.wire import Unavailable, raise_error
+from lmcache_async.rpc.curve import CurveClientKeys
 from lmcache_async.rpc.protocol import Message, MessageLimits, MessageType, decode, encode
 from lmcache_async.rpc.transport import LoopSocket
 
@@ -49,7 +50,7 @@ class Link:
         context: zmq.asyncio.Context,
         url: str,
         identity: bytes,
-        server_public_key: bytes | None,
+        keys: CurveClientKeys | None,
         limits: MessageLimits,
         *,
         on_disconnect: Callable[[Link], None] | None = None,
@@ -63,11 +64,8 @@ class Link:
         socket.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
         socket.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
         socket.setsockopt(zmq.IDENTITY, identity)
-        if server_public_key is not None:
-            public, secret = zmq.curve_keypair()
-            socket.curve_serverkey = server_public_key
-            socket.curve_publickey = public
-            socket.curve_secretkey = secret
+        if keys is not None:
+            keys.apply(socket)
         self._on_disconnect = on_disconnect
         self._monitor: LoopSocket | None = None
         if on_disconnect is not None:

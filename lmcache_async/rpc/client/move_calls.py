@@ -26,6 +26,7 @@ class MoveCalls:
         checksums: Sequence[int],
         start: int = 0,
         location: str | None = None,
+        tenant: str | None = None,
     ) -> int:
         """Cache chunk payloads in the sidecar as they are, each verified there against its
         checksum: the receiving half of :meth:`CacheEngine.move
@@ -38,7 +39,8 @@ class MoveCalls:
         (:func:`~lmcache_async.backends.record.payload_checksum`). They travel inline; the
         sidecar refuses a payload whose bytes or size do not match, and every chunk after
         it. ``location``: the sidecar's tier to write (default: its ``store_location``);
-        queued disk or Redis writes are flushed before it answers.
+        queued disk or Redis writes are flushed before it answers. ``tenant``: whose chunks
+        they are (None: this client's).
 
         Returns the tokens from ``start`` on whose chunks the sidecar took: a prefix of
         those pushed, 0 when the sidecar is unreachable or too slow (logged).
@@ -48,7 +50,7 @@ class MoveCalls:
             EngineClosedError: the client is closed.
         """
         return await self._moves.push_chunks(
-            tokens, payloads, checksums=checksums, start=start, location=location
+            tokens, payloads, checksums=checksums, start=start, location=location, tenant=tenant
         )
 
     async def move(
@@ -59,6 +61,7 @@ class MoveCalls:
         copy: bool = True,
         *,
         timeout: float | None = None,
+        tenant: str | None = None,
     ) -> int:
         """Have the sidecar move a prefix to another sidecar: as :meth:`CacheEngine.move
         <lmcache_async.CacheEngine.move>` run by the sidecar's engine.
@@ -66,7 +69,9 @@ class MoveCalls:
         ``old_position``: a tier of this sidecar; ``new_position``: ``(url, location)`` of
         the target sidecar and its tier. The sidecar gives each request to the target this
         client's timeout; ``timeout`` bounds the whole wait here (default: ten times the
-        client's timeout). Returns the prefix tokens now at the target; 0 when this sidecar
+        client's timeout). ``tenant``: whose chunks (None: this client's). Only an admin
+        certificate may move, to a target on the sidecar's ``--move-targets``. Returns
+        the prefix tokens now at the target; 0 when this sidecar
         or the target is unreachable, or the wait ran out (logged; a move that ran out of
         time here may still finish there).
 
@@ -74,6 +79,9 @@ class MoveCalls:
             InvalidInputError: bad tokens, ``old_position`` is not a tier of this sidecar,
                 ``new_position`` is not a (URL, tier) pair, or the target refused it
                 (another namespace or chunk size, no such tier).
+            PermissionDeniedError: this client's certificate may not move.
             EngineClosedError: the client is closed.
         """
-        return await self._moves.move(tokens, old_position, new_position, copy, timeout=timeout)
+        return await self._moves.move(
+            tokens, old_position, new_position, copy, timeout=timeout, tenant=tenant
+        )

@@ -18,6 +18,7 @@ from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, count, key_fields
 from lmcache_async.rpc.protocol import MessageType
+from lmcache_async.tenancy.tenants import check_tenant
 
 __all__ = ["Moves", "check_move_target"]
 
@@ -41,6 +42,7 @@ class Moves:
         checksums: Sequence[int],
         start: int,
         location: str | None,
+        tenant: str | None = None,
     ) -> int:
         """As :meth:`RemoteCacheEngine.push_chunks`.
 
@@ -66,6 +68,8 @@ class Moves:
         frames.extend(_payload_bytes(payload, index) for index, payload in enumerate(payloads))
         header["start"] = start
         header["checksums"] = sums
+        if tenant is not None:
+            header["tenant"] = check_tenant(tenant)
         header["timeout"] = conn.timeout
         if location is not None:
             header["store_location"] = check_tiers(conn.welcome, [location], "location")
@@ -89,6 +93,7 @@ class Moves:
         copy: bool,
         *,
         timeout: float | None,
+        tenant: str | None = None,
     ) -> int:
         """As :meth:`RemoteCacheEngine.move`.
 
@@ -115,6 +120,7 @@ class Moves:
         header["new_position"] = [url, location]
         header["copy"] = copy
         header["timeout"] = conn.timeout
+        header["tenant"] = check_tenant(tenant) if tenant is not None else conn.tenant
         link = await conn.usable()
         if link is None:
             log.warning("sidecar_move_unreachable", url=conn.url)

@@ -66,6 +66,7 @@ class RemoteCacheEngine(MoveCalls):
         tenant: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         server_public_key: bytes | str | None = None,
+        client_certificate: str | tuple[bytes, bytes] | None = None,
         shared_memory: bool | None = None,
         reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL,
         name: str | None = None,
@@ -79,6 +80,7 @@ class RemoteCacheEngine(MoveCalls):
             tenant=tenant,
             timeout=timeout,
             server_public_key=server_public_key,
+            client_certificate=client_certificate,
             shared_memory=shared_memory,
             reconnect_interval=reconnect_interval,
             name=name,
@@ -112,6 +114,7 @@ class RemoteCacheEngine(MoveCalls):
         tenant: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         server_public_key: bytes | str | None = None,
+        client_certificate: str | tuple[bytes, bytes] | None = None,
         shared_memory: bool | None = None,
         require_server: bool = True,
         reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL,
@@ -122,14 +125,17 @@ class RemoteCacheEngine(MoveCalls):
 
         ``model_name``, ``revision``, ``tenant`` and ``layout`` name the namespace; the
         first client fixes it for the sidecar. ``server_public_key`` (z85) is needed for a
-        sidecar started with a CURVE secret key. ``shared_memory``: None uses the server's
-        segment when it is on this host, False always sends payloads inline, True requires
-        the segment. With ``require_server=False`` an unreachable sidecar is not an error:
-        calls are misses until it answers.
+        sidecar started with a CURVE secret key, and ``client_certificate``: the path of
+        this client's ``zmq.auth`` secret certificate, whose public half is on the sidecar's
+        allow-list (or its (public, secret) z85 key pair). ``shared_memory``: None uses the
+        server's segment when it is on this host, False always sends payloads inline, True
+        requires the segment. With ``require_server=False`` an unreachable sidecar is not an
+        error: calls are misses until it answers.
 
         Raises:
             InvalidInputError: a bad argument, or the sidecar serves another namespace
                 (the message names the difference).
+            ConfigError: ``field="client_certificate"``: the certificate cannot be used.
             ProtocolError: the sidecar speaks another protocol version.
             TierUnavailableError: with ``require_server``, no answer within ``timeout``
                 (a sidecar with CURVE keys does not answer a client without its key).
@@ -142,6 +148,7 @@ class RemoteCacheEngine(MoveCalls):
             tenant=tenant,
             timeout=timeout,
             server_public_key=server_public_key,
+            client_certificate=client_certificate,
             shared_memory=shared_memory,
             reconnect_interval=reconnect_interval,
             name=name,
@@ -285,7 +292,7 @@ class RemoteCacheEngine(MoveCalls):
             header, key_payloads, num_tokens = key_fields(tokens, hashes, offsets)
             header.update(options)
             return await lookups.hits(MessageType.LOOKUP, header, key_payloads, num_tokens) or 0
-        # Chunk digests (of the tenant's keys) instead of the tokens: 16 bytes a chunk on
+        # Chunk digests (of the tenant's keys) instead of the tokens: 32 bytes a chunk on
         # the wire, and the server neither converts nor hashes the prompt.
         guess = hasher.guess(tokens)
         if guess is not None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 import os
 import socket as socketlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.keys.chunks import Namespace
 from lmcache_async.layouts import KVLayout
+from lmcache_async.rpc.curve import CurveClientKeys
 from lmcache_async.rpc.protocol import PROTOCOL_VERSION, MessageLimits
 from lmcache_async.rpc.transport import boot_id
 
@@ -45,10 +46,15 @@ class ClientSettings:
     tenant: str | None = None
     timeout: float = DEFAULT_TIMEOUT
     server_public_key: bytes | str | None = None
+    client_certificate: str | tuple[bytes, bytes] | None = None
+    """The path of this client's ``zmq.auth`` secret certificate, or its (public, secret)
+    z85 key pair; None: a fresh key pair (refused by a sidecar with an allow-list)."""
     shared_memory: bool | None = None
     reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL
     name: str | None = None
     limits: MessageLimits = DEFAULT_CLIENT_LIMITS
+    curve: CurveClientKeys | None = field(default=None, init=False, repr=False)
+    """The CURVE keys the socket uses (None: no CURVE), from the two arguments above."""
 
     def __post_init__(self) -> None:
         url = self.url
@@ -78,6 +84,32 @@ class ClientSettings:
             raise InvalidInputError("server_public_key must be a 40-character z85 CURVE key")
         if not isinstance(self.limits, MessageLimits):
             raise InvalidInputError("limits must be a MessageLimits")
+        object.__setattr__(self, "curve", self._curve_keys(key))
+
+    def _curve_keys(self, server_key: bytes | None) -> CurveClientKeys | None:
+        """The socket's CURVE keys (reads the certificate file, a few hundred bytes).
+
+        Raises:
+            InvalidInputError: a certificate without the server's key, or a bad key pair.
+            ConfigError: ``field="client_certificate"``: the file cannot be used.
+        """
+        given = self.client_certificate
+        if server_key is None:
+            if given is not None:
+                raise InvalidInputError("client_certificate needs server_public_key")
+            return None
+        if given is None or isinstance(given, str):
+            return CurveClientKeys.make(server_key, given)
+        if (
+            not isinstance(given, tuple)
+            or len(given) != 2
+            or not all(isinstance(k, bytes) and len(k) == 40 for k in given)
+        ):
+            raise InvalidInputError(
+                "client_certificate must be a certificate's path or a (public, secret) pair "
+                "of 40-character z85 keys"
+            )
+        return CurveClientKeys(server_key, given[0], given[1])
 
     @property
     def server_key(self) -> bytes | None:

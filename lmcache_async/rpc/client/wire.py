@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from lmcache_async.errors import InvalidInputError, ProtocolError
+from lmcache_async.errors import InvalidInputError, PermissionDeniedError, ProtocolError
 from lmcache_async.keys.key_input import check_key_input
 from lmcache_async.keys.tokens import Tokens, is_strict_int
 from lmcache_async.rpc.protocol import (
@@ -51,6 +51,7 @@ def raise_error(msg_type: MessageType, reply: Message) -> None:
         InvalidInputError: the server refused the request's input.
         ProtocolError: the server could not read the request, or does not serve it.
         SessionLost: the server has no session for this client.
+        PermissionDeniedError: this client's certificate does not allow the request.
         Unavailable: anything else (its engine is closed, it failed internally).
     """
     code = reply.header.get("code")
@@ -61,6 +62,8 @@ def raise_error(msg_type: MessageType, reply: Message) -> None:
         raise ProtocolError(f"the sidecar refused a {msg_type.name} request: {text}")
     if code == ErrorCode.NO_SESSION:
         raise SessionLost(text)
+    if code == ErrorCode.FORBIDDEN:
+        raise PermissionDeniedError(f"the sidecar refused a {msg_type.name} request: {text}")
     log.warning("sidecar_request_failed", type=msg_type.name, code=code, message=text)
     raise Unavailable(text)
 

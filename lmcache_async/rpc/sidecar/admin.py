@@ -1,12 +1,14 @@
 """CLEAR, ERASE, FREEZE, HOT_CACHE, STATS, HEALTH and SHUTDOWN: the sidecar's
 administration.
 
-None of them needs a session: :class:`~lmcache_async.rpc.admin.AdminClient` (behind
-``lmcache-async ctl`` and ``lmcache-async stats``) sends them over a DEALER socket that
-never says HELLO. ERASE names its tenant in ``"tenant"`` (absent: the engine's own) and
-answers ``{"removed": {tier: chunks}, "failed": {tier: why}}``: a tier that could not be
-erased is in ``failed``, not an ERROR reply, so the caller still learns what the others
-removed.
+Only an admin may clear, erase, freeze, hot-cache or shut down, and only an admin reads
+per-tenant figures: a client certificate's STATS comes without them
+(:meth:`AdminHandlers.on_client_stats`). None of them needs a session:
+:class:`~lmcache_async.rpc.admin.AdminClient` (behind ``lmcache-async ctl`` and
+``lmcache-async stats``) sends them over a DEALER socket that never says HELLO. ERASE names its
+tenant in ``"tenant"`` (absent: the engine's own) and answers
+``{"removed": {tier: chunks}, "failed": {tier: why}}``: a tier that could not be erased
+is in ``failed``, not an ERROR reply, so the caller still learns what the others removed.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ class AdminHandlers:
         stats = None if engine is None else to_wire(engine.stats())
         return {"stats": stats, **self._status()}, ()
 
+    async def on_client_stats(self, session: Session | None, message: Message) -> Reply:
+        """STATS for a client certificate: every figure but the per-tenant ones."""
+        header, payloads = await self.on_stats(session, message)
+        return _without_tenants(header), payloads
+
     async def on_health(self, session: Session | None, message: Message) -> Reply:
         engine = self._host.engine
         if engine is None:
@@ -84,3 +91,12 @@ class AdminHandlers:
         log.info("sidecar_shutdown_requested")
         self._stopping.set()
         return {}, ()
+
+
+def _without_tenants(value: Any) -> Any:
+    """``value`` (a STATS reply's wire form) with every ``"tenants"`` entry left out."""
+    if isinstance(value, dict):
+        return {k: _without_tenants(v) for k, v in value.items() if k != "tenants"}
+    if isinstance(value, list):
+        return [_without_tenants(v) for v in value]
+    return value

@@ -35,7 +35,8 @@ TIMED_OPERATIONS: Final = {
 @dataclass(frozen=True, slots=True)
 class Route:
     """One message type's handler, and what it needs before it may run: the client's
-    session (else a ``NO_SESSION`` error), an open engine (else ``ENGINE_CLOSED``)."""
+    session (else a ``NO_SESSION`` error), an open engine (else ``ENGINE_CLOSED``), an
+    admin's certificate (else ``FORBIDDEN``)."""
 
     handler: Handler
     needs_session: bool
@@ -43,3 +44,7 @@ class Route:
     now: NowHandler | None = None
     """Answers the request at once, in the socket's reader callback (a reply header, no
     payloads), or returns None when it must wait: ``handler`` then serves it in a task."""
+    admin: bool = False
+    """Only an admin may send it (erase, clear, freeze, hot-cache, move, shut down)."""
+    for_clients: Handler | None = None
+    """What a client certificate gets instead of ``handler`` (STATS without tenants)."""

@@ -6,6 +6,10 @@ route can answer without waiting (a PING, a HEARTBEAT, a LOOKUP by digests the C
 answers) is answered right there; every other runs in a task of its own, at most
 ``max_concurrency`` at once. A bad message or a failing request gets an ERROR reply and the
 server runs on.
+
+Every message is checked against its sender (:mod:`~lmcache_async.rpc.sidecar.access`):
+an admin's route refuses a client certificate (``FORBIDDEN``), a session serves only the
+key that opened it, and a CURVE peer the ZAP handler refused never gets here.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ import zmq
 import zmq.asyncio
 
 from lmcache_async.engine import CacheEngine
-from lmcache_async.errors import EngineClosedError, InvalidInputError, ProtocolError
+from lmcache_async.errors import (
+    EngineClosedError,
+    InvalidInputError,
+    PermissionDeniedError,
+    ProtocolError,
+)
 from lmcache_async.rpc.events import EventPublisher
 from lmcache_async.rpc.metrics import EngineCollector, LatencyTracker, MetricsServer
 from lmcache_async.rpc.protocol import (
@@ -37,10 +46,12 @@ from lmcache_async.rpc.protocol import (
     request_id_of,
     to_wire,
 )
+from lmcache_async.rpc.sidecar.access import LOCAL_ADMIN, Gatekeeper, Peer, Role, peer_of
 from lmcache_async.rpc.sidecar.admin import AdminHandlers
 from lmcache_async.rpc.sidecar.hello import SessionHandlers
 from lmcache_async.rpc.sidecar.host import EngineHost
 from lmcache_async.rpc.sidecar.lookups import LookupHandlers
+from lmcache_async.rpc.sidecar.moves import MoveHandler
 from lmcache_async.rpc.sidecar.routes import TIMED_OPERATIONS, Route
 from lmcache_async.rpc.sidecar.sessions import Session, Sessions
 from lmcache_async.rpc.sidecar.settings import SidecarSettings
@@ -95,6 +106,8 @@ class SidecarServer:
         self.latency = LatencyTracker(tuple(TIMED_OPERATIONS.values()))
         self.publisher: EventPublisher | None = None
         self.metrics: MetricsServer | None = None
+        self.gatekeeper: Gatekeeper | None = None
+        self._curve = settings.curve_secret_key is not None
 
     def _route_table(self) -> dict[MessageType, Route]:
         hello = SessionHandlers(
@@ -108,6 +121,7 @@ class SidecarServer:
         lookups = LookupHandlers(self.host)
         data = TransferHandlers(self.host, self.sessions)
         admin = AdminHandlers(self.host, status=self._status, stopping=self.stopping)
+        moves = MoveHandler(self.settings, self.host)
         return {
             MessageType.HELLO: Route(hello.on_hello, needs_session=False, needs_engine=False),
             MessageType.HEARTBEAT: Route(hello.on_heartbeat, True, False, hello.heartbeat_now),
@@ -119,15 +133,17 @@ class SidecarServer:
             MessageType.COMMIT: Route(data.on_commit, True, True),
             MessageType.RETRIEVE: Route(data.on_retrieve, True, True),
             MessageType.RELEASE: Route(data.on_release, True, True),
-            MessageType.CLEAR: Route(admin.on_clear, False, True),
-            MessageType.ERASE: Route(admin.on_erase, False, True),
-            MessageType.FREEZE: Route(admin.on_freeze, False, True),
-            MessageType.HOT_CACHE: Route(admin.on_hot_cache, False, True),
-            MessageType.STATS: Route(admin.on_stats, False, False),
+            MessageType.CLEAR: Route(admin.on_clear, False, True, admin=True),
+            MessageType.ERASE: Route(admin.on_erase, False, True, admin=True),
+            MessageType.FREEZE: Route(admin.on_freeze, False, True, admin=True),
+            MessageType.HOT_CACHE: Route(admin.on_hot_cache, False, True, admin=True),
+            MessageType.STATS: Route(
+                admin.on_stats, False, False, for_clients=admin.on_client_stats
+            ),
             MessageType.HEALTH: Route(admin.on_health, False, False),
-            MessageType.SHUTDOWN: Route(admin.on_shutdown, False, False),
+            MessageType.SHUTDOWN: Route(admin.on_shutdown, False, False, admin=True),
             MessageType.PUSH: Route(data.on_push, True, True),
-            MessageType.MOVE: Route(data.on_move, False, True),
+            MessageType.MOVE: Route(moves.on_move, False, True, admin=True),
         }
 
     @property
@@ -156,6 +172,8 @@ class SidecarServer:
             "transactions": self.sessions.transactions(),
             "session_lookup_ids": self.sessions.lookup_ids(),
             "namespace": None if namespace is None else namespace.to_wire(),
+            "curve": self._curve,
+            "peers_refused": 0 if self.gatekeeper is None else self.gatekeeper.refused,
         }
 
     def _status(self) -> dict[str, Any]:
@@ -180,6 +198,8 @@ class SidecarServer:
                 "sidecar_sessions": float(len(self.sessions)),
                 "sidecar_transactions": float(self.sessions.transactions()),
             }
+            if self.gatekeeper is not None:
+                gauges["sidecar_peers_refused"] = float(self.gatekeeper.refused)
             if self.publisher is not None:
                 gauges["kv_event_subscribers"] = float(self.publisher.subscribers)
                 gauges["kv_events_published"] = float(self.publisher.published)
@@ -209,13 +229,20 @@ class SidecarServer:
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[None]] = set()
         sessions = self._by_identity
+        curve = self._curve
 
         def on_message(frames: list[zmq.Frame]) -> None:
             # A client whose requests wait for a slot is alive: keep its session, and
             # let heartbeats and pings through without one, so a server busy with
             # slow stores never lets its clients' sessions time out.
+            peer = peer_of(frames[-1]) if curve else LOCAL_ADMIN
+            if peer is None:  # a CURVE socket delivers only what ZAP admitted
+                log.warning("sidecar_message_without_peer")
+                return
             identity = frames[0].bytes
             session = sessions.get(identity)
+            if session is not None and session.owner != peer.key:
+                session = None  # another key's session: not this peer's to use
             if session is not None:
                 session.last_seen = time.monotonic()
             if self._answered_now(session, frames):
@@ -227,7 +254,7 @@ class SidecarServer:
                     io.pause()
             self._inflight += 1
             self._idle = anyio.Event() if self._idle.is_set() else self._idle
-            task = loop.create_task(self._handle(identity, frames, slot))
+            task = loop.create_task(self._handle(identity, frames, slot, peer))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
@@ -289,9 +316,11 @@ class SidecarServer:
         while self._inflight:
             await self._idle.wait()
 
-    async def _handle(self, identity: bytes, frames: Sequence[FrameLike], slot: bool) -> None:
+    async def _handle(
+        self, identity: bytes, frames: Sequence[FrameLike], slot: bool, peer: Peer
+    ) -> None:
         try:
-            reply = await self._answer(identity, frames[1:])
+            reply = await self._answer(identity, frames[1:], peer)
             io = self._io
             if reply is None or io is None:
                 return
@@ -308,10 +337,10 @@ class SidecarServer:
                 self._idle.set()
 
     async def _answer(
-        self, identity: bytes, body: Sequence[FrameLike]
+        self, identity: bytes, body: Sequence[FrameLike], peer: Peer = LOCAL_ADMIN
     ) -> list[bytes | memoryview] | None:
-        """The reply to one request: its handler's, or an ERROR reply saying why not
-        (None for a request that gets no reply)."""
+        """The reply to one request from ``peer``: its handler's, or an ERROR reply saying
+        why not (None for a request that gets no reply)."""
         limits = self.settings.limits
         try:
             message = decode(
@@ -331,11 +360,27 @@ class SidecarServer:
                 ErrorCode.UNSUPPORTED,
                 f"the sidecar does not serve {message.type.name} requests",
             )
+        handler = route.handler
+        if peer.role is not Role.ADMIN:
+            if route.admin:
+                log.info("sidecar_request_forbidden", type=message.type.name, key=peer.key)
+                return error_reply(
+                    request_id,
+                    ErrorCode.FORBIDDEN,
+                    f"{message.type.name} needs an admin certificate (--curve-admins)",
+                )
+            handler = route.for_clients or handler
         session = self._by_identity.get(identity)
+        if session is not None and session.owner != peer.key:
+            if message.type is MessageType.HELLO:
+                return error_reply(
+                    request_id, ErrorCode.PROTOCOL, "this identity belongs to another peer"
+                )
+            session = None
         if session is not None:
             session.last_seen = time.monotonic()
         if message.type is MessageType.HELLO:
-            session = self._by_identity.get(identity) or Session(identity, "", time.monotonic())
+            session = session or Session(identity, "", time.monotonic(), owner=peer.key)
         elif route.needs_session and session is None:
             return error_reply(
                 request_id, ErrorCode.NO_SESSION, "no session: say HELLO (again) first"
@@ -347,7 +392,9 @@ class SidecarServer:
         operation = TIMED_OPERATIONS.get(message.type)
         started = time.perf_counter()
         try:
-            result = await route.handler(session, message)
+            result = await handler(session, message)
+        except PermissionDeniedError as exc:
+            return error_reply(request_id, ErrorCode.FORBIDDEN, str(exc))
         except ProtocolError as exc:
             log.warning("sidecar_bad_request", type=message.type.name, reason=str(exc))
             return error_reply(request_id, ErrorCode.PROTOCOL, str(exc))

@@ -60,6 +60,9 @@ class Session:
     identity: bytes
     label: str
     last_seen: float
+    owner: str = ""
+    """The z85 public key of the peer that opened it (empty without CURVE): no other
+    peer may use it, even one that takes over its ROUTER identity."""
     transactions: dict[int, Transaction] = field(default_factory=dict)
     lookup_ids: set[int | str] = field(default_factory=set)
 

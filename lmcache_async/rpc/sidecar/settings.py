@@ -7,7 +7,9 @@ never starts with a setting it would refuse later.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Final
 
 from lmcache_async.config import EngineConfig
@@ -15,6 +17,7 @@ from lmcache_async.errors import ConfigError, InvalidInputError
 from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.layouts import KVLayout
 from lmcache_async.rpc.protocol import MessageLimits
+from lmcache_async.rpc.sidecar.access import AccessList
 from lmcache_async.rpc.transport import check_listen_url, default_endpoint
 
 __all__ = [
@@ -103,6 +106,11 @@ class SidecarSettings:
     ``client_timeout`` defaults to five heartbeat intervals. ``namespace`` opens the
     engine at start instead of at the first HELLO.
 
+    ``curve_secret_key`` and ``access`` go together: a CURVE sidecar serves only the
+    certificates on its allow-list (:mod:`~lmcache_async.rpc.sidecar.access`), and
+    ``allow_remote`` needs both. ``move_targets`` maps each sidecar URL a MOVE may go to
+    onto its CURVE public key (None: a target reached without CURVE, on this host only).
+
     Raises:
         ConfigError: a setting is invalid; ``.field`` names it.
     """
@@ -114,16 +122,22 @@ class SidecarSettings:
     client_timeout: float | None = None
     allow_remote: bool = False
     curve_secret_key: bytes | None = None
+    access: AccessList | None = None
+    move_targets: Mapping[str, bytes | None] = field(default_factory=dict)
     limits: MessageLimits = DEFAULT_SIDECAR_LIMITS
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY
     events: str | None = None
     """Where KV events are published (a PUB socket's ``ipc://`` or ``tcp://`` URL, loopback
     unless ``allow_remote``); None: not published."""
+    tenant_events: bool = False
+    """Publish named tenants' events too (their tokens and digests); False: only the
+    unnamed tenant's."""
     metrics_port: int | None = None
     """Port of the Prometheus endpoint on loopback (0: any free one); None: no endpoint."""
 
     def __post_init__(self) -> None:
         check_listen_url(self.listen, allow_remote=self.allow_remote)
+        self._check_access()
         if self.events is not None:
             try:
                 check_listen_url(self.events, allow_remote=self.allow_remote)
@@ -150,6 +164,52 @@ class SidecarSettings:
             raise ConfigError("max_concurrency", f"expected a positive int: {self.max_concurrency}")
         if self.namespace is not None and not isinstance(self.namespace, SidecarNamespace):
             raise ConfigError("namespace", "expected a SidecarNamespace")
+
+    def _check_access(self) -> None:
+        """CURVE with an allow-list or neither; remote binds only with both; move targets
+        well-formed (plain ones local only).
+
+        Raises:
+            ConfigError: naming the setting.
+        """
+        if self.access is not None and not isinstance(self.access, AccessList):
+            raise ConfigError("curve_clients", "expected an AccessList")
+        if self.curve_secret_key is not None and self.access is None:
+            raise ConfigError(
+                "curve_clients",
+                "a CURVE sidecar needs an allow-list (--curve-clients DIR of public "
+                "certificates): without one it would serve any key pair",
+            )
+        if self.access is not None and self.curve_secret_key is None:
+            raise ConfigError("curve_clients", "an allow-list needs --curve-secret-key-file")
+        if self.allow_remote and self.access is None:
+            raise ConfigError(
+                "allow_remote",
+                "--allow-remote needs --curve-secret-key-file and --curve-clients: a sidecar "
+                "reachable from other hosts must know who may use it",
+            )
+        if not isinstance(self.move_targets, Mapping):
+            raise ConfigError("move_targets", "expected a mapping of URL to public key")
+        for url, key in self.move_targets.items():
+            if not isinstance(url, str) or not url.startswith(("ipc://", "tcp://")):
+                raise ConfigError("move_targets", f"expected an ipc:// or tcp:// URL: {url!r:.80}")
+            if key is None:
+                try:
+                    check_listen_url(url, allow_remote=False)
+                except ConfigError:
+                    raise ConfigError(
+                        "move_targets",
+                        f"{url} is not on this host: give its CURVE public key (URL=KEYFILE)",
+                    ) from None
+            elif not isinstance(key, bytes) or len(key) != 40:
+                raise ConfigError("move_targets", f"not a z85 CURVE public key for {url}")
+            elif self.curve_secret_key is None:
+                raise ConfigError(
+                    "move_targets",
+                    f"{url} is reached over CURVE with this sidecar's own key pair: "
+                    "give --curve-secret-key-file",
+                )
+        object.__setattr__(self, "move_targets", MappingProxyType(dict(self.move_targets)))
 
     @property
     def session_timeout(self) -> float:

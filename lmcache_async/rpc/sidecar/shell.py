@@ -2,6 +2,10 @@
 segment, runs a :class:`SidecarServer` until SIGTERM, SIGINT or a SHUTDOWN request, and
 takes everything down in order.
 
+With a CURVE secret key the ZAP handler (:class:`~lmcache_async.rpc.sidecar.access.Gatekeeper`)
+starts before any socket binds, so no peer is ever served before the allow-list applies;
+an ``ipc://`` socket file is made readable and writable by its owner only (mode 0600).
+
 Shutdown: requests in flight finish (bounded by :data:`SHUTDOWN_GRACE_SECONDS`),
 transactions and pins are released, queued tier writes are flushed, the tiers close, the
 shared memory is unlinked and the ipc socket file removed.
@@ -27,6 +31,7 @@ from anyio.abc import TaskGroup
 from lmcache_async.errors import ConfigError, InvalidInputError
 from lmcache_async.rpc.events import EventPublisher
 from lmcache_async.rpc.metrics import MetricsServer, make_registry
+from lmcache_async.rpc.sidecar.access import Gatekeeper
 from lmcache_async.rpc.sidecar.server import SidecarServer
 from lmcache_async.rpc.sidecar.settings import SidecarNamespace, SidecarSettings
 
@@ -66,13 +71,20 @@ def _create_segment(nbytes: int) -> shared_memory.SharedMemory:
         ) from exc
 
 
-def _bind(settings: SidecarSettings) -> tuple[zmq.asyncio.Context, zmq.asyncio.Socket]:
+def _owner_only(url: str) -> None:
+    """Make the socket file of an ``ipc://`` address readable and writable by its owner
+    only (nothing for tcp)."""
+    if url.startswith("ipc://"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(url.removeprefix("ipc://"), 0o600)
+
+
+def _bind(settings: SidecarSettings, context: zmq.asyncio.Context) -> zmq.asyncio.Socket:
     """The ROUTER socket bound to ``settings.listen`` (CURVE server with a secret key).
 
     Raises:
         ConfigError: ``field="listen"``: the address cannot be bound.
     """
-    context = zmq.asyncio.Context()
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, settings.limits.max_frame_bytes)
@@ -83,9 +95,9 @@ def _bind(settings: SidecarSettings) -> tuple[zmq.asyncio.Context, zmq.asyncio.S
         sock.bind(settings.listen)
     except zmq.ZMQError as exc:
         sock.close(linger=0)
-        context.term()
         raise ConfigError("listen", f"cannot listen on {settings.listen}: {exc}") from None
-    return context, sock
+    _owner_only(settings.listen)
+    return sock
 
 
 def _close_segment(segment: shared_memory.SharedMemory) -> None:
@@ -117,16 +129,26 @@ async def serve(
             engine cannot open with ``settings.namespace``.
     """
     segment = _create_segment(settings.config.cpu_capacity_bytes)
-    context: zmq.asyncio.Context | None = None
+    context = zmq.asyncio.Context()
+    gatekeeper: Gatekeeper | None = None
     sock: zmq.asyncio.Socket | None = None
     server: SidecarServer | None = None
     try:
-        context, sock = _bind(settings)
+        if settings.access is not None:
+            gatekeeper = Gatekeeper(context, settings.access)
+            gatekeeper.start()
+        sock = _bind(settings, context)
         server = SidecarServer(settings, sock, segment)
+        server.gatekeeper = gatekeeper
         if settings.events is not None:
             server.publisher = EventPublisher(
-                settings.events, allow_remote=settings.allow_remote, context=context
+                settings.events,
+                allow_remote=settings.allow_remote,
+                context=context,
+                curve_secret_key=settings.curve_secret_key,
+                tenant_events=settings.tenant_events,
             )
+            _owner_only(settings.events)
         if settings.metrics_port is not None:
             server.metrics = await MetricsServer.bind(
                 make_registry(server.collector()), port=settings.metrics_port
@@ -154,8 +176,9 @@ async def serve(
             server.publisher.close()
         if sock is not None:
             sock.close(linger=0)
-        if context is not None:
-            context.term()
+        if gatekeeper is not None:
+            gatekeeper.stop()
+        context.term()
         if settings.listen.startswith("ipc://"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(settings.listen.removeprefix("ipc://"))
@@ -187,6 +210,8 @@ async def _run(
         endpoint=settings.listen,
         shm=server.segment_name,
         curve=settings.curve_secret_key is not None,
+        clients=0 if settings.access is None else len(settings.access.clients),
+        admins=0 if settings.access is None else len(settings.access.admins),
     )
     if on_ready is not None:
         on_ready(server)

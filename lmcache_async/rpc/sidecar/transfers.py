@@ -1,4 +1,4 @@
-"""The data path: STORE/COMMIT, RETRIEVE/RELEASE, and PUSH/MOVE between instances.
+"""The data path: STORE/COMMIT, RETRIEVE/RELEASE, and PUSH from another instance.
 
 Every request about a prompt may name its tenant (``"tenant"``): its chunks are keyed for
 that tenant, so no other tenant's request finds them.
@@ -11,10 +11,11 @@ that tenant, so no other tenant's request finds them.
   client that says it streams (``"stream"``) is served a batch of chunks at a time
   (``"more"`` in the reply: ask again from where it ended, ``"part"`` counting up), so a
   load never holds more than a batch of new memory; the lookup's pins hold until the last
-  part;
+  part. The tokens a RELEASE says were loaded are counted (``retrieved_tokens``) only up
+  to what its transaction lent: a client's figure never inflates the engine's;
 - PUSH: another instance's payloads, inline with their checksums, each copied in and
-  verified before the leading run that passes is cached; MOVE: the engine moves a prefix
-  to another sidecar.
+  verified before the leading run that passes is cached (MOVE, which sends them, is in
+  :mod:`~lmcache_async.rpc.sidecar.moves`).
 
 The handlers decode a message and run the engine's request core (``engine.core``): a
 STORE is the core's store reserve, its COMMIT the core's commit (or abort), a RETRIEVE the
@@ -46,17 +47,17 @@ from lmcache_async.core.store import release
 from lmcache_async.engine import CacheEngine
 from lmcache_async.errors import InvalidInputError, ProtocolError
 from lmcache_async.keys.chunks import ChunkSpan
-from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.memory.pool import AllocationBudget, MemoryObj
-from lmcache_async.rpc.move import move
-from lmcache_async.rpc.protocol import Message, MessageType, tenant_of, tokens_from_payload
+from lmcache_async.rpc.protocol import Message, MessageType, tenant_of
 from lmcache_async.rpc.sidecar.fields import (
     checksums_field,
     flag_field,
     int_field,
     key_input,
+    label_field,
     locations_field,
     lookup_id_field,
+    max_prompt_chunks,
     seconds_field,
     txn_deadline,
 )
@@ -86,6 +87,8 @@ class TransferHandlers:
     def __init__(self, host: EngineHost, sessions: Sessions) -> None:
         self._host = host
         self._sessions = sessions
+        settings = host.settings
+        self._max_chunks = max_prompt_chunks(settings.limits, settings.config.chunk_size)
 
     async def _spans(
         self, engine: CacheEngine, message: Message
@@ -94,8 +97,10 @@ class TransferHandlers:
         the tenant it names (none: the session's own).
 
         Raises:
-            InvalidInputError: ``start`` is not on a chunk boundary, bad keys, or a bad
-                tenant.
+            ProtocolError: a malformed field or key frame.
+            InvalidInputError: ``start`` is not on a chunk boundary, bad keys (more chunks
+                than a prompt within the message limits has, a block hash too big), or a
+                bad tenant.
         """
         start = int_field(message.header, "start", 0)
         if start % engine.config.chunk_size:
@@ -104,7 +109,7 @@ class TransferHandlers:
                 f"{engine.config.chunk_size}), got {start}"
             )
         tenant = tenant_of(message.header)
-        tokens, hashes, offsets = key_input(message)
+        tokens, hashes, offsets = key_input(message, self._max_chunks)
         return await engine.chunk_spans(
             tokens, hashes=hashes, offsets=offsets, start=start, tenant=tenant
         )
@@ -119,20 +124,22 @@ class TransferHandlers:
         locations = engine.check_locations(
             locations_field(header, "store_location"), "store_location"
         )
+        # Every field is read before the core holds anything a bad one would leave held.
+        req_id = label_field(header, "req_id", session.label)
+        # No chunk ending after the client's limit (its first negative slot) is stored.
+        limit = int_field(header, "limit", 0) if "limit" in header else None
+        patience = _patience(header, engine.config.store_timeout)
         spans, tokens = await self._spans(engine, message)
         if not core.store.open():
             return {"stored": 0}, ()
-        # No chunk ending after the client's limit (its first negative slot) is stored.
-        limit = int_field(header, "limit", 0) if "limit" in header else None
         txn = core.store.begin(
-            str(header.get("req_id", session.label)),
+            req_id,
             spans,
             tokens,
             limit=limit,
             locations=locations,
         )
         objs: list[MemoryObj] = []
-        patience = _patience(header, engine.config.store_timeout)
         budget = AllocationBudget(min(engine.config.allocation_timeout, patience))
         with budget.scope(), anyio.move_on_after(patience):
             objs = await core.store.reserve(txn, txn.todo)
@@ -211,6 +218,7 @@ class TransferHandlers:
         lookup_id = lookup_id_field(header, required=False)
         scoped = None if lookup_id is None else session.scoped(lookup_id)
         stream = flag_field(header, "stream")
+        inline = flag_field(header, "inline")  # read first: a bad field leaves nothing lent
         part = int_field(header, "part", 0) if stream else 0
         patience = _patience(header, engine.config.retrieve_timeout)
         budget = AllocationBudget(_allowance(header, engine.config.allocation_timeout, patience))
@@ -265,7 +273,7 @@ class TransferHandlers:
         ]
         reply["txn"] = lent.txn_id
         payloads: list[memoryview] = []
-        if flag_field(header, "inline"):
+        if inline:
             buffer = self._host.need_buffer()
             payloads = [
                 buffer[offset : offset + obj.nbytes]
@@ -283,14 +291,22 @@ class TransferHandlers:
         return max(1, min(config.pipeline_batch_chunks, fits))
 
     async def on_release(self, session: Session | None, message: Message) -> None:
+        """End a retrieve transaction: its payloads go back, and the tokens the client
+        says it loaded (``"loaded"``) are counted, at most those the transaction lent.
+
+        Raises:
+            ProtocolError: ``txn`` or ``loaded`` is not an int (``loaded``: >= 0); the
+                payloads go back all the same.
+        """
         assert session is not None
         lent = session.take(message, MessageType.RETRIEVE)
         if lent is None:
             return
         lent.release()
-        loaded = message.header.get("loaded", 0)
-        if is_strict_int(loaded) and loaded >= 0:
-            self._host.need_engine().core.load.finish(None, loaded)
+        claimed = int_field(message.header, "loaded", 0)
+        # The client's figure is a claim: the counters hold what this sidecar served.
+        served = sum(span.end - span.start for span in lent.spans)
+        self._host.need_engine().core.load.finish(None, min(claimed, served))
 
     # -- moves between instances ----------------------------------------------------------
 
@@ -395,26 +411,6 @@ class TransferHandlers:
         if not await engine.flush(limit):
             log.warning("push_flush_timed_out", seconds=limit)
 
-    async def on_move(self, session: Session | None, message: Message) -> Reply:
-        engine = self._host.need_engine()
-        header = message.header
-        if len(message.payloads) != 1:
-            raise ProtocolError("a move carries exactly one token frame")
-        tokens = tokens_from_payload(message.payloads[0])
-        # Both positions are checked by the engine, which names what is wrong.
-        old_position: Any = header.get("old_position")
-        new_position: Any = header.get("new_position")
-        copy = flag_field(header, "copy", required=True)
-        moved = await move(
-            engine,
-            tokens,
-            old_position,
-            new_position,
-            copy,
-            timeout=seconds_field(header, "timeout"),
-        )
-        return {"moved": moved}, ()
-
 
 def _patience(header: dict[str, Any], longest: float) -> float:
     """How long serving a request may take: :data:`SERVE_SHARE` of the wait its client
@@ -433,6 +429,11 @@ def _allowance(header: dict[str, Any], allocation_timeout: float, patience: floa
     left = header.get("alloc_wait")
     if left is None:
         return min(allocation_timeout, patience)
-    if isinstance(left, bool) or not isinstance(left, int | float) or not math.isfinite(left):
+    if (
+        isinstance(left, bool)
+        or not isinstance(left, int | float)
+        or not math.isfinite(left)
+        or left < 0
+    ):
         raise ProtocolError("'alloc_wait' must be a number of seconds >= 0")
     return max(0.0, min(allocation_timeout, patience, float(left)))
