@@ -16,6 +16,9 @@ the same work:
 
 Each copy figure is the median of ``repeat`` runs after a warm-up run. Targets: the
 sidecar at least 0.9x the in-process throughput, a 32k-token lookup p50 at most 0.5 ms.
+
+With ``curve`` a second sidecar serves the same work on loopback tcp under CURVE with an
+allow-list (:mod:`.sidecar_curve`), and its figures are set beside the plain sidecar's.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from lmcache_async import CacheEngine, EngineConfig, KVCacheClient, KVLayout, Re
 from lmcache_async.bench import format_table, gbps, parse_dtype, percentiles
 from lmcache_async.bench.baselines import slots_over
 from lmcache_async.bench.echo import STOP as ECHO_STOP
+from lmcache_async.bench.sidecar_curve import CurveFiles, free_loopback_port, make_curve_files
 from lmcache_async.config import GB
 from lmcache_async.errors import InvalidInputError, TierUnavailableError
 from lmcache_async.rpc.protocol import MessageType, encode
@@ -87,6 +91,8 @@ class SidecarBenchOptions:
     """Seconds the sidecar process may take to start answering."""
     request_timeout: float = 30.0
     """The client's per-request timeout."""
+    curve: bool = False
+    """Also run the work through a CURVE sidecar with an allow-list, beside the plain one."""
 
     def validate(self) -> None:
         """Check the options.
@@ -96,7 +102,7 @@ class SidecarBenchOptions:
                 unknown.
         """
         for name, value in asdict(self).items():
-            if name in ("seed", "dtype"):
+            if name in ("seed", "dtype", "curve"):
                 continue
             if not value > 0:
                 raise InvalidInputError(f"{name} must be > 0, got {value!r}")
@@ -317,31 +323,49 @@ def _serve_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_async.cli"]
 
 
-def _start_sidecar(config: EngineConfig, directory: str) -> tuple[str, subprocess.Popen[bytes]]:
-    """Start ``lmcache-async serve`` with ``config`` on an ipc socket in ``directory``."""
-    config_path = os.path.join(directory, "sidecar.yaml")
+def _start_sidecar(
+    config: EngineConfig, directory: str, curve: CurveFiles | None = None
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """Start ``lmcache-async serve`` with ``config`` on an ipc socket in ``directory``
+    (with ``curve``: on loopback tcp, serving that allow-list)."""
+    name = "sidecar" if curve is None else "curve-sidecar"
+    config_path = os.path.join(directory, f"{name}.yaml")
     with open(config_path, "w", encoding="utf-8") as f:
         yaml.safe_dump(config.to_dict(), f)
     url = f"ipc://{os.path.join(directory, 'sidecar.sock')}"
+    if curve is not None:
+        url = f"tcp://127.0.0.1:{free_loopback_port()}"
     command = [*_serve_command(), "--log-level", "WARNING", "serve"]
     command += ["--listen", url, "--config", config_path]
-    with open(os.path.join(directory, "sidecar.log"), "wb") as log_file:
+    command += [] if curve is None else curve.serve_flags()
+    with open(os.path.join(directory, f"{name}.log"), "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
     return url, process
 
 
 @contextlib.asynccontextmanager
-async def _sidecar(config: EngineConfig, directory: str) -> AsyncIterator[str]:
+async def _sidecar(
+    config: EngineConfig, directory: str, curve: CurveFiles | None = None
+) -> AsyncIterator[str]:
     """A sidecar process (see :func:`_start_sidecar`); yields its URL and stops it
     (SIGTERM, then SIGKILL) on exit."""
-    url, process = _start_sidecar(config, directory)
+    url, process = _start_sidecar(config, directory, curve)
     try:
         yield url
     finally:
         await _stop(process)
 
 
-async def _wait_ready(url: str, layout: KVLayout, options: SidecarBenchOptions) -> None:
+def _keys(curve: CurveFiles | None) -> dict[str, Any]:
+    """The client's CURVE arguments for a sidecar with ``curve``'s allow-list."""
+    if curve is None:
+        return {}
+    return {"server_public_key": curve.server_public_key, "client_certificate": curve.client_secret}
+
+
+async def _wait_ready(
+    url: str, layout: KVLayout, options: SidecarBenchOptions, curve: CurveFiles | None = None
+) -> None:
     """Retry the handshake until the sidecar at ``url`` answers.
 
     Raises:
@@ -350,7 +374,9 @@ async def _wait_ready(url: str, layout: KVLayout, options: SidecarBenchOptions) 
     with anyio.fail_after(options.startup_timeout):
         while True:
             try:
-                async with RemoteCacheEngine.connect(url, layout, model_name=_MODEL, timeout=1.0):
+                async with RemoteCacheEngine.connect(
+                    url, layout, model_name=_MODEL, timeout=1.0, **_keys(curve)
+                ):
                     return
             except TierUnavailableError:
                 continue  # each attempt waited for an answer: retry at once
@@ -406,6 +432,9 @@ async def run_sidecar_bench(
                 sidecar = await _measure(remote, work, options, problems, "sidecar")
                 ping = await _ping_latency(remote, options)
                 echo = await _echo_latency(directory, options)
+        curve = None
+        if options.curve:
+            curve = await _measure_curve(cfg, directory, work, options, problems)
     lookup_ok = sidecar["lookup"]["p50_ms"] <= TARGETS["lookup_p50_ms"]
     return {
         "options": asdict(options),
@@ -427,8 +456,43 @@ async def run_sidecar_bench(
             "target_p50_ms": TARGETS["lookup_p50_ms"],
             "ok": lookup_ok,
         },
+        "curve": None if curve is None else _curve_entry(copy_bytes, curve, sidecar),
         "problems": problems,
     }
+
+
+async def _measure_curve(
+    config: EngineConfig,
+    directory: str,
+    work: _Work,
+    options: SidecarBenchOptions,
+    problems: list[str],
+) -> dict[str, Any]:
+    """The work through a sidecar under CURVE with an allow-list (loopback tcp)."""
+    files = make_curve_files(os.path.join(directory, "curve"))
+    async with _sidecar(config, directory, files) as url:
+        await _wait_ready(url, work.layout, options, files)
+        async with RemoteCacheEngine.connect(
+            url, work.layout, model_name=_MODEL, timeout=options.request_timeout, **_keys(files)
+        ) as remote:
+            return await _measure(remote, work, options, problems, "CURVE sidecar")
+
+
+def _curve_entry(nbytes: int, curve: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """The CURVE sidecar's figures, each with its ratio to the plain sidecar's."""
+    entries: dict[str, Any] = {}
+    for name in ("store", "retrieve"):
+        side = gbps(nbytes, statistics.median(curve[f"{name}_times"]))
+        base = gbps(nbytes, statistics.median(plain[f"{name}_times"]))
+        entries[name] = {"curve_gbps": side, "plain_gbps": base, "ratio": side / base}
+    ours, theirs = curve["lookup"]["p50_ms"], plain["lookup"]["p50_ms"]
+    entries["lookup"] = {
+        "curve_p50_ms": ours,
+        "plain_p50_ms": theirs,
+        "curve_p99_ms": curve["lookup"]["p99_ms"],
+        "ratio": ours / theirs if theirs > 0 else math.inf,
+    }
+    return entries
 
 
 def _f(value: float, spec: str) -> str:
@@ -477,6 +541,31 @@ def format_sidecar(results: Mapping[str, Any]) -> str:
             ]
         )
     header = ["sidecar benchmark", "figure", "beside", "ratio", "target", ""]
+    curve = results.get("curve")
+    if curve is not None:
+        for name in ("store", "retrieve"):
+            e = curve[name]
+            rows.append(
+                [
+                    f"{name} (CURVE sidecar, allow-list)",
+                    f"{_f(e['curve_gbps'], '.2f')} GB/s",
+                    f"plain sidecar {_f(e['plain_gbps'], '.2f')} GB/s",
+                    f"{_f(e['ratio'], '.2f')}x",
+                    "(info)",
+                    "",
+                ]
+            )
+        e = curve["lookup"]
+        rows.append(
+            [
+                "lookup (CURVE sidecar) p50",
+                f"{_f(e['curve_p50_ms'], '.3f')} ms",
+                f"plain sidecar {_f(e['plain_p50_ms'], '.3f')} ms",
+                f"{_f(e['ratio'], '.2f')}x",
+                "(info)",
+                "",
+            ]
+        )
     lines = [format_table(header, rows)]
     transport = "shared memory" if results["shared_memory"] else "inline frames"
     exact = "bit-exact" if results["verified_bit_exact"] else "NOT bit-exact"

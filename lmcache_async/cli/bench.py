@@ -51,6 +51,12 @@ def add_bench_parser(sub: Any) -> None:
         help="store/retrieve GB/s through a sidecar next to in-process, lookup round trips",
     )
     bench.add_argument(
+        "--curve",
+        action="store_true",
+        help="--sidecar: also run the work through a sidecar under CURVE with an allow-list, "
+        "beside the plain one",
+    )
+    bench.add_argument(
         "--gpu",
         action="store_true",
         help="store/retrieve D2H and H2D GB/s with KV caches on the GPU next to a plain pinned "
@@ -204,11 +210,14 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.load(args.config, **overrides)
 
 
-def _run_sidecar_bench(run: Any, config: EngineConfig) -> dict[str, Any]:
+def _run_sidecar_bench(run: Any, config: EngineConfig, *, curve: bool) -> dict[str, Any]:
     """Run the async sidecar benchmark to completion."""
     import anyio  # noqa: PLC0415
 
-    result: dict[str, Any] = anyio.run(functools.partial(run, None, config))
+    from lmcache_async.bench.sidecar import SidecarBenchOptions  # noqa: PLC0415
+
+    options = SidecarBenchOptions(curve=curve)
+    result: dict[str, Any] = anyio.run(functools.partial(run, options, config))
     return result
 
 
@@ -269,7 +278,7 @@ def run_bench(args: argparse.Namespace) -> int:
     elif args.sidecar:
         from lmcache_async.bench.sidecar import format_sidecar, run_sidecar_bench  # noqa: PLC0415
 
-        results = _run_sidecar_bench(run_sidecar_bench, config)
+        results = _run_sidecar_bench(run_sidecar_bench, config, curve=args.curve)
         summary = format_sidecar(results)
         failed = bool(results.get("problems"))
     elif args.gpu:
