@@ -19,7 +19,7 @@ import torch
 from lmcache_async.backends.codec import Codec
 from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.backends.record import RecordSpec
-from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.keys.chunks import DIGEST_SIZE, ChunkKey
 from lmcache_async.layouts import KVLayout
 from lmcache_async.memory.pool import MemoryPool
 
@@ -43,7 +43,7 @@ def make_spec(codec: Codec = Codec.NONE) -> RecordSpec:
 
 
 def key_for(i: int) -> ChunkKey:
-    return ChunkKey(i.to_bytes(16, "little"))
+    return ChunkKey(i.to_bytes(DIGEST_SIZE, "little"))
 
 
 def payload_for(i: int) -> torch.Tensor:
