@@ -20,6 +20,9 @@ TENANT_HASHERS: Final = 256
 """Hashers of named tenants kept (each with a small digest memo)."""
 
 _TENANT_MEMO_PROMPTS: Final = 4
+_TENANT_MEMO_BYTES: Final = 1 << 20
+"""Each named tenant's memo holds at most this (a prompt of ~200k tokens): the hashers of
+256 tenants a client names hold at most 256 MiB of memos together."""
 
 
 class TenantHashers:
@@ -61,6 +64,7 @@ class TenantHashers:
             chunk_size=base.chunk_size,
             algorithm=base.algorithm,
             memo_size=_TENANT_MEMO_PROMPTS,
+            memo_max_bytes=_TENANT_MEMO_BYTES,
         )
         hashers[tenant] = hasher
         if len(hashers) > self._capacity:

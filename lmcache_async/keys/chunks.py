@@ -343,8 +343,9 @@ class ChunkHasher:
     of a prefix are the first keys of any longer sequence. Safe to share between threads.
 
     ``memo_size`` > 0 remembers the digests of that many recent prompts of at least
-    ``memo_min_tokens`` tokens, so asking again about the same long prompt (lookup, then
-    retrieve, then store) costs a comparison instead of a re-hash.
+    ``memo_min_tokens`` tokens (``memo_max_bytes`` of tokens and digests in all), so asking
+    again about the same long prompt (lookup, then retrieve, then store) costs a
+    comparison instead of a re-hash.
 
     Raises:
         InvalidInputError: ``chunk_size`` is not a positive int, ``namespace`` is not a
@@ -370,6 +371,7 @@ class ChunkHasher:
         algorithm: HashAlgorithm = HashAlgorithm.BLAKE3,
         memo_size: int = 0,
         memo_min_tokens: int = 4096,
+        memo_max_bytes: int = 64 << 20,
     ) -> None:
         if not isinstance(namespace, Namespace):
             raise InvalidInputError(f"namespace must be a Namespace, got {namespace!r:.80}")
@@ -384,7 +386,7 @@ class ChunkHasher:
         self._chain = chain_function(self._algorithm)
         if not is_strict_int(memo_size) or memo_size < 0:
             raise InvalidInputError(f"memo_size must be an int >= 0, got {memo_size!r}")
-        self._memo = TokenMemo(memo_size, memo_min_tokens) if memo_size else None
+        self._memo = TokenMemo(memo_size, memo_min_tokens, memo_max_bytes) if memo_size else None
 
     def remembered(self, tokens: Tokens) -> list[bytes] | None:
         """The digests of ``tokens`` if the memo holds them, else None (see :meth:`probe`).

@@ -39,6 +39,10 @@ _INT32_TAG: Final = "<i4"  # the hashed form's dtype (see TOKEN_BYTES)
 _LIST_TAG: Final = "list"
 _MEMO_LISTS: Final = 8
 """Prompts a memo keeps as lists, at most (see :class:`_DigestMemo`)."""
+_LIST_ITEM_BYTES: Final = 8
+"""What a remembered list costs a token (its pointer; the int objects are the caller's)."""
+_DIGEST_ENTRY_BYTES: Final = 72
+"""What a remembered digest costs: a small bytes object and its list slot."""
 _LIST_SAME_ITEMS: Final = 64
 """Leading items of a probed list that must be the very objects of the remembered copy
 before the two are compared on the caller's thread (see :meth:`_DigestMemo.get_list`)."""
@@ -154,13 +158,30 @@ class _DigestMemo:
     is remembered as a copy of the list, in a table of its own: a list holds 8 bytes a
     token and keeps its int objects alive, several times the bytes of the other forms, so
     fewer of them are kept (``list_capacity``).
+
+    The entries of both tables together hold at most ``max_bytes`` (tokens and digests,
+    as :func:`_entry_bytes` counts them): the oldest go first, and a prompt that alone
+    would pass the budget is not remembered, so no client's prompts can make the memo
+    large whatever their length.
     """
 
-    __slots__ = ("_capacity", "_entries", "_list_capacity", "_lists", "_lock")
+    __slots__ = (
+        "_bytes",
+        "_capacity",
+        "_entries",
+        "_list_capacity",
+        "_lists",
+        "_lock",
+        "_max_bytes",
+        "_sizes",
+    )
 
-    def __init__(self, capacity: int, list_capacity: int) -> None:
+    def __init__(self, capacity: int, list_capacity: int, max_bytes: int) -> None:
         self._capacity = capacity
         self._list_capacity = list_capacity
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._sizes: dict[tuple[bool, MemoKey], int] = {}
         self._entries: collections.OrderedDict[MemoKey, tuple[bytes, list[bytes]]] = (
             collections.OrderedDict()
         )
@@ -196,8 +217,13 @@ class _DigestMemo:
         return True
 
     def put(self, fingerprint: MemoKey, data: bytes, digests: list[bytes]) -> None:
+        size = _entry_bytes(len(data), len(digests))
+        if size > self._max_bytes:
+            return
         with self._lock:
+            self._forget(False, fingerprint)
             lru_put(self._entries, self._capacity, fingerprint, (data, list(digests)))
+            self._admit(False, fingerprint, size)
 
     def get_list(self, fingerprint: MemoKey, tokens: list[int]) -> list[bytes] | None:
         """The digests remembered for a list equal to ``tokens``.
@@ -242,8 +268,30 @@ class _DigestMemo:
         return True
 
     def put_list(self, fingerprint: MemoKey, copy: list[int], digests: list[bytes]) -> None:
+        size = _entry_bytes(_LIST_ITEM_BYTES * len(copy), len(digests))
+        if size > self._max_bytes:
+            return
         with self._lock:
+            self._forget(True, fingerprint)
             lru_put(self._lists, self._list_capacity, fingerprint, (copy, list(digests)))
+            self._admit(True, fingerprint, size)
+
+    def _forget(self, is_list: bool, fingerprint: MemoKey) -> None:
+        """Drop the size of an entry about to be replaced (under the lock)."""
+        self._bytes -= self._sizes.pop((is_list, fingerprint), 0)
+
+    def _admit(self, is_list: bool, fingerprint: MemoKey, size: int) -> None:
+        """Count a new entry, then forget what the tables' LRU dropped and the oldest
+        entries beyond the byte budget (under the lock)."""
+        self._sizes[(is_list, fingerprint)] = size
+        self._bytes += size
+        for table, listed in ((self._entries, False), (self._lists, True)):
+            for key in [k for (lst, k) in self._sizes if lst is listed and k not in table]:
+                self._bytes -= self._sizes.pop((listed, key))
+        while self._bytes > self._max_bytes:
+            table = self._lists if self._lists else self._entries
+            key, _ = table.popitem(last=False)
+            self._bytes -= self._sizes.pop((table is self._lists, key), 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,18 +327,23 @@ class DigestGuess:
         return self._compare()
 
 
+def _entry_bytes(token_bytes: int, digests: int) -> int:
+    """The memory an entry of ``token_bytes`` of tokens and ``digests`` digests holds."""
+    return token_bytes + digests * _DIGEST_ENTRY_BYTES
+
+
 class TokenMemo:
     """The memo as :class:`~lmcache_async.keys.chunks.ChunkHasher` asks it: the digests of up to
     ``prompts`` recent prompts of at least ``min_tokens`` tokens, found by the tokens in
-    the form they come in, and what a miss fills once they are hashed. Safe to share
-    between threads.
+    the form they come in, and what a miss fills once they are hashed; at most
+    ``max_bytes`` in all. Safe to share between threads.
     """
 
     __slots__ = ("_memo", "_min_bytes", "tensor_views")
 
-    def __init__(self, prompts: int, min_tokens: int) -> None:
+    def __init__(self, prompts: int, min_tokens: int, max_bytes: int) -> None:
         # Two entries a prompt at most: its int32 form and the form it came in.
-        self._memo = _DigestMemo(2 * prompts, min(prompts, _MEMO_LISTS))
+        self._memo = _DigestMemo(2 * prompts, min(prompts, _MEMO_LISTS), max_bytes)
         self._min_bytes = min_tokens * TOKEN_BYTES
         self.tensor_views = _TensorViews(prompts)
         """Views of the token memory of recently probed CPU tensors."""

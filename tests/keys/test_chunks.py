@@ -1026,6 +1026,21 @@ def test_the_memo_holds_memo_size_prompts_in_both_forms() -> None:
     assert all(memo.remembered(t.to(torch.int32)) is not None for t in prompts[1:])
 
 
+def test_the_memo_holds_at_most_its_bytes_whatever_the_prompts() -> None:
+    """Four prompts of 1,000 tokens (~8.5 KB each as the memo keeps them, with their
+    digests) in a memo of 20 KB: only the newest two stay; a prompt larger than the budget
+    is not kept at all."""
+    memo = ChunkHasher(NS, chunk_size=16, memo_size=8, memo_min_tokens=64, memo_max_bytes=20_000)
+    prompts = [np.arange(start, start + 1000, dtype=np.int32) for start in range(0, 4000, 1000)]
+    for tokens in prompts:
+        memo.digests(tokens)
+    assert [memo.remembered(t) is not None for t in prompts] == [False, False, True, True]
+    huge = np.arange(10**6, 10**6 + 10_000, dtype=np.int32)  # over 20 KB of tokens alone
+    memo.digests(huge)
+    assert memo.remembered(huge) is None
+    assert memo.remembered(prompts[3]) is not None  # nothing else was pushed out for it
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_hashing_after_a_probe_reuses_it_and_fills_the_memo(dtype: torch.dtype) -> None:
     memo = ChunkHasher(NS, chunk_size=16, memo_size=2, memo_min_tokens=64)
