@@ -9,6 +9,7 @@ through :class:`~lmcache_async.layouts.kinds.PagedLayout`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 import torch
 
@@ -23,6 +24,7 @@ from lmcache_async.layouts.kinds import (
 )
 
 __all__ = [
+    "FIELD_MAXIMA",
     "cache_geometry",
     "check_fields",
     "check_kv_caches",
@@ -34,6 +36,17 @@ __all__ = [
 ]
 
 
+FIELD_MAXIMA: Final = {
+    "num_layers": 4096,
+    "block_size": 1 << 16,
+    "num_kv_heads": 4096,
+    "head_size": 1 << 16,
+    "tp_world_size": 1 << 16,
+}
+"""The largest value of each field: far beyond any model, so only a bogus layout (as a
+hostile HELLO may name) is refused, before it sizes anything."""
+
+
 def check_fields(layout: PagedLayout) -> None:
     """Check a new layout's fields (its ``kind`` already a :class:`LayoutKind`) one by one,
     then their combinations; ``cpu_packing`` is checked apart
@@ -43,10 +56,12 @@ def check_fields(layout: PagedLayout) -> None:
         InvalidInputError: a field is out of range or the combination is impossible; the
             message starts with the field's name.
     """
-    for name in ("num_layers", "block_size", "num_kv_heads", "head_size", "tp_world_size"):
+    for name, largest in FIELD_MAXIMA.items():
         value = getattr(layout, name)
-        if not is_strict_int(value) or value <= 0:
-            raise InvalidInputError(f"{name}: expected a positive int, got {value!r}")
+        if not is_strict_int(value) or not 0 < value <= largest:
+            raise InvalidInputError(
+                f"{name}: expected a positive int of at most {largest}, got {value!r:.40}"
+            )
     if not is_strict_int(layout.tp_rank) or not 0 <= layout.tp_rank < layout.tp_world_size:
         raise InvalidInputError(
             f"tp_rank: expected an int in [0, {layout.tp_world_size}), got {layout.tp_rank!r}"

@@ -76,6 +76,7 @@ _ERRORS: Final[dict[str, type[Exception]]] = {
     ErrorCode.PROTOCOL: ProtocolError,
     ErrorCode.UNSUPPORTED: ProtocolError,
     ErrorCode.FORBIDDEN: PermissionDeniedError,
+    ErrorCode.BUSY: TierUnavailableError,
     ErrorCode.INTERNAL: TierError,
 }
 

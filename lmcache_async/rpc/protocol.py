@@ -39,6 +39,7 @@ from lmcache_async.tenancy.tenants import check_tenant
 __all__ = [
     "DEFAULT_MAX_HEADER_BYTES",
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "MAX_REQUEST_ID_CHARS",
     "PROTOCOL_VERSION",
     "ErrorCode",
     "FrameLike",
@@ -78,6 +79,8 @@ FrameLike: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
 # Header keys set by encode() itself.
 _VERSION_KEY: Final = "v"
 _ID_KEY: Final = "id"
+MAX_REQUEST_ID_CHARS: Final = 1024
+"""Longest str request id: replies echo it, so it must stay small."""
 _SIZES_KEY: Final = "sizes"
 _RESERVED_KEYS: Final = frozenset({_VERSION_KEY, _ID_KEY, _SIZES_KEY})
 
@@ -144,6 +147,9 @@ class ErrorCode(enum.StrEnum):
     NO_SESSION = "no_session"
     """The request needs a session and the sender has none (no HELLO yet, or it expired):
     say hello again."""
+    BUSY = "busy"
+    """The sender has too much in flight or held (requests, transactions, pins), or the
+    endpoint is full: nothing was done; retry later."""
     FORBIDDEN = "forbidden"
     """The sender's certificate does not allow this request (it needs an admin one)."""
     INTERNAL = "internal"
@@ -368,6 +374,10 @@ def decode(
     request_id = header.get(_ID_KEY)
     if request_id is not None and type(request_id) is not int and type(request_id) is not str:
         raise ProtocolError(f"request id must be an int or str, got {type(request_id).__name__}")
+    if type(request_id) is str and len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ProtocolError(
+            f"request id of {len(request_id)} characters: at most {MAX_REQUEST_ID_CHARS}"
+        )
     payloads = [_frame_view(frame, i) for i, frame in enumerate(frames[2:], start=2)]
     actual = [view.nbytes for view in payloads]
     total = sum(actual)
@@ -401,9 +411,11 @@ def request_id_of(frames: Sequence[FrameLike], *, max_header_bytes: int) -> Requ
     if not isinstance(header, dict):
         return None
     request_id = header.get(_ID_KEY)
-    if is_strict_int(request_id) or isinstance(request_id, str):
+    if is_strict_int(request_id):
         return request_id
-    return None
+    if isinstance(request_id, str) and len(request_id) <= MAX_REQUEST_ID_CHARS:
+        return request_id
+    return None  # not one to echo (an over-long id would swell the error reply)
 
 
 def error_reply(
@@ -483,13 +495,22 @@ def hashes_from_wire(value: object) -> list[int | bytes]:
     return hashes
 
 
+_WIRE_INT_MIN: Final = -(1 << 63)
+_WIRE_INT_MAX: Final = (1 << 64) - 1
+
+
 def to_wire(value: object) -> Any:
     """``value`` as plain msgpack-ready data: dataclasses and mappings become maps (str
-    keys), enums their value, tuples and other iterables lists.
+    keys), enums their value, tuples and other iterables lists, ints clamped to msgpack's
+    range.
 
     Raises:
         InvalidInputError: a value that has no plain form (an arbitrary object).
     """
+    if type(value) is int:
+        # msgpack holds [-2**63, 2**64): a figure past it is shown at the bound, never
+        # left to make the whole reply unencodable.
+        return min(max(value, _WIRE_INT_MIN), _WIRE_INT_MAX)
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return value.value if isinstance(value, enum.Enum) else value
     if isinstance(value, enum.Enum):

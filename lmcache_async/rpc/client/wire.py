@@ -62,6 +62,8 @@ def raise_error(msg_type: MessageType, reply: Message) -> None:
         raise ProtocolError(f"the sidecar refused a {msg_type.name} request: {text}")
     if code == ErrorCode.NO_SESSION:
         raise SessionLost(text)
+    if code == ErrorCode.BUSY:
+        raise Unavailable(text)  # a miss, like a timeout, without the wait
     if code == ErrorCode.FORBIDDEN:
         raise PermissionDeniedError(f"the sidecar refused a {msg_type.name} request: {text}")
     log.warning("sidecar_request_failed", type=msg_type.name, code=code, message=text)

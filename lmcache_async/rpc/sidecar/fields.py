@@ -82,8 +82,10 @@ def int_field(header: dict[str, Any], name: str, default: int) -> int:
     return int(value)
 
 
-def seconds_field(header: dict[str, Any], name: str) -> float | None:
-    """A positive number of seconds, or None when absent. Raises ProtocolError."""
+def seconds_field(header: dict[str, Any], name: str, maximum: float = math.inf) -> float | None:
+    """A positive number of seconds, at most ``maximum`` (a larger one is clamped: a
+    client cannot make the server wait longer than it allows), or None when absent.
+    Raises ProtocolError."""
     value = header.get(name)
     if value is None:
         return None
@@ -94,7 +96,7 @@ def seconds_field(header: dict[str, Any], name: str) -> float | None:
         or value <= 0
     ):
         raise ProtocolError(f"'{name}' must be a positive number of seconds")
-    return float(value)
+    return min(float(value), maximum)
 
 
 def checksums_field(header: dict[str, Any], count: int) -> list[int]:

@@ -53,6 +53,7 @@ class LookupHandlers:
         self._host = host
         settings = host.settings
         self._max_chunks = max_prompt_chunks(settings.limits, settings.config.chunk_size)
+        self._max_pins = settings.max_session_pins
 
     def now(self, session: Session | None, message: Message) -> dict[str, Any] | None:
         """A LOOKUP by chunk digests that the engine answers without waiting (its CPU tier
@@ -62,6 +63,8 @@ class LookupHandlers:
         if engine is None or "digests_of" not in header or "search_range" in header:
             return None
         pin, lookup_id, scoped = pin_fields(session, header)
+        if pin and lookup_id is not None:
+            session.hold_lookup(lookup_id, self._max_pins)
         hits = engine.lookup_digests_now(
             digests_frame(message, self._max_chunks),
             int_field(header, "digests_of", -1),
@@ -71,8 +74,6 @@ class LookupHandlers:
         )
         if hits is None:
             return None
-        if pin and lookup_id is not None:
-            session.lookup_ids.add(lookup_id)
         return {"hits": hits}
 
     async def on_lookup(self, session: Session | None, message: Message) -> Reply:
@@ -89,7 +90,7 @@ class LookupHandlers:
             num_tokens = int_field(header, "digests_of", -1)
             digests = digests_frame(message, self._max_chunks)
             if pin and lookup_id is not None:
-                session.lookup_ids.add(lookup_id)
+                session.hold_lookup(lookup_id, self._max_pins)
             hits = await engine.lookup_digests(
                 digests,
                 num_tokens,
@@ -101,7 +102,7 @@ class LookupHandlers:
             return {"hits": hits}, ()
         tokens, hashes, offsets = key_input(message, self._max_chunks)
         if pin and lookup_id is not None:
-            session.lookup_ids.add(lookup_id)
+            session.hold_lookup(lookup_id, self._max_pins)
         hits = await engine.lookup(
             tokens,
             hashes=hashes,
@@ -121,7 +122,7 @@ class LookupHandlers:
         lookup_id = lookup_id_field(header, required=True)
         assert lookup_id is not None
         tokens, hashes, offsets = key_input(message, self._max_chunks)
-        session.lookup_ids.add(lookup_id)
+        session.hold_lookup(lookup_id, self._max_pins)
         promise = await engine.promise(
             tokens,
             lookup_id=session.scoped(lookup_id),
@@ -142,7 +143,7 @@ class LookupHandlers:
         assert lookup_id is not None
         tenant = tenant_of(header)
         tokens, hashes, offsets = key_input(message, self._max_chunks)
-        session.lookup_ids.add(lookup_id)
+        session.hold_lookup(lookup_id, self._max_pins)
         hits = await engine.prefetch(
             tokens,
             lookup_id=session.scoped(lookup_id),

@@ -34,6 +34,7 @@ class MoveHandler:
     def __init__(self, settings: SidecarSettings, host: EngineHost) -> None:
         self._host = host
         self._targets = settings.move_targets
+        self._max_timeout = settings.max_request_timeout
         secret = settings.curve_secret_key
         self._own_keys = None if secret is None else (zmq.curve_public(secret), secret)
 
@@ -68,7 +69,7 @@ class MoveHandler:
             old_position,
             new_position,
             copy,
-            timeout=seconds_field(header, "timeout"),
+            timeout=seconds_field(header, "timeout", self._max_timeout),
             tenant=tenant,
             server_public_key=server_key,
             client_certificate=None if server_key is None else self._own_keys,

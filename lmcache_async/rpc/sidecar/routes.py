@@ -2,8 +2,9 @@
 
 A handler takes the client's session (None for a request that needs none) and the decoded
 request; it returns the reply's header and payloads, or None for a message that gets no
-reply (RELEASE). Raising ProtocolError, InvalidInputError or EngineClosedError turns into
-an ERROR reply with the matching code; anything else into an ``INTERNAL`` one.
+reply (RELEASE). Raising ProtocolError, InvalidInputError, EngineClosedError,
+PermissionDeniedError or :class:`Busy` turns into an ERROR reply with the matching code;
+anything else into an ``INTERNAL`` one.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 from lmcache_async.rpc.protocol import Message, MessageType
-from lmcache_async.rpc.sidecar.sessions import Session
+from lmcache_async.rpc.sidecar.sessions import Busy, Session
 
-__all__ = ["TIMED_OPERATIONS", "Handler", "NowHandler", "Reply", "Route"]
+__all__ = ["TIMED_OPERATIONS", "Busy", "Handler", "NowHandler", "Reply", "Route"]
 
 Reply: TypeAlias = tuple[dict[str, Any], Sequence[object]]
 Handler: TypeAlias = Callable[[Session | None, Message], Awaitable[Reply | None]]

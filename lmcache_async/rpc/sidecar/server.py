@@ -48,11 +48,12 @@ from lmcache_async.rpc.protocol import (
 )
 from lmcache_async.rpc.sidecar.access import LOCAL_ADMIN, Gatekeeper, Peer, Role, peer_of
 from lmcache_async.rpc.sidecar.admin import AdminHandlers
+from lmcache_async.rpc.sidecar.admission import Admission
 from lmcache_async.rpc.sidecar.hello import SessionHandlers
 from lmcache_async.rpc.sidecar.host import EngineHost
 from lmcache_async.rpc.sidecar.lookups import LookupHandlers
 from lmcache_async.rpc.sidecar.moves import MoveHandler
-from lmcache_async.rpc.sidecar.routes import TIMED_OPERATIONS, Route
+from lmcache_async.rpc.sidecar.routes import TIMED_OPERATIONS, Busy, Route
 from lmcache_async.rpc.sidecar.sessions import Session, Sessions
 from lmcache_async.rpc.sidecar.settings import SidecarSettings
 from lmcache_async.rpc.sidecar.transfers import TransferHandlers
@@ -63,7 +64,8 @@ __all__ = ["SidecarServer"]
 
 log = structlog.get_logger(__name__)
 
-_PROBES: Final = frozenset({MessageType.HEARTBEAT, MessageType.PING})
+_CAUSES_LOGGED: Final = 64
+"""Distinct causes of failed replies logged with their traceback; later ones are counted."""
 
 
 class SidecarServer:
@@ -93,7 +95,11 @@ class SidecarServer:
             heartbeat_interval=settings.heartbeat_interval,
         )
         self._by_identity = self.sessions.by_identity  # read for every message
-        self._free_slots = settings.max_concurrency
+        self.admission = Admission(
+            total=settings.max_concurrency, per_peer=settings.max_peer_requests
+        )
+        self.failed_replies = 0
+        self._causes_logged: set[str] = set()
         self._io: LoopSocket | None = None
         self._inflight = 0
         self._idle = anyio.Event()
@@ -174,6 +180,9 @@ class SidecarServer:
             "namespace": None if namespace is None else namespace.to_wire(),
             "curve": self._curve,
             "peers_refused": 0 if self.gatekeeper is None else self.gatekeeper.refused,
+            "busy_replies": self.admission.refused,
+            "requests_in_flight": self.admission.in_flight,
+            "failed_replies": self.failed_replies,
         }
 
     def _status(self) -> dict[str, Any]:
@@ -200,6 +209,8 @@ class SidecarServer:
             }
             if self.gatekeeper is not None:
                 gauges["sidecar_peers_refused"] = float(self.gatekeeper.refused)
+            gauges["sidecar_busy_replies"] = float(self.admission.refused)
+            gauges["sidecar_failed_replies"] = float(self.failed_replies)
             if self.publisher is not None:
                 gauges["kv_event_subscribers"] = float(self.publisher.subscribers)
                 gauges["kv_events_published"] = float(self.publisher.published)
@@ -223,18 +234,17 @@ class SidecarServer:
         Requests are read in the event loop's reader callback (:class:`LoopSocket`) and run
         as plain asyncio tasks rather than in an anyio task group: on a small machine
         ``start_soon`` costs about 50 us a task against 9 us for ``create_task``, a large
-        share of a lookup's round trip. At ``max_concurrency`` requests in flight, reading
-        pauses (requests wait in ZeroMQ's bounded queue) until one finishes.
+        share of a lookup's round trip. The socket is always read: a data request that
+        finds no slot (:class:`~.admission.Admission`) is answered ``busy`` at once, and
+        the control requests take none.
         """
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[None]] = set()
         sessions = self._by_identity
         curve = self._curve
+        admission = self.admission
 
         def on_message(frames: list[zmq.Frame]) -> None:
-            # A client whose requests wait for a slot is alive: keep its session, and
-            # let heartbeats and pings through without one, so a server busy with
-            # slow stores never lets its clients' sessions time out.
             peer = peer_of(frames[-1]) if curve else LOCAL_ADMIN
             if peer is None:  # a CURVE socket delivers only what ZAP admitted
                 log.warning("sidecar_message_without_peer")
@@ -247,14 +257,14 @@ class SidecarServer:
                 session.last_seen = time.monotonic()
             if self._answered_now(session, frames):
                 return
-            slot = not _is_probe(frames)
-            if slot:
-                self._free_slots -= 1
-                if self._free_slots <= 0:
-                    io.pause()
+            kind = _kind_of(frames)
+            who = peer.key.encode() if peer.key else identity
+            if not admission.admit(who, kind):
+                self._refuse_busy(io, frames)
+                return
             self._inflight += 1
             self._idle = anyio.Event() if self._idle.is_set() else self._idle
-            task = loop.create_task(self._handle(identity, frames, slot, peer))
+            task = loop.create_task(self._handle(identity, frames, peer, who, kind))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
@@ -270,6 +280,15 @@ class SidecarServer:
                 with anyio.CancelScope(shield=True):
                     await asyncio.wait(tasks)
             self._io = None
+
+    def _refuse_busy(self, io: LoopSocket, frames: Sequence[FrameLike]) -> None:
+        """Answer a request that found no slot: ``busy``, at once."""
+        limits = self.settings.limits
+        request_id = request_id_of(frames[1:], max_header_bytes=limits.max_header_bytes)
+        reply = error_reply(
+            request_id, ErrorCode.BUSY, "too many requests in flight: retry after some finish"
+        )
+        _send_reply(io, frames[0], reply)
 
     def _answered_now(self, session: Session | None, frames: Sequence[FrameLike]) -> bool:
         """Answer a request right in the socket's reader callback when its route can do so
@@ -296,7 +315,7 @@ class SidecarServer:
                 max_payload_bytes=limits.max_payload_bytes,
             )
             header = route.now(session, message)
-        except (ProtocolError, InvalidInputError, EngineClosedError):
+        except (ProtocolError, InvalidInputError, EngineClosedError, Busy):
             return False
         except Exception:  # a reader callback must not raise: the task's way reports it
             log.exception("sidecar_quick_answer_failed")
@@ -317,24 +336,36 @@ class SidecarServer:
             await self._idle.wait()
 
     async def _handle(
-        self, identity: bytes, frames: Sequence[FrameLike], slot: bool, peer: Peer
+        self, identity: bytes, frames: Sequence[FrameLike], peer: Peer, who: bytes, kind: int
     ) -> None:
         try:
-            reply = await self._answer(identity, frames[1:], peer)
+            try:
+                reply = await self._answer(identity, frames[1:], peer)
+            except Exception as exc:  # a reply for every request, even one that failed here
+                reply = self._failure_reply(frames[1:], "sidecar_handler_failed", exc)
             io = self._io
             if reply is None or io is None:
                 return
             _send_reply(io, frames[0], reply)
-        except Exception:  # a plain task: nobody else would see it
-            log.exception("sidecar_handler_failed")
         finally:
-            if slot:
-                self._free_slots += 1
-                if self._io is not None:
-                    self._io.resume()
+            self.admission.done(who, kind)
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
+
+    def _failure_reply(
+        self, body: Sequence[FrameLike], event: str, exc: BaseException
+    ) -> list[bytes | memoryview]:
+        """The ``internal`` ERROR reply to a request whose reply could not be had; the
+        cause is logged once (with its traceback) and every occurrence counted."""
+        self.failed_replies += 1
+        cause = f"{event}:{type(exc).__name__}"
+        if cause not in self._causes_logged and len(self._causes_logged) < _CAUSES_LOGGED:
+            self._causes_logged.add(cause)
+            log.error(event, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        limits = self.settings.limits
+        request_id = request_id_of(body, max_header_bytes=limits.max_header_bytes)
+        return error_reply(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     async def _answer(
         self, identity: bytes, body: Sequence[FrameLike], peer: Peer = LOCAL_ADMIN
@@ -395,6 +426,8 @@ class SidecarServer:
             result = await handler(session, message)
         except PermissionDeniedError as exc:
             return error_reply(request_id, ErrorCode.FORBIDDEN, str(exc))
+        except Busy as exc:
+            return error_reply(request_id, ErrorCode.BUSY, str(exc))
         except ProtocolError as exc:
             log.warning("sidecar_bad_request", type=message.type.name, reason=str(exc))
             return error_reply(request_id, ErrorCode.PROTOCOL, str(exc))
@@ -411,15 +444,19 @@ class SidecarServer:
         if result is None:
             return None
         header, payloads = result
-        return encode(message.type, header, payloads, request_id=request_id)
+        try:
+            return encode(message.type, header, payloads, request_id=request_id)
+        except (TypeError, ValueError, OverflowError, ProtocolError) as exc:
+            return self._failure_reply(body, "sidecar_reply_unencodable", exc)
 
 
-def _is_probe(frames: Sequence[FrameLike]) -> bool:
-    """Whether a raw message is a heartbeat or a ping (answered without a request slot)."""
+def _kind_of(frames: Sequence[FrameLike]) -> int:
+    """The message type byte of a raw request (-1 when it has none: the handler's
+    decoding refuses it)."""
     if len(frames) < 2:
-        return False
+        return -1
     kind = _frame_bytes(frames[1])
-    return len(kind) == 1 and kind[0] in _PROBES
+    return kind[0] if len(kind) == 1 else -1
 
 
 def _send_reply(io: LoopSocket, identity: FrameLike, reply: Sequence[FrameLike]) -> None:

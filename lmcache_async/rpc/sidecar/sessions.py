@@ -23,9 +23,14 @@ from lmcache_async.memory.pool import MemoryObj
 from lmcache_async.rpc.protocol import Message, MessageType
 from lmcache_async.rpc.sidecar.host import EngineHost
 
-__all__ = ["Session", "Sessions", "Transaction"]
+__all__ = ["Busy", "Session", "Sessions", "Transaction"]
 
 log = structlog.get_logger(__name__)
+
+
+class Busy(Exception):
+    """A refusal for now: the client holds too much (open transactions, pinned lookups) or
+    the server is full. Answered ``busy``: the client may retry once it has let go."""
 
 
 @dataclass(eq=False, slots=True)
@@ -65,6 +70,33 @@ class Session:
     peer may use it, even one that takes over its ROUTER identity."""
     transactions: dict[int, Transaction] = field(default_factory=dict)
     lookup_ids: set[int | str] = field(default_factory=set)
+
+    def hold_lookup(self, lookup_id: int | str, limit: int) -> None:
+        """Record that this session pins under ``lookup_id`` (before it pins).
+
+        Raises:
+            Busy: a new id past ``limit`` ids held.
+        """
+        ids = self.lookup_ids
+        if lookup_id not in ids:
+            if len(ids) >= limit:
+                raise Busy(f"this session holds pins under {len(ids)} lookup ids: unpin some")
+            ids.add(lookup_id)
+
+    def held_bytes(self, page_size: int) -> int:
+        """Bytes of pool memory (whole pages of ``page_size``) lent to this session's open
+        transactions."""
+        return page_size * sum(
+            -(-obj.nbytes // page_size) for txn in self.transactions.values() for obj in txn.objs
+        )
+
+    def check_room(self, limit: int) -> None:
+        """Raises Busy when this session holds ``limit`` open transactions already."""
+        if len(self.transactions) >= limit:
+            raise Busy(
+                f"this session holds {len(self.transactions)} open transactions: "
+                "commit or release them first"
+            )
 
     def scoped(self, lookup_id: int | str) -> tuple[str, bytes, int | str]:
         """The engine-side lookup id: a client's ids never meet another client's."""

@@ -19,11 +19,18 @@ from lmcache_async.layouts import KVLayout
 from lmcache_async.rpc.protocol import MessageLimits
 from lmcache_async.rpc.sidecar.access import AccessList
 from lmcache_async.rpc.transport import check_listen_url, default_endpoint
+from lmcache_async.tenancy.tenants import check_tenant
 
 __all__ = [
     "DEFAULT_CLIENT_TIMEOUT_BEATS",
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_MAX_CONCURRENCY",
+    "DEFAULT_MAX_PEER_REQUESTS",
+    "DEFAULT_MAX_REQUEST_TIMEOUT",
+    "DEFAULT_MAX_SESSION_PINS",
+    "DEFAULT_MAX_SESSION_POOL_SHARE",
+    "DEFAULT_MAX_SESSION_TRANSACTIONS",
+    "MAX_NAME_CHARS",
     "DEFAULT_SIDECAR_LIMITS",
     "SidecarNamespace",
     "SidecarSettings",
@@ -36,8 +43,24 @@ DEFAULT_CLIENT_TIMEOUT_BEATS: Final = 5
 missed beats, so a client whose event loop stalls for a moment keeps its session."""
 DEFAULT_SIDECAR_LIMITS: Final = MessageLimits(max_header_bytes=4 << 20, max_payload_bytes=1 << 30)
 """Sidecar messages: a 4 MiB header (block hashes, chunk lists), 1 GiB of inline payload."""
-DEFAULT_MAX_CONCURRENCY: Final = 64
-"""Requests served at once; further ones wait in the socket's queue."""
+DEFAULT_MAX_CONCURRENCY: Final = 256
+"""Data requests served at once, all peers together; past it a request is answered
+``busy`` at once (the socket is never left unread)."""
+DEFAULT_MAX_PEER_REQUESTS: Final = 64
+"""Data requests one peer may have in flight; past it, ``busy``."""
+DEFAULT_MAX_SESSION_TRANSACTIONS: Final = 256
+"""Transactions (stores before their COMMIT, loads before their RELEASE) one session may
+hold open; past it a STORE or RETRIEVE is answered ``busy``."""
+DEFAULT_MAX_SESSION_POOL_SHARE: Final = 0.5
+"""The share of the host memory pool one session's open transactions may hold: a STORE
+reserves no more than what keeps the session within it."""
+DEFAULT_MAX_SESSION_PINS: Final = 4096
+"""Lookup ids one session may hold pins under; past it a pinning request is ``busy``."""
+DEFAULT_MAX_REQUEST_TIMEOUT: Final = 60.0
+"""The longest wait a client may ask a request to take (its ``"timeout"``), in seconds:
+a larger one is clamped to this."""
+MAX_NAME_CHARS: Final = 1024
+"""Longest model name or revision a namespace may have."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +81,15 @@ class SidecarNamespace:
             raise InvalidInputError("model_name must be a non-empty string")
         if not isinstance(self.layout, KVLayout):
             raise InvalidInputError("layout must be a KVLayout")
-        for name in ("revision", "tenant"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise InvalidInputError(f"{name} must be a str or None, got {value!r:.40}")
+        revision = self.revision
+        if revision is not None and not isinstance(revision, str):
+            raise InvalidInputError(f"revision must be a str or None, got {revision!r:.40}")
+        for name, value in (("model_name", self.model_name), ("revision", revision)):
+            if value is not None and len(value) > MAX_NAME_CHARS:
+                raise InvalidInputError(
+                    f"{name} must be at most {MAX_NAME_CHARS} characters, got {len(value)}"
+                )
+        check_tenant(self.tenant)
 
     @classmethod
     def from_wire(cls, header: dict[str, Any]) -> SidecarNamespace:
@@ -126,6 +154,11 @@ class SidecarSettings:
     move_targets: Mapping[str, bytes | None] = field(default_factory=dict)
     limits: MessageLimits = DEFAULT_SIDECAR_LIMITS
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    max_peer_requests: int = DEFAULT_MAX_PEER_REQUESTS
+    max_session_transactions: int = DEFAULT_MAX_SESSION_TRANSACTIONS
+    max_session_pins: int = DEFAULT_MAX_SESSION_PINS
+    max_session_pool_share: float = DEFAULT_MAX_SESSION_POOL_SHARE
+    max_request_timeout: float = DEFAULT_MAX_REQUEST_TIMEOUT
     events: str | None = None
     """Where KV events are published (a PUB socket's ``ipc://`` or ``tcp://`` URL, loopback
     unless ``allow_remote``); None: not published."""
@@ -149,7 +182,10 @@ class SidecarSettings:
             raise ConfigError("metrics_port", f"expected a port number: {self.metrics_port!r}")
         if not isinstance(self.config, EngineConfig):
             raise ConfigError("config", "expected an EngineConfig")
-        for name in ("heartbeat_interval", "client_timeout"):
+        share = self.max_session_pool_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ConfigError("max_session_pool_share", f"expected a share in (0, 1]: {share!r}")
+        for name in ("heartbeat_interval", "client_timeout", "max_request_timeout"):
             value = getattr(self, name)
             if value is None and name == "client_timeout":
                 continue
@@ -160,8 +196,15 @@ class SidecarSettings:
                 or value <= 0
             ):
                 raise ConfigError(name, f"expected a positive number of seconds, got {value!r}")
-        if not is_strict_int(self.max_concurrency) or self.max_concurrency <= 0:
-            raise ConfigError("max_concurrency", f"expected a positive int: {self.max_concurrency}")
+        for name in (
+            "max_concurrency",
+            "max_peer_requests",
+            "max_session_transactions",
+            "max_session_pins",
+        ):
+            value = getattr(self, name)
+            if not is_strict_int(value) or value <= 0:
+                raise ConfigError(name, f"expected a positive int: {value!r}")
         if self.namespace is not None and not isinstance(self.namespace, SidecarNamespace):
             raise ConfigError("namespace", "expected a SidecarNamespace")
 

@@ -118,6 +118,7 @@ class TransferHandlers:
 
     async def on_store(self, session: Session | None, message: Message) -> Reply:
         assert session is not None
+        session.check_room(self._host.settings.max_session_transactions)
         engine = self._host.need_engine()
         core = engine.core
         header = message.header
@@ -140,9 +141,10 @@ class TransferHandlers:
             locations=locations,
         )
         objs: list[MemoryObj] = []
+        todo = txn.todo[: self._within_share(engine, session, [txn.spans[i] for i in txn.todo])]
         budget = AllocationBudget(min(engine.config.allocation_timeout, patience))
         with budget.scope(), anyio.move_on_after(patience):
-            objs = await core.store.reserve(txn, txn.todo)
+            objs = await core.store.reserve(txn, todo) if todo else []
         if not objs:
             return {"stored": core.store.finish(txn)}, ()
         lent = Transaction(
@@ -160,6 +162,23 @@ class TransferHandlers:
             for span, obj in zip(lent.spans, objs, strict=True)
         ]
         return {"txn": lent.txn_id, "chunks": chunks}, ()
+
+    def _within_share(self, engine: CacheEngine, session: Session, spans: list[ChunkSpan]) -> int:
+        """How many leading ``spans`` a STORE may reserve: those that keep the session's
+        open transactions within ``max_session_pool_share`` of the pool (in the pool's
+        whole pages), so no one client holds the memory every other client stores into."""
+        page = engine.core.pool.page_size
+        share = self._host.settings.max_session_pool_share * engine.core.pool.capacity_bytes
+        room = share - session.held_bytes(page)
+        layout, count = engine.layout, 0
+        itemsize = layout.dtype.itemsize
+        for span in spans:
+            nbytes = math.prod(layout.payload_shape(span.num_tokens)) * itemsize
+            room -= -(-nbytes // page) * page
+            if room < 0:
+                break
+            count += 1
+        return count
 
     async def on_commit(self, session: Session | None, message: Message) -> Reply:
         assert session is not None
@@ -212,6 +231,7 @@ class TransferHandlers:
 
     async def on_retrieve(self, session: Session | None, message: Message) -> Reply:
         assert session is not None
+        session.check_room(self._host.settings.max_session_transactions)
         engine = self._host.need_engine()
         load = engine.core.load
         header = message.header
@@ -407,7 +427,11 @@ class TransferHandlers:
         """Wait for queued disk and Redis writes, within half the pusher's patience, so
         what a push reports is written (a move may delete its source next)."""
         wait = seconds_field(header, "timeout")
-        limit = engine.config.store_timeout if wait is None else wait / 2
+        limit = (
+            engine.config.store_timeout
+            if wait is None
+            else min(wait / 2, engine.config.store_timeout)
+        )
         if not await engine.flush(limit):
             log.warning("push_flush_timed_out", seconds=limit)
 
