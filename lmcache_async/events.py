@@ -24,6 +24,8 @@ __all__ = ["EventBuffer", "EventKind", "KVEvent", "PendingEvent"]
 class EventKind(enum.StrEnum):
     STORED = "stored"
     REMOVED = "removed"
+    CLEARED = "cleared"
+    """Every chunk of every tier is gone (a ``clear`` of all tiers)."""
 
 
 @dataclass(frozen=True, slots=True)

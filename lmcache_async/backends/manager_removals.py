@@ -73,11 +73,13 @@ class Removals:
         """Drop every chunk of the named tiers (all by default) and, for the CPU tier, every
         pin; returns the number of chunks dropped."""
         names = self.check_locations(locations, "locations")
+        everything = set(names) >= {self._cpu.name, *(tier.name for tier in self._tiers.slow)}
         dropped = 0
         if self._cpu.name in names:
             self._pins.release_all()
             keys = self._cpu.clear_nowait()
-            self._kv_events.removed(keys, self._cpu.name)
+            if not everything:
+                self._kv_events.removed(keys, self._cpu.name)
             dropped += len(keys)
         for tier in self._tiers.slow:
             if tier.name in names:
@@ -86,6 +88,8 @@ class Removals:
                     dropped += await tier.clear()
                 except TierError as exc:
                     self._read_failed(tier, exc)
+        if everything:
+            self._kv_events.cleared()
         log.info("cache_cleared", chunks=dropped, locations=list(names))
         return dropped
 

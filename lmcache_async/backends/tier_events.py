@@ -46,6 +46,19 @@ class TierEvents:
         """Record ``event``."""
         self.buffer.add(event)
 
+    def cleared(self) -> None:
+        """Record that every tier was emptied."""
+        self.buffer.add(
+            KVEvent(
+                kind=EventKind.CLEARED,
+                block_hashes=(),
+                parent_block_hash=None,
+                token_ids=(),
+                block_size=self.chunk_size,
+                medium="*",
+            )
+        )
+
     def removed(self, keys: Sequence[ChunkKey], medium: str) -> None:
         """Record that ``keys`` left ``medium`` (nothing when ``keys`` is empty)."""
         if keys:

@@ -43,13 +43,20 @@ def add_admin_parsers(sub: Any) -> None:
     events = sub.add_parser(
         "events",
         help="print a sidecar's KV events live",
-        description="Subscribe to the KV events (chunks stored / removed) a sidecar publishes "
-        "(serve --events URL) and print one line per event until Ctrl-C or SIGTERM.",
+        description="Subscribe to the KV events a sidecar publishes (serve --events URL) in "
+        "vLLM's format (BlockStored / BlockRemoved / AllBlocksCleared) and print one line per "
+        "event until Ctrl-C or SIGTERM.",
     )
     events.add_argument("--connect", required=True, metavar="URL", help="the publisher's URL")
     events.add_argument("--json", action="store_true", help="one JSON object per line")
-    events.add_argument("--count", type=int, default=None, metavar="N", help="stop after N")
-    events.add_argument("--topic", default="kv")
+    events.add_argument("--count", type=int, default=None, metavar="N", help="stop after N batches")
+    events.add_argument("--topic", default="", help="the topic to subscribe to (default: all)")
+    events.add_argument(
+        "--replay",
+        default=None,
+        metavar="URL",
+        help="the publisher's replay socket (serve --events-replay): ask it for missed batches",
+    )
     add_keys(events)
     ctl = sub.add_parser(
         "ctl",
@@ -98,18 +105,28 @@ def run_events(args: argparse.Namespace) -> int:
     """
     import anyio  # noqa: PLC0415
 
-    from lmcache_async.rpc.events import ReceivedEvent, format_event, tail_events  # noqa: PLC0415
+    from lmcache_async.rpc.event_subscriber import (  # noqa: PLC0415
+        ReceivedBatch,
+        format_batch,
+        tail_events,
+    )
 
     if args.count is not None and args.count < 1:
         raise InvalidInputError(f"--count must be >= 1, got {args.count}")
 
-    def show(received: ReceivedEvent) -> None:
-        print(format_event(received, as_json=args.json), flush=True)
+    def show(batch: ReceivedBatch) -> None:
+        for line in format_batch(batch, as_json=args.json):
+            print(line, flush=True)
 
     keys = _client_keys(args)
     anyio.run(
         lambda: tail_events(
-            args.connect, show, topic=args.topic.encode(), count=args.count, keys=keys
+            args.connect,
+            show,
+            topic=args.topic.encode(),
+            replay=args.replay,
+            count=args.count,
+            keys=keys,
         )
     )
     return EXIT_OK

@@ -89,6 +89,16 @@ def add_serve_parser(sub: Any) -> None:
         "subscribe",
     )
     serve.add_argument(
+        "--events-replay",
+        default=None,
+        metavar="URL",
+        help="answer replay requests of subscribers that missed batches on a ROUTER socket "
+        "at this URL (vLLM's replay_endpoint convention)",
+    )
+    serve.add_argument(
+        "--events-topic", default="", metavar="TOPIC", help="the topic of every event batch"
+    )
+    serve.add_argument(
         "--events-tenants",
         action="store_true",
         help="publish named tenants' events too (their prompts' tokens and digests); "
@@ -178,6 +188,8 @@ def run_serve(args: argparse.Namespace) -> int:
         access=access,
         move_targets=_move_targets(args.move_targets),
         events=args.events,
+        events_replay=args.events_replay,
+        events_topic=args.events_topic,
         tenant_events=args.events_tenants,
         metrics_port=args.metrics_port,
     )

@@ -28,10 +28,10 @@ from lmcache_async.errors import (
     ProtocolError,
     TierUnavailableError,
 )
-from lmcache_async.events import EventKind
 from lmcache_async.rpc.admin import AdminClient, format_health, format_stats, format_tenants
 from lmcache_async.rpc.erase import erase_result, format_erase
-from lmcache_async.rpc.events import EventSubscriber
+from lmcache_async.rpc.event_subscriber import EventSubscriber
+from lmcache_async.rpc.kv_wire import AllBlocksCleared, BlockStored
 from lmcache_async.rpc.protocol import MessageType
 from lmcache_async.rpc.sidecar import SidecarServer, SidecarSettings, serve
 from lmcache_async.rpc.sidecar.access import AccessList
@@ -348,9 +348,9 @@ async def test_admin_requests_switch_and_report_a_live_sidecar(
                     assert await admin.clear() == 4
                     removed = await sub.receive()
             server.stopping.set()
-    assert stored.event.kind is EventKind.STORED and list(stored.event.token_ids) == tokens
-    assert removed.event.kind is EventKind.REMOVED
-    assert set(removed.event.block_hashes) == set(stored.event.block_hashes)
+    (block,) = stored.events
+    assert isinstance(block, BlockStored) and list(block.token_ids) == tokens
+    assert removed.events == (AllBlocksCleared(),)  # every tier was cleared
     assert health == {"healthy": True, "tiers": {"cpu": True}}
     engine_stats = stats["stats"]
     assert (engine_stats["stored_tokens"], engine_stats["lookup_hit_tokens"]) == (64, 64)
@@ -498,8 +498,8 @@ async def test_serve_publishes_events_and_serves_metrics_and_admin(short_dir: Pa
             returncode = await sidecar.wait()
     assert returncode == 0, log_path.read_text()
     event = json.loads(line)
-    assert event["kind"] == "stored" and event["token_ids"] == tokens
-    assert event["medium"] == "cpu" and event["block_size"] == CHUNK
-    assert len(event["block_hashes"]) == 3
+    assert event["type"] == "BlockStored" and event["token_ids"] == tokens
+    assert event["medium"] == "CPU" and event["block_size"] == LAYOUT.block_size
+    assert len(event["block_hashes"]) == len(tokens) // LAYOUT.block_size
     assert stats["metrics"].startswith("http://127.0.0.1:")
     assert stats["stats"]["stored_tokens"] == 48

@@ -1,6 +1,7 @@
-"""KV events over PUB/SUB: the wire form, the buffer's wake-up, publisher and subscriber
-in one process (with an embedded engine as the source), a subscriber that never reads,
-and ``lmcache-async events`` as a real process."""
+"""KV events over PUB/SUB in vLLM's wire format: the blocks of an engine's chunks, every
+frame read by vLLM's own decoder, the buffer's wake-up, publisher and subscriber in one
+process (with an embedded engine as the source), replays of missed batches, a subscriber
+that never reads, and ``lmcache-async events`` as a real process."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -23,39 +25,41 @@ from lmcache_async import CacheEngine, EngineConfig, KVLayout
 from lmcache_async.errors import ConfigError, InvalidInputError, ProtocolError
 from lmcache_async.events import EventBuffer, EventKind, KVEvent
 from lmcache_async.keys.digests import DIGEST_SIZE
-from lmcache_async.rpc.events import (
-    EVENT_FORMAT_VERSION,
-    EventPublisher,
-    EventSubscriber,
-    ReceivedEvent,
-    decode_event,
-    encode_event,
-    engine_event_source,
-    format_event,
+from lmcache_async.rpc.event_subscriber import EventSubscriber, ReceivedBatch, format_batch
+from lmcache_async.rpc.events import EventPublisher, engine_event_source
+from lmcache_async.rpc.kv_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    block_hashes_of,
+    decode_batch,
+    encode_batch,
+    wire_events,
 )
 from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
 
-CHUNK = 16
+CHUNK = 32
+BLOCK = 16
 TIMEOUT = 20
 LAYOUT = KVLayout.vllm_flash_attn(
-    num_layers=2, num_kv_heads=2, head_size=8, block_size=CHUNK, dtype=torch.float16
+    num_layers=2, num_kv_heads=2, head_size=8, block_size=BLOCK, dtype=torch.float16
 )
-
-
 UNNAMED_TAG = tenant_tag(None)
 
 
+def digest(n: int, i: int, tag: bytes = UNNAMED_TAG) -> bytes:
+    return tag + bytes([n, i]) * ((DIGEST_SIZE - TAG_BYTES) // 2)
+
+
 def stored(
-    n: int, *, tokens: int = 3, parent: bytes | None = None, tag: bytes = UNNAMED_TAG
+    n: int, *, chunks: int = 3, parent: bytes | None = None, tag: bytes = UNNAMED_TAG
 ) -> KVEvent:
-    """A stored event of the unnamed tenant's chunks (or of the tenant with ``tag``)."""
+    """A stored event of ``chunks`` whole chunks of the unnamed tenant (or of ``tag``'s)."""
     return KVEvent(
         kind=EventKind.STORED,
-        block_hashes=tuple(
-            tag + bytes([n, i]) * ((DIGEST_SIZE - TAG_BYTES) // 2) for i in range(tokens)
-        ),
+        block_hashes=tuple(digest(n, i, tag) for i in range(chunks)),
         parent_block_hash=parent,
-        token_ids=tuple(range(n, n + tokens * CHUNK)),
+        token_ids=tuple(range(n, n + chunks * CHUNK)),
         block_size=CHUNK,
         medium="cpu",
         ts=1000.0 + n,
@@ -64,6 +68,9 @@ def stored(
 
 class BufferSource:
     """An EventSource over a bare EventBuffer."""
+
+    block_size = BLOCK
+    chunk_size = CHUNK
 
     def __init__(self, buffer: EventBuffer) -> None:
         self.buffer = buffer
@@ -85,97 +92,92 @@ def short_dir() -> Iterator[Path]:
 # -- the wire form ----------------------------------------------------------------------------
 
 
-def test_an_event_round_trips_with_every_field() -> None:
-    event = stored(7, parent=b"\xaa" * 16)
-    frames = encode_event(event, 42)
-    assert frames[0] == b"kv"
-    fields = msgpack.unpackb(frames[1], raw=False)
-    assert fields == {
-        "v": EVENT_FORMAT_VERSION,
-        "seq": 42,
-        "kind": "stored",
-        "block_hashes": list(event.block_hashes),
-        "parent_block_hash": b"\xaa" * 16,
-        "token_ids": list(range(7, 7 + 3 * CHUNK)),
-        "block_size": CHUNK,
-        "medium": "cpu",
-        "ts": 1007.0,
-    }
-    received = decode_event(frames, topic=b"kv")
-    assert received.seq == 42
-    assert received.event == event
-    assert received.event.ts == 1007.0
+def test_chunks_become_chained_blocks_of_the_engine_block_size() -> None:
+    parent = digest(9, 9)
+    event = stored(1, parent=parent)
+    block = wire_events(event, block_size=BLOCK, chunk_size=CHUNK)
+    assert isinstance(block, BlockStored)
+    per_chunk = CHUNK // BLOCK
+    expected = [h for d in event.block_hashes for h in block_hashes_of(d, per_chunk)]
+    assert block.block_hashes == tuple(expected) and len(expected) == 3 * per_chunk
+    assert len(set(expected)) == len(expected)
+    assert block.parent_block_hash == block_hashes_of(parent, per_chunk)[-1]
+    assert block.token_ids == event.token_ids and block.block_size == BLOCK
+    assert block.medium == "CPU"
+    # A short last chunk: its whole blocks only.
+    short = KVEvent(EventKind.STORED, (digest(2, 0),), None, tuple(range(20)), CHUNK, "disk")
+    cut = wire_events(short, block_size=BLOCK, chunk_size=CHUNK)
+    assert isinstance(cut, BlockStored)
+    assert cut.token_ids == tuple(range(16)) and cut.medium == "DISK"
+    # A removal names the very blocks the store did.
+    gone = KVEvent(EventKind.REMOVED, event.block_hashes, None, (), CHUNK, "redis")
+    assert wire_events(gone, block_size=BLOCK, chunk_size=CHUNK) == BlockRemoved(
+        tuple(expected), "DISK"
+    )
+    cleared = KVEvent(EventKind.CLEARED, (), None, (), CHUNK, "*")
+    assert wire_events(cleared, block_size=BLOCK, chunk_size=CHUNK) == AllBlocksCleared()
+    with pytest.raises(InvalidInputError, match="multiple"):
+        wire_events(event, block_size=24, chunk_size=CHUNK)
 
 
-def test_a_removed_event_without_parent_or_tokens_round_trips() -> None:
-    event = KVEvent(EventKind.REMOVED, (b"\x01" * 16,), None, (), CHUNK, "disk", ts=5.0)
-    received = decode_event(encode_event(event, 0, topic=b"t"), topic=b"t")
-    assert received == ReceivedEvent(0, event)
-    assert received.event.kind is EventKind.REMOVED
+def test_every_batch_decodes_with_vllms_own_decoder() -> None:
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    import msgspec
 
-
-def _frames(**changes: object) -> list[bytes]:
-    fields = msgpack.unpackb(encode_event(stored(1), 3)[1], raw=False)
-    fields.update(changes)
-    return [b"kv", msgpack.packb(fields, use_bin_type=True)]
+    events = [
+        wire_events(stored(1, parent=digest(8, 8)), block_size=BLOCK, chunk_size=CHUNK),
+        wire_events(
+            KVEvent(EventKind.REMOVED, (digest(1, 0),), None, (), CHUNK, "disk"),
+            block_size=BLOCK,
+            chunk_size=CHUNK,
+        ),
+        AllBlocksCleared(),
+    ]
+    payload = encode_batch([e for e in events if e is not None], 1234.5)
+    batch = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode(payload)
+    assert batch.ts == 1234.5
+    first, second, third = batch.events
+    assert isinstance(first, kv_events.BlockStored)
+    assert first.block_hashes == list(events[0].block_hashes)  # type: ignore[union-attr]
+    assert first.parent_block_hash == events[0].parent_block_hash  # type: ignore[union-attr]
+    assert first.token_ids == list(range(1, 1 + 3 * CHUNK))
+    assert (first.block_size, first.medium, first.lora_id) == (BLOCK, "CPU", None)
+    assert isinstance(second, kv_events.BlockRemoved) and second.medium == "DISK"
+    assert isinstance(third, kv_events.AllBlocksCleared)
+    # And ours reads what vLLM encodes.
+    theirs = msgspec.msgpack.Encoder().encode(batch)
+    ts, decoded = decode_batch(theirs)
+    assert (ts, decoded) == (1234.5, [e for e in events if e is not None])
 
 
 @pytest.mark.parametrize(
-    ("frames", "reason"),
+    ("payload", "reason"),
     [
-        ([b"kv"], "2 frames"),
-        ([b"kv", b"\xc1"], "not valid msgpack"),
-        ([b"kv", msgpack.packb([1, 2])], "must be a msgpack map"),
-        ([b"kv", msgpack.packb(msgpack.ExtType(5, b"x"))], "extension type"),
-        (_frames(v=2), "version 2"),
-        (_frames(kind="moved"), "unknown event kind"),
-        (_frames(seq=-1), "out of range"),
-        (_frames(seq=True), "'seq'"),
-        (_frames(block_size=0), "out of range"),
-        (_frames(block_hashes=["ab"]), "list of bytes"),
-        (_frames(parent_block_hash=3), "parent_block_hash"),
-        (_frames(token_ids=[1, "2"]), "list of ints"),
-        (_frames(ts=float("nan")), "finite"),
-        (_frames(medium=None), "'medium'"),
+        (b"\xc1", "not valid msgpack"),
+        (msgpack.packb({"ts": 1}), "array"),
+        (msgpack.packb([float("nan"), []]), "finite"),
+        (msgpack.packb([1.0, [[1, 2]]]), "map"),
+        (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": ["x"]}]]), "block_size"),
+        (msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [-1]}]]), "u64"),
     ],
 )
-def test_malformed_events_are_refused(frames: list[bytes], reason: str) -> None:
+def test_malformed_batches_are_refused(payload: bytes, reason: str) -> None:
     with pytest.raises(ProtocolError, match=reason):
-        decode_event(frames)
+        decode_batch(payload)
 
 
-def test_another_topic_and_a_bad_seq_are_refused() -> None:
-    with pytest.raises(ProtocolError, match="topic"):
-        decode_event(encode_event(stored(1), 0), topic=b"other")
-    with pytest.raises(InvalidInputError, match="seq"):
-        encode_event(stored(1), -1)
-
-
-def test_format_event_as_json_and_text() -> None:
-    received = ReceivedEvent(9, stored(2, tokens=2, parent=b"\x0f" * 16, tag=b""))
-    line = format_event(received, as_json=True)
-    assert "\n" not in line
-    assert json.loads(line) == {
-        "seq": 9,
-        "kind": "stored",
-        "block_hashes": [(bytes([2, 0]) * 8).hex(), (bytes([2, 1]) * 8).hex()],
-        "parent_block_hash": "0f" * 16,
-        "token_ids": list(range(2, 2 + 2 * CHUNK)),
-        "block_size": CHUNK,
-        "medium": "cpu",
-        "ts": 1002.0,
-    }
-    text = format_event(received)
-    assert text.split() == [
-        "9",
-        "stored",
-        "cpu",
-        "blocks=2",
-        f"block_size={CHUNK}",
-        f"tokens={2 * CHUNK}",
-        "parent=0f0f0f0f0f0f",
-        "hashes=020002000200..020102010201",
-    ]
+def test_unknown_event_types_are_skipped_and_lines_are_printable() -> None:
+    payload = msgpack.packb([2.0, [{"type": "Mystery"}, {"type": "AllBlocksCleared"}]])
+    assert decode_batch(payload) == (2.0, [AllBlocksCleared()])
+    block = wire_events(stored(2, chunks=1), block_size=BLOCK, chunk_size=CHUNK)
+    assert block is not None
+    received = ReceivedBatch(9, 3.0, (block, AllBlocksCleared()))
+    lines = [json.loads(line) for line in format_batch(received, as_json=True)]
+    assert lines[0]["type"] == "BlockStored" and lines[0]["seq"] == 9
+    assert lines[0]["token_ids"] == list(range(2, 2 + CHUNK))
+    assert lines[1] == {"seq": 9, "ts": 3.0, "type": "AllBlocksCleared"}
+    text = format_batch(received)
+    assert text[0].split()[:4] == ["9", "BlockStored", "CPU", "blocks=2"]
 
 
 # -- the buffer's wake-up ---------------------------------------------------------------------
@@ -214,8 +216,13 @@ async def test_a_disabled_buffer_never_wakes_its_waiter() -> None:
 # -- publisher and subscriber -----------------------------------------------------------------
 
 
+async def publish_running(publisher: EventPublisher, buffer: EventBuffer, group: Any) -> None:
+    group.start_soon(publisher.run, BufferSource(buffer))
+    await publisher.wait_subscribed()
+
+
 @pytest.mark.anyio
-async def test_published_events_reach_a_subscriber_in_order(short_dir: Path) -> None:
+async def test_published_batches_reach_a_subscriber_in_order(short_dir: Path) -> None:
     url = f"ipc://{short_dir}/ev.sock"
     buffer = EventBuffer(100)
     events = [stored(i) for i in range(5)]
@@ -223,23 +230,19 @@ async def test_published_events_reach_a_subscriber_in_order(short_dir: Path) -> 
         with EventPublisher(url) as publisher, EventSubscriber(url) as subscriber:
             assert publisher.subscribers == 0
             async with anyio.create_task_group() as tg:
-                tg.start_soon(publisher.run, BufferSource(buffer))
-                await publisher.wait_subscribed()
+                await publish_running(publisher, buffer, tg)
                 assert publisher.subscribers == 1
-                buffer.extend(events[:2])
-                got = [await subscriber.receive() for _ in range(2)]
-                buffer.extend(events[2:])
-                got += [await subscriber.receive() for _ in range(3)]
+                got = []
+                for event in events:  # one wake-up each: one batch each
+                    buffer.add(event)
+                    got.append(await subscriber.receive())
                 tg.cancel_scope.cancel()
-            assert publisher.info() == {
-                "endpoint": url,
-                "topic": "kv",
-                "published": 5,
-                "withheld": 0,
-                "subscribers": 1,
-            }
-    assert [r.seq for r in got] == [0, 1, 2, 3, 4]
-    assert [r.event for r in got] == events
+            info = publisher.info()
+    assert [b.seq for b in got] == [0, 1, 2, 3, 4]
+    assert [b.events for b in got] == [
+        (wire_events(e, block_size=BLOCK, chunk_size=CHUNK),) for e in events
+    ]
+    assert (info["published"], info["withheld"], info["next_seq"]) == (5, 0, 5)
     assert subscriber.missed == 0
     assert not await anyio.Path(url.removeprefix("ipc://")).exists()
 
@@ -250,9 +253,8 @@ async def test_a_named_tenants_events_are_published_only_when_asked(
     short_dir: Path, tenant_events: bool
 ) -> None:
     """By default a subscriber learns nothing of a named tenant: its events (tokens and
-    digests) are withheld and counted; ``tenant_events`` publishes them."""
+    block hashes) are withheld and counted; ``tenant_events`` publishes them."""
     url = f"ipc://{short_dir}/named.sock"
-    buffer = EventBuffer(100)
     secret = stored(1, tag=tenant_tag("a-secret-salt"))
     public = stored(2)
     with anyio.fail_after(TIMEOUT):
@@ -261,29 +263,78 @@ async def test_a_named_tenants_events_are_published_only_when_asked(
             EventSubscriber(url) as subscriber,
         ):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(publisher.run, BufferSource(buffer))
+                tg.start_soon(publisher.watch_subscriptions)
                 await publisher.wait_subscribed()
-                buffer.extend([secret, public])
-                got = [await subscriber.receive()]
-                if tenant_events:
-                    got.append(await subscriber.receive())
+                await publisher.publish([secret, public], block_size=BLOCK, chunk_size=CHUNK)
+                batch = await subscriber.receive()
                 tg.cancel_scope.cancel()
-    assert [r.event for r in got] == ([secret, public] if tenant_events else [public])
+    tokens = [e.token_ids for e in batch.events if isinstance(e, BlockStored)]
+    expected = [secret.token_ids, public.token_ids] if tenant_events else [public.token_ids]
+    assert tokens == expected
     assert publisher.info()["withheld"] == (0 if tenant_events else 1)
+
+
+@pytest.mark.anyio
+async def test_a_subscriber_gets_missed_batches_from_the_replay_socket(short_dir: Path) -> None:
+    """Batches published before the subscriber joined, and a gap made by garbage in
+    place of one batch, come from the replay socket: every batch once, in order."""
+    url, replay = f"ipc://{short_dir}/pub.sock", f"ipc://{short_dir}/replay.sock"
+    with anyio.fail_after(TIMEOUT):
+        with EventPublisher(url, replay=replay) as publisher:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publisher.watch_subscriptions)
+                for i in range(3):  # nobody listens yet
+                    await publisher.publish([stored(i)], block_size=BLOCK, chunk_size=CHUNK)
+                with EventSubscriber(url, replay=replay) as subscriber:
+                    await publisher.wait_subscribed()
+                    seq = await publisher.publish([stored(3)], block_size=BLOCK, chunk_size=CHUNK)
+                    first = [await subscriber.receive() for _ in range(4)]
+                    # A batch the subscriber never sees live: kept, not sent.
+                    publisher._keep(4, encode_batch([], 1.0))
+                    publisher._seq = 5
+                    await publisher.publish([stored(5)], block_size=BLOCK, chunk_size=CHUNK)
+                    rest = [await subscriber.receive() for _ in range(2)]
+                tg.cancel_scope.cancel()
+    assert seq == 3
+    assert [b.seq for b in [*first, *rest]] == [0, 1, 2, 3, 4, 5]
+    assert subscriber.missed == 0
+
+
+@pytest.mark.anyio
+async def test_the_replay_keeps_at_most_its_bytes(short_dir: Path) -> None:
+    url, replay = f"ipc://{short_dir}/b.sock", f"ipc://{short_dir}/br.sock"
+    with anyio.fail_after(TIMEOUT):
+        with EventPublisher(url, replay=replay, replay_bytes=4096) as publisher:
+            for i in range(50):
+                await publisher.publish([stored(i % 200)], block_size=BLOCK, chunk_size=CHUNK)
+            assert 0 < publisher.info()["kept_for_replay"] < 50
+            assert sum(len(p) for _, p in publisher._kept) <= 4096
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publisher.watch_subscriptions)
+                with EventSubscriber(url, replay=replay) as subscriber:
+                    await publisher.wait_subscribed()
+                    await publisher.publish([stored(7)], block_size=BLOCK, chunk_size=CHUNK)
+                    kept = [seq for seq, _ in publisher._kept if seq < 50]
+                    got = [await subscriber.receive() for _ in range(len(kept) + 1)]
+                tg.cancel_scope.cancel()
+    assert [b.seq for b in got] == [*kept, 50]
+    assert kept == list(range(50 - len(kept), 50))
+    assert subscriber.missed == 50 - len(kept)  # what the replay no longer held
 
 
 @pytest.mark.anyio
 async def test_subscriber_skips_garbage_and_counts_gaps(short_dir: Path) -> None:
     url = f"ipc://{short_dir}/raw.sock"
+    payload = encode_batch([AllBlocksCleared()], 1.0)
     with anyio.fail_after(TIMEOUT):
         with EventPublisher(url) as publisher, EventSubscriber(url) as subscriber:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(publisher.watch_subscriptions)
                 await publisher.wait_subscribed()
                 raw = publisher._socket
-                await raw.send_multipart([b"kv", b"\xc1garbage"])
-                await raw.send_multipart(encode_event(stored(1), 0))
-                await raw.send_multipart(encode_event(stored(2), 4))  # 1..3 lost
+                await raw.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1garbage"])
+                await raw.send_multipart([b"", (0).to_bytes(8, "big"), payload])
+                await raw.send_multipart([b"", (4).to_bytes(8, "big"), payload])  # 1..3 lost
                 first = await subscriber.receive()
                 second = await subscriber.receive()
                 tg.cancel_scope.cancel()
@@ -296,37 +347,34 @@ async def test_subscriber_skips_garbage_and_counts_gaps(short_dir: Path) -> None
 async def test_a_subscriber_that_never_reads_never_blocks_the_publisher(short_dir: Path) -> None:
     url = f"ipc://{short_dir}/slow.sock"
     total = 2000
-    big = [stored(i % 200, tokens=64) for i in range(total)]  # ~4 KiB of token ids each
+    big = [stored(i % 200, chunks=4) for i in range(total)]
     with anyio.fail_after(TIMEOUT):
         with EventPublisher(url, sndhwm=16) as publisher, EventSubscriber(url) as subscriber:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(publisher.watch_subscriptions)
                 await publisher.wait_subscribed()
-                # Nobody reads: every send must still return at once.
-                assert await publisher.publish(big) == total
+                for event in big:  # nobody reads: every send still returns at once
+                    await publisher.publish([event], block_size=BLOCK, chunk_size=CHUNK)
                 tg.cancel_scope.cancel()
-            # Drain what the queues kept. Once drained, a marker published after the burst
-            # gets through; its sequence number shows how many were dropped, wherever the
-            # drops fell (mid-burst or the whole tail).
-            received: list[ReceivedEvent] = []
+            # Drain what the queue kept; a marker published after it gets through, and
+            # its sequence number shows how many were dropped.
+            received: list[ReceivedBatch] = []
             while not received or received[-1].seq < total:
                 with anyio.move_on_after(0.2):
                     while True:
                         received.append(await subscriber.receive())
-                await publisher.publish([stored(0)])
-    assert publisher.published > total
+                await publisher.publish([stored(0)], block_size=BLOCK, chunk_size=CHUNK)
     burst = [r for r in received if r.seq < total]
     assert 0 < len(burst) < total  # the queue kept what fit and dropped the rest
     assert [r.seq for r in burst] == sorted({r.seq for r in burst})  # in order, no repeats
     assert subscriber.missed == received[-1].seq + 1 - len(received)
-    assert subscriber.missed >= total - len(burst)
 
 
 @pytest.mark.anyio
 async def test_an_engine_announces_stores_and_clears(short_dir: Path) -> None:
     url = f"ipc://{short_dir}/engine.sock"
     tokens = [(i * 7919 + 3) % 30_000 for i in range(3 * CHUNK)]
-    kv = LAYOUT.allocate_kv_caches(3, generator=torch.Generator().manual_seed(1))
+    kv = LAYOUT.allocate_kv_caches(6, generator=torch.Generator().manual_seed(1))
     slots = torch.arange(len(tokens))
     config = EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.01)
     with anyio.fail_after(TIMEOUT):
@@ -335,36 +383,38 @@ async def test_an_engine_announces_stores_and_clears(short_dir: Path) -> None:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(publisher.run, engine_event_source(engine))
                     await publisher.wait_subscribed()
-                    assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == 48
-                    put = [await subscriber.receive()]
-                    while sum(len(r.event.block_hashes) for r in put) < 3:
-                        put.append(await subscriber.receive())
+                    assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == 96
+                    put: list[Any] = []
+                    while sum(len(e.block_hashes) for e in put) < 6:
+                        put.extend((await subscriber.receive()).events)
                     assert await engine.clear() == 3
-                    removed = await subscriber.receive()
+                    cleared = await subscriber.receive()
                     tg.cancel_scope.cancel()
-    hashes = [h for r in put for h in r.event.block_hashes]
-    assert all(r.event.kind is EventKind.STORED and r.event.medium == "cpu" for r in put)
-    assert [t for r in put for t in r.event.token_ids] == tokens
-    assert put[0].event.parent_block_hash is None
-    assert len(set(hashes)) == 3 and all(len(h) >= 8 for h in hashes)
-    assert removed.event.kind is EventKind.REMOVED
-    assert set(removed.event.block_hashes) == set(hashes)
-    assert removed.event.token_ids == ()
-    assert [r.seq for r in [*put, removed]] == list(range(len(put) + 1))
+    assert all(isinstance(e, BlockStored) and e.medium == "CPU" for e in put)
+    assert [t for e in put for t in e.token_ids] == tokens
+    assert put[0].parent_block_hash is None and put[0].block_size == BLOCK
+    hashes = [h for e in put for h in e.block_hashes]
+    assert len(set(hashes)) == 6
+    assert cleared.events == (AllBlocksCleared(),)
 
 
 def test_publisher_settings_are_checked(short_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"events: .*beyond loopback"):
         EventPublisher("tcp://0.0.0.0:5999")
+    with pytest.raises(ConfigError, match="events_replay"):
+        EventPublisher(f"ipc://{short_dir}/t.sock", replay="tcp://0.0.0.0:5998")
     with pytest.raises(ConfigError, match="events"):
         EventPublisher("http://127.0.0.1:1")
     with pytest.raises(InvalidInputError, match="topic"):
-        EventPublisher(f"ipc://{short_dir}/t.sock", topic=b"")
-    with pytest.raises(InvalidInputError, match="sndhwm"):
-        EventPublisher(f"ipc://{short_dir}/t.sock", sndhwm=0)
-    with EventPublisher("tcp://127.0.0.1:0") as publisher:
+        EventPublisher(f"ipc://{short_dir}/t.sock", topic="kv")  # type: ignore[arg-type]
+    for name in ("sndhwm", "replay_batches", "replay_bytes"):
+        with pytest.raises(InvalidInputError, match=name):
+            EventPublisher(f"ipc://{short_dir}/t.sock", **{name: 0})
+    with EventPublisher("tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0") as publisher:
         assert publisher.endpoint.startswith("tcp://127.0.0.1:")
         assert not publisher.endpoint.endswith(":0")
+        assert publisher.replay_endpoint is not None
+        assert not publisher.replay_endpoint.endswith(":0")
         with pytest.raises(ConfigError, match="cannot bind"):
             EventPublisher(publisher.endpoint)
 
@@ -382,8 +432,7 @@ def _events_command(*args: str) -> list[str]:
 @pytest.mark.subprocess
 async def test_events_command_prints_json_lines_and_stops_after_count(short_dir: Path) -> None:
     url = f"ipc://{short_dir}/cli.sock"
-    gone = UNNAMED_TAG + b"\x02" * (DIGEST_SIZE - TAG_BYTES)
-    events = [stored(1), KVEvent(EventKind.REMOVED, (gone,), None, (), CHUNK, "cpu")]
+    gone = KVEvent(EventKind.REMOVED, (digest(2, 2),), None, (), CHUNK, "cpu")
     with anyio.fail_after(60), EventPublisher(url) as publisher:
         process = await anyio.open_process(
             _events_command("--connect", url, "--json", "--count", "2")
@@ -391,7 +440,8 @@ async def test_events_command_prints_json_lines_and_stops_after_count(short_dir:
         async with process, anyio.create_task_group() as tg:
             tg.start_soon(publisher.watch_subscriptions)
             await publisher.wait_subscribed()
-            await publisher.publish(events)
+            await publisher.publish([stored(1)], block_size=BLOCK, chunk_size=CHUNK)
+            await publisher.publish([gone], block_size=BLOCK, chunk_size=CHUNK)
             assert process.stdout is not None
             output = b""
             async for chunk in process.stdout:
@@ -400,9 +450,10 @@ async def test_events_command_prints_json_lines_and_stops_after_count(short_dir:
             tg.cancel_scope.cancel()
     lines = [json.loads(line) for line in output.decode().splitlines()]
     assert [line["seq"] for line in lines] == [0, 1]
-    assert lines[0]["token_ids"] == list(events[0].token_ids)
-    assert lines[0]["block_hashes"] == [h.hex() for h in events[0].block_hashes]
-    assert lines[1]["kind"] == "removed" and lines[1]["block_hashes"] == [gone.hex()]
+    assert lines[0]["type"] == "BlockStored"
+    assert lines[0]["token_ids"] == list(stored(1).token_ids)
+    assert lines[1]["type"] == "BlockRemoved"
+    assert lines[1]["block_hashes"] == block_hashes_of(digest(2, 2), CHUNK // BLOCK)
 
 
 @pytest.mark.subprocess
@@ -422,7 +473,7 @@ def test_events_command_exits_cleanly_on_sigint_and_sigterm(short_dir: Path) -> 
     ]
     results = []
     try:
-        assert [xpub.recv(), xpub.recv()] == [b"\x01kv", b"\x01kv"]
+        assert [xpub.recv(), xpub.recv()] == [b"\x01", b"\x01"]  # all topics
         for process, signum in zip(processes, (signal.SIGINT, signal.SIGTERM), strict=True):
             process.send_signal(signum)
         results = [process.communicate(timeout=30) for process in processes]

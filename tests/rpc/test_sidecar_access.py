@@ -33,7 +33,7 @@ import zmq.auth
 from lmcache_async import EngineConfig, PermissionDeniedError, RemoteCacheEngine
 from lmcache_async.rpc.admin import AdminClient
 from lmcache_async.rpc.curve import CurveClientKeys
-from lmcache_async.rpc.events import EventSubscriber
+from lmcache_async.rpc.event_subscriber import EventSubscriber
 from lmcache_async.rpc.protocol import MessageType, decode, encode, tokens_payload
 from lmcache_async.rpc.sidecar import SidecarSettings
 from lmcache_async.rpc.sidecar.access import AccessList, Peer, Role
@@ -356,7 +356,13 @@ class Collected:
 
 
 def starts_with(tokens: list[int]) -> Any:
-    return lambda received: received.event.token_ids[:CHUNK] == tuple(tokens[:CHUNK])
+    def matches(received: Any) -> bool:
+        return any(
+            getattr(event, "token_ids", ())[:CHUNK] == tuple(tokens[:CHUNK])
+            for event in received.events
+        )
+
+    return matches
 
 
 async def test_events_reach_allowed_subscribers_only_and_never_a_named_tenants(

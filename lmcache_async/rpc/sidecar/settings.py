@@ -162,6 +162,11 @@ class SidecarSettings:
     events: str | None = None
     """Where KV events are published (a PUB socket's ``ipc://`` or ``tcp://`` URL, loopback
     unless ``allow_remote``); None: not published."""
+    events_replay: str | None = None
+    """Where batches missed by a subscriber are replayed (a ROUTER, vLLM's
+    ``replay_endpoint`` convention); None: no replay."""
+    events_topic: str = ""
+    """The topic frame of every event batch (vLLM's default: empty)."""
     tenant_events: bool = False
     """Publish named tenants' events too (their tokens and digests); False: only the
     unnamed tenant's."""
@@ -171,11 +176,17 @@ class SidecarSettings:
     def __post_init__(self) -> None:
         check_listen_url(self.listen, allow_remote=self.allow_remote)
         self._check_access()
-        if self.events is not None:
-            try:
-                check_listen_url(self.events, allow_remote=self.allow_remote)
-            except ConfigError as exc:
-                raise ConfigError("events", str(exc).removeprefix("listen: ")) from None
+        for name in ("events", "events_replay"):
+            url = getattr(self, name)
+            if url is not None:
+                try:
+                    check_listen_url(url, allow_remote=self.allow_remote)
+                except ConfigError as exc:
+                    raise ConfigError(name, str(exc).removeprefix("listen: ")) from None
+        if self.events_replay is not None and self.events is None:
+            raise ConfigError("events_replay", "a replay socket needs --events")
+        if not isinstance(self.events_topic, str):
+            raise ConfigError("events_topic", f"expected a str, got {self.events_topic!r:.40}")
         if self.metrics_port is not None and (
             not is_strict_int(self.metrics_port) or not 0 <= self.metrics_port <= 65535
         ):

@@ -143,12 +143,16 @@ async def serve(
         if settings.events is not None:
             server.publisher = EventPublisher(
                 settings.events,
+                topic=settings.events_topic.encode("utf-8"),
+                replay=settings.events_replay,
                 allow_remote=settings.allow_remote,
                 context=context,
                 curve_secret_key=settings.curve_secret_key,
                 tenant_events=settings.tenant_events,
             )
             _owner_only(settings.events)
+            if settings.events_replay is not None:
+                _owner_only(settings.events_replay)
         if settings.metrics_port is not None:
             server.metrics = await MetricsServer.bind(
                 make_registry(server.collector()), port=settings.metrics_port
