@@ -77,16 +77,17 @@ def start_sidecar(short_dir: Path, tmp_path: Path) -> Iterator[Any]:
 
 
 @contextlib.asynccontextmanager
-async def pool_held(url: str, num_tokens: int) -> AsyncIterator[int]:
+async def pool_held(url: str, num_tokens: int, name: bytes = b"holder") -> AsyncIterator[int]:
     """A client that reserves a store of ``num_tokens`` and holds what it was lent (yields
-    the chunks) until the block ends; then it aborts the store."""
+    the chunks) until the block ends; then it aborts the store. One session holds at most
+    half the pool: it takes three to fill it."""
     context = zmq.asyncio.Context()
-    link = Link(context, url, b"holder", None, DEFAULT_CLIENT_LIMITS)
+    link = Link(context, url, name, None, DEFAULT_CLIENT_LIMITS)
     try:
         hello = ClientSettings(url=url, layout=LAYOUT, model_name=MODEL).hello()
         await link.request(MessageType.HELLO, hello, timeout=30)
         header = {"start": 0, "limit": num_tokens, "timeout": 60.0}
-        payload = tokens_payload(prompt(num_tokens, 99))
+        payload = tokens_payload(prompt(num_tokens, 99 + len(name)))
         reply = await link.request(MessageType.STORE, header, [payload], timeout=30)
         yield len(reply.header["chunks"])
         abort = {"txn": reply.header["txn"], "abort": True}
@@ -198,11 +199,15 @@ async def test_a_full_pool_is_a_miss_before_the_client_gives_up(
             sidecar.url, LAYOUT, model_name=MODEL, timeout=2.0
         ) as engine:
             assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == num_tokens
-            async with pool_held(sidecar.url, pool_tokens) as held:
+            async with (
+                pool_held(sidecar.url, pool_tokens) as held,
+                pool_held(sidecar.url, pool_tokens, b"second-holder") as second,
+                pool_held(sidecar.url, pool_tokens, b"third-holder"),  # the odd page left
+            ):
                 full = await state(engine)
                 # The holder took the whole pool, evicting the stored chunks (on disk now).
                 assert full["pool"]["free_bytes"] < LAYOUT.token_bytes * CHUNK
-                assert full["cached_chunks"] == 0 and held > 0
+                assert full["cached_chunks"] == 0 and held > 0 and second > 0
                 mask = await engine.retrieve(tokens, kv_caches=target, slot_mapping=slots)
                 assert not mask.any()  # no room for the disk's chunks: a miss, in time
                 assert (await state(engine))["client"]["timeouts"] == 0
