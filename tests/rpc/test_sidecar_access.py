@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import tempfile
@@ -51,6 +50,7 @@ from tests.rpc.test_sidecar import (
     prompt,
     serve_command,
 )
+from tests.servers import free_port
 from tests.test_engine import poll_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.subprocess]
@@ -60,13 +60,6 @@ SILENCE = 1.0
 """How long a refused peer is listened to for an answer that must not come. The same run's
 allowed client is answered throughout, so the server is known to be responsive."""
 N = 2 * CHUNK
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -494,3 +487,54 @@ async def test_a_session_serves_only_the_key_that_opened_it(tmp_path: Path) -> N
             assert reply.header["code"] == "protocol"  # the identity is taken
             stats = (await engine.stats())["engine"]
             assert stats["pinned_chunks"] == 2  # the owner's pins are still there
+
+
+async def test_an_admins_clear_and_shutdown_succeed_where_a_clients_are_refused(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    root = tmp_path_factory.mktemp("curve-shutdown")
+    keys = Keys(root)
+    server_public, server_secret = keys.make("server", "servers")
+    client_public, client = keys.make("client", "clients")
+    admin_public, admin = keys.make("admin", "admins")
+    launcher = Sidecars(tmp_path_factory.mktemp("curve-shutdown-logs"))
+    url = f"tcp://127.0.0.1:{free_port()}"
+    key = keys.server_key(server_public)
+    tokens = prompt(N, salt=27_700)
+    kv, slots = kv_for(N, seed=277)
+    try:
+        sidecar = launcher.start(
+            url,
+            "--curve-secret-key-file",
+            str(server_secret),
+            "--curve-clients",
+            str(client_public.parent),
+            "--curve-admins",
+            str(admin_public.parent),
+        )
+        with anyio.fail_after(TIMEOUT):
+            await wait_ready(sidecar, key, admin)
+            async with RemoteCacheEngine.connect(
+                url,
+                LAYOUT,
+                model_name=MODEL,
+                timeout=10,
+                server_public_key=key,
+                client_certificate=str(client),
+            ) as engine:
+                assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == N
+            with AdminClient(
+                url, timeout=10, server_public_key=key, client_certificate=str(client)
+            ) as c:
+                for call in (c.clear(), c.request(MessageType.SHUTDOWN)):
+                    with pytest.raises(PermissionDeniedError, match="admin certificate"):
+                        await call
+            assert sidecar.alive()
+            with AdminClient(
+                url, timeout=10, server_public_key=key, client_certificate=str(admin)
+            ) as a:
+                assert await a.clear() == 2
+                assert await a.request(MessageType.SHUTDOWN) == {}
+            assert await anyio.to_thread.run_sync(sidecar.process.wait, READY_TIMEOUT) == 0
+    finally:
+        launcher.stop_all()
