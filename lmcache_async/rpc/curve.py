@@ -93,7 +93,7 @@ class CurveClientKeys:
 
     server_public: bytes
     public: bytes
-    secret: bytes = b""
+    secret: bytes
 
     def __repr__(self) -> str:  # the secret key stays out of logs and tracebacks
         return f"CurveClientKeys(server_public={self.server_public!r}, public={self.public!r})"

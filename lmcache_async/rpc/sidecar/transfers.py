@@ -166,18 +166,22 @@ class TransferHandlers:
     def _within_share(self, engine: CacheEngine, session: Session, spans: list[ChunkSpan]) -> int:
         """How many leading ``spans`` a STORE may reserve: those that keep the session's
         open transactions within ``max_session_pool_share`` of the pool (in the pool's
-        whole pages), so no one client holds the memory every other client stores into."""
-        page = engine.core.pool.page_size
-        share = self._host.settings.max_session_pool_share * engine.core.pool.capacity_bytes
-        room = share - session.held_bytes(page)
-        layout, count = engine.layout, 0
-        itemsize = layout.dtype.itemsize
-        for span in spans:
-            nbytes = math.prod(layout.payload_shape(span.num_tokens)) * itemsize
-            room -= -(-nbytes // page) * page
-            if room < 0:
-                break
-            count += 1
+        whole pages), so no one client holds the memory every other client stores into.
+        Every span is a whole chunk but a prompt's short last one."""
+        pool, layout = engine.core.pool, engine.layout
+        page, itemsize = pool.page_size, layout.dtype.itemsize
+
+        def footprint(tokens: int) -> int:
+            nbytes = math.prod(layout.payload_shape(tokens)) * itemsize
+            return -(-nbytes // page) * page
+
+        room = self._host.settings.max_session_pool_share * pool.capacity_bytes
+        room -= session.held_bytes(page)
+        count = min(len(spans), max(0, int(room // footprint(engine.config.chunk_size))))
+        if count == len(spans) - 1 and room - count * footprint(
+            engine.config.chunk_size
+        ) >= footprint(spans[-1].num_tokens):
+            count += 1  # a short last chunk fits where a whole one would not
         return count
 
     async def on_commit(self, session: Session | None, message: Message) -> Reply:
