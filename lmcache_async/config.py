@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_LOG_FORMAT",
     "DEFAULT_LOG_LEVEL",
     "DEFAULT_MAX_KV_EVENTS",
+    "DEFAULT_MAX_KV_EVENT_BYTES",
     "DEFAULT_MAX_LOCAL_CPU_SIZE",
     "DEFAULT_PIN_TIMEOUT",
     "DEFAULT_PIPELINE_BATCH_CHUNKS",
@@ -86,6 +87,7 @@ DEFAULT_INLINE_COPY_BYTES: Final = 4 * 1024 * 1024
 DEFAULT_INLINE_HASH_TOKENS: Final = 65536
 DEFAULT_ENABLE_KV_EVENTS: Final = True
 DEFAULT_MAX_KV_EVENTS: Final = 10000
+DEFAULT_MAX_KV_EVENT_BYTES: Final = 64 << 20
 DEFAULT_LOCAL_DISK: Final = None
 DEFAULT_MAX_LOCAL_DISK_SIZE: Final = 20.0
 DEFAULT_REMOTE_URL: Final = None
@@ -165,6 +167,9 @@ class EngineConfig:
     """Whether chunk-stored / chunk-removed events are recorded."""
     max_kv_events: int = DEFAULT_MAX_KV_EVENTS
     """Undelivered events kept; beyond it the oldest are dropped and counted."""
+    max_kv_event_bytes: int = DEFAULT_MAX_KV_EVENT_BYTES
+    """Bytes of undelivered events kept (a stored event holds its tokens); beyond it the
+    oldest are dropped and counted."""
     local_disk: str | None = DEFAULT_LOCAL_DISK
     """Directory of the disk tier (``file://`` prefix allowed); None: no disk tier."""
     max_local_disk_size: float = DEFAULT_MAX_LOCAL_DISK_SIZE

@@ -46,6 +46,7 @@ _LOWER_BOUNDS: Final[Mapping[str, tuple[float, bool]]] = MappingProxyType(
         "inline_copy_bytes": (0, True),
         "inline_hash_tokens": (0, True),
         "max_kv_events": (1, True),
+        "max_kv_event_bytes": (1, True),
         "max_local_disk_size": (0.0, False),
         "remote_timeout": (0.0, False),
         "remote_ttl": (0.0, False),

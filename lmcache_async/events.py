@@ -2,9 +2,11 @@
 
 The engine records one event per stored or removed run of chunks in a bounded buffer;
 ``CacheEngine.take_events()`` drains it. A stored event may be recorded as a
-:data:`PendingEvent`, built only when it is taken: a store pays for the event's tuples of
-token ids only when somebody reads them. When the buffer is full the oldest events are
-dropped and counted, so a caller that never drains cannot grow memory without bound.
+:class:`PendingEvent`, built only when it is taken: a store pays for the event's tuples of
+token ids only when somebody reads them. The buffer is bounded in events and in bytes (a
+stored event holds its prompt's tokens: a 32k-token prompt's events weigh about 1 MB);
+past either bound the oldest events are dropped and counted, so a caller that never drains
+cannot grow memory without bound, and a reader learns how many it missed.
 """
 
 from __future__ import annotations
@@ -14,11 +16,22 @@ import enum
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Final
 
 import anyio
 
-__all__ = ["EventBuffer", "EventKind", "KVEvent", "PendingEvent"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "EventBuffer",
+    "EventKind",
+    "KVEvent",
+    "PendingEvent",
+    "event_bytes",
+]
+
+
+DEFAULT_MAX_BYTES: Final = 64 << 20
+"""Bytes an :class:`EventBuffer` holds at most by default."""
 
 
 class EventKind(enum.StrEnum):
@@ -48,25 +61,52 @@ class KVEvent:
     ts: float = field(default_factory=time.time, compare=False)
 
 
-PendingEvent: TypeAlias = Callable[[], KVEvent]
-"""An event recorded now and built when taken (from what it was recorded with, its
-``ts`` the recording's)."""
+@dataclass(frozen=True, slots=True)
+class PendingEvent:
+    """An event recorded now and built when taken (from what it was recorded with, its
+    ``ts`` the recording's); ``nbytes`` is what it holds until then."""
+
+    build: Callable[[], KVEvent]
+    nbytes: int
+
+
+_EVENT_BYTES: Final = 200
+"""Bytes of an event's object, its tuples and its medium, before the items."""
+_ITEM_BYTES: Final = 40
+"""Bytes per token id or hash held (a pointer and an int or bytes object)."""
+
+
+def event_bytes(event: KVEvent) -> int:
+    """About how many bytes ``event`` holds in memory."""
+    return _EVENT_BYTES + _ITEM_BYTES * (len(event.token_ids) + len(event.block_hashes))
 
 
 class EventBuffer:
-    """A bounded FIFO of :class:`KVEvent`; when full, the oldest event is dropped.
+    """A FIFO of :class:`KVEvent` bounded by ``capacity`` events and ``max_bytes`` bytes
+    (:func:`event_bytes`); past either, the oldest events are dropped and counted in
+    :attr:`dropped`. One event larger than ``max_bytes`` is kept alone (the newest event is
+    never the one dropped).
 
     A consumer (the KV event publisher) awaits :meth:`wait` instead of polling; events are
     added and awaited on the event loop's thread.
     """
 
-    def __init__(self, capacity: int, *, enabled: bool = True) -> None:
+    def __init__(
+        self, capacity: int, *, max_bytes: int = DEFAULT_MAX_BYTES, enabled: bool = True
+    ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self._events: collections.deque[KVEvent | PendingEvent] = collections.deque(maxlen=capacity)
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be >= 1")
+        self._events: collections.deque[tuple[KVEvent | PendingEvent, int]] = collections.deque()
+        self._capacity = capacity
+        self._max_bytes = max_bytes
+        self.nbytes = 0
+        """Bytes the buffered events hold (estimated)."""
         self._enabled = enabled
         self._waiter: anyio.Event | None = None
         self.dropped = 0
+        """Events dropped, oldest first, to stay within the bounds."""
 
     @property
     def enabled(self) -> bool:
@@ -75,9 +115,13 @@ class EventBuffer:
     def add(self, event: KVEvent | PendingEvent) -> None:
         if not self._enabled:
             return
-        if len(self._events) == self._events.maxlen:
+        size = event.nbytes if isinstance(event, PendingEvent) else event_bytes(event)
+        events = self._events
+        events.append((event, size))
+        self.nbytes += size
+        while len(events) > 1 and (len(events) > self._capacity or self.nbytes > self._max_bytes):
+            self.nbytes -= events.popleft()[1]
             self.dropped += 1
-        self._events.append(event)
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter.set()
@@ -88,8 +132,11 @@ class EventBuffer:
 
     def take(self) -> list[KVEvent]:
         """Return and forget every buffered event, oldest first (pending ones built)."""
-        events = [event if isinstance(event, KVEvent) else event() for event in self._events]
+        events = [
+            event if isinstance(event, KVEvent) else event.build() for event, _ in self._events
+        ]
         self._events.clear()
+        self.nbytes = 0
         return events
 
     async def wait(self) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Sequence
+from typing import Final
 
 import numpy as np
 
@@ -19,6 +20,11 @@ from lmcache_async.keys.chunks import ChunkKey, ChunkSpan
 from ..events import EventBuffer, EventKind, KVEvent, PendingEvent
 
 __all__ = ["StoredEvent", "TierEvents"]
+
+_PENDING_BYTES: Final = 200
+"""Bytes of a pending event's objects, before its spans and tokens."""
+_SPAN_BYTES: Final = 120
+"""Bytes per chunk span a pending event holds (shared with the store that made it)."""
 
 
 class TierEvents:
@@ -99,7 +105,13 @@ class StoredEvent:
         events are off."""
         if not self._events.enabled:
             return None
-        return functools.partial(self._event, medium, time.time())
+        return PendingEvent(functools.partial(self._event, medium, time.time()), self.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        """About how many bytes one of these events holds until it is built."""
+        held = 0 if self._tokens is None else self._tokens.nbytes
+        return _PENDING_BYTES + _SPAN_BYTES * len(self._spans) + held
 
     def _event(self, medium: str, ts: float) -> KVEvent:
         first = self._first

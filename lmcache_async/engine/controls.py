@@ -132,6 +132,12 @@ class TierControls(EngineBase):
         """Return and forget the KV events (chunks stored / removed) recorded so far."""
         return self._parts.events.take()
 
+    @property
+    def events_dropped(self) -> int:
+        """KV events dropped, oldest first, because nobody took them in time (the buffer
+        is bounded by ``max_kv_events`` and ``max_kv_event_bytes``)."""
+        return self._parts.events.dropped
+
     async def wait_events(self) -> None:
         """Return once at least one KV event is waiting for :meth:`take_events` (never
         while events are disabled: bound it with a cancel scope)."""

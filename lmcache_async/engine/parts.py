@@ -125,7 +125,9 @@ def build_parts(
     # A sidecar's lookups come as digest frames.
     hashers = TenantHashers(hasher)
     keys = RequestKeys(config, hashers, DigestFrames(_DIGEST_MEMO_PROMPTS), kv_views)
-    events = EventBuffer(config.max_kv_events, enabled=config.enable_kv_events)
+    events = EventBuffer(
+        config.max_kv_events, max_bytes=config.max_kv_event_bytes, enabled=config.enable_kv_events
+    )
     pool = (
         MemoryPool(config.cpu_capacity_bytes)
         if pool_buffer is None

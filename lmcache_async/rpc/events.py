@@ -85,6 +85,11 @@ class EventSource(Protocol):
     chunk_size: int
     """Tokens per chunk of the events recorded (a multiple of ``block_size``)."""
 
+    @property
+    def events_dropped(self) -> int:
+        """Events the source dropped unread so far (it never decreases)."""
+        ...
+
     def take_events(self) -> list[KVEvent]:
         """Return and forget the events recorded so far, oldest first."""
         ...
@@ -103,6 +108,10 @@ class _EngineEvents:
         block = engine.layout.block_size
         # Blocks that do not divide the chunks are announced as whole chunks.
         self.block_size = block if self.chunk_size % block == 0 else self.chunk_size
+
+    @property
+    def events_dropped(self) -> int:
+        return self._engine.events_dropped
 
     def take_events(self) -> list[KVEvent]:
         return self._engine.take_events()
@@ -193,6 +202,8 @@ class EventPublisher:
         """Batches sent."""
         self.withheld = 0
         """Events of named tenants not published (see the module docstring)."""
+        self.lost = 0
+        """Events the source dropped before they could be published (:meth:`skip`)."""
         self._public_tag = None if tenant_events else tenant_tag(None)
         self._seq = 0
         self._kept: collections.deque[tuple[int, bytes]] = collections.deque()
@@ -229,6 +240,7 @@ class EventPublisher:
             "topic": self.topic.decode(errors="replace"),
             "published": self.published,
             "withheld": self.withheld,
+            "lost": self.lost,
             "next_seq": self._seq,
             "kept_for_replay": len(self._kept),
             "subscribers": self.subscribers,
@@ -255,12 +267,29 @@ class EventPublisher:
 
     async def publish_from(self, source: EventSource) -> None:
         """As :meth:`run`, without watching subscriptions (the caller runs
-        :meth:`watch_subscriptions` for the socket's whole life)."""
+        :meth:`watch_subscriptions` for the socket's whole life).
+
+        Events the source dropped unread (its buffer was full) leave a gap: the sequence
+        number skips one, so a subscriber sees that it missed something, and
+        :attr:`lost` counts them.
+        """
+        seen = source.events_dropped
         while True:
             await source.wait_events()
+            dropped = source.events_dropped
+            if dropped > seen:
+                self.skip(dropped - seen)
+                seen = dropped
             await self.publish(
                 source.take_events(), block_size=source.block_size, chunk_size=source.chunk_size
             )
+
+    def skip(self, lost: int) -> None:
+        """Leave a gap in the sequence numbers for ``lost`` events that will never be
+        published (no replay can fill it)."""
+        self._seq += 1
+        self.lost += lost
+        log.warning("kv_events_lost", events=lost, seq=self._seq - 1)
 
     async def publish(
         self, events: Sequence[KVEvent], *, block_size: int, chunk_size: int

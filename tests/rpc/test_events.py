@@ -23,7 +23,7 @@ import zmq
 
 from lmcache_async import CacheEngine, EngineConfig, KVLayout
 from lmcache_async.errors import ConfigError, InvalidInputError, ProtocolError
-from lmcache_async.events import EventBuffer, EventKind, KVEvent
+from lmcache_async.events import EventBuffer, EventKind, KVEvent, PendingEvent, event_bytes
 from lmcache_async.keys.digests import DIGEST_SIZE
 from lmcache_async.rpc.event_subscriber import EventSubscriber, ReceivedBatch, format_batch
 from lmcache_async.rpc.events import EventPublisher, engine_event_source
@@ -74,6 +74,10 @@ class BufferSource:
 
     def __init__(self, buffer: EventBuffer) -> None:
         self.buffer = buffer
+
+    @property
+    def events_dropped(self) -> int:
+        return self.buffer.dropped
 
     def take_events(self) -> list[KVEvent]:
         return self.buffer.take()
@@ -211,6 +215,52 @@ async def test_a_disabled_buffer_never_wakes_its_waiter() -> None:
         await buffer.wait()
     assert scope.cancelled_caught
     assert len(buffer) == 0
+
+
+def test_the_buffer_is_bounded_in_bytes_and_drops_the_oldest() -> None:
+    one = event_bytes(stored(0))
+    buffer = EventBuffer(1000, max_bytes=3 * one)
+    for n in range(5):
+        buffer.add(stored(n))
+    assert (len(buffer), buffer.dropped, buffer.nbytes) == (3, 2, 3 * one)
+    assert buffer.take() == [stored(2), stored(3), stored(4)]
+    assert (buffer.nbytes, buffer.dropped) == (0, 2)
+    buffer.add(stored(9, chunks=40))  # larger than the bound alone: kept, the newest
+    assert buffer.take() == [stored(9, chunks=40)]
+
+
+def test_pending_events_count_the_bytes_they_hold() -> None:
+    buffer = EventBuffer(1000, max_bytes=1000)
+    late = stored(1)
+    buffer.add(PendingEvent(lambda: late, 600))
+    buffer.add(PendingEvent(lambda: stored(2), 600))
+    assert (len(buffer), buffer.dropped, buffer.nbytes) == (1, 1, 600)
+    assert buffer.take() == [stored(2)]
+
+
+@pytest.mark.anyio
+async def test_events_dropped_unread_leave_a_gap_in_the_sequence(short_dir: Path) -> None:
+    """A source that dropped events before the publisher took them: the next batch's
+    sequence number skips one, so the subscriber knows it missed something."""
+    url = f"ipc://{short_dir}/gap.sock"
+    buffer = EventBuffer(2)
+    with anyio.fail_after(TIMEOUT):
+        with EventPublisher(url) as publisher, EventSubscriber(url) as subscriber:
+            async with anyio.create_task_group() as tg:
+                await publish_running(publisher, buffer, tg)
+                buffer.add(stored(0))
+                first = await subscriber.receive()
+                for n in range(1, 5):  # one task step: four events into a buffer of two
+                    buffer.add(stored(n))
+                second = await subscriber.receive()
+                tg.cancel_scope.cancel()
+            info = publisher.info()
+    assert (first.seq, second.seq) == (0, 2)
+    assert second.events == tuple(
+        wire_events(stored(n), block_size=BLOCK, chunk_size=CHUNK) for n in (3, 4)
+    )
+    assert subscriber.missed == 1
+    assert (info["lost"], info["next_seq"]) == (2, 3)
 
 
 # -- publisher and subscriber -----------------------------------------------------------------
