@@ -57,6 +57,7 @@ __all__ = [
     "EventPublisher",
     "EventSource",
     "engine_event_source",
+    "is_public",
 ]
 
 log = structlog.get_logger(__name__)
@@ -430,3 +431,12 @@ def _last_endpoint(sock: zmq.asyncio.Socket, url: str) -> str:
 def _of_tag(event: KVEvent, tag: bytes) -> bool:
     """Whether every chunk of ``event`` belongs to the tenant with ``tag``."""
     return all(digest[:TAG_BYTES] == tag for digest in event.block_hashes)
+
+
+_PUBLIC_TAG: Final = tenant_tag(None)
+
+
+def is_public(event: KVEvent) -> bool:
+    """Whether every chunk of ``event`` is the unnamed tenant's (true of a clear): what a
+    publisher sends unless asked to send named tenants' events too."""
+    return _of_tag(event, _PUBLIC_TAG)

@@ -11,6 +11,7 @@ prefill speed measured from vLLM's steps (:mod:`.meter`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -23,9 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.rpc.curve import CurveClientKeys
 from lmcache_async.rpc.lookup import SyncLookupClient
 from lmcache_async.sync.engine import SyncCacheEngine
 
+from .kv_events import ConnectorEvents, SidecarEvents, WorkerEvents
 from .layout import detect_layout, layer_order
 from .metadata import LMCacheAsyncConnectorMetadata
 from .meter import CudaStepTimer, PrefillMeter, StepTimer
@@ -40,6 +43,7 @@ from .worker import WorkerTransfers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -92,6 +96,9 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
         self._timer = StepTimer(self._meter)
         self._client: SyncLookupClient | None = None
         self._planner: SchedulerPlanner | None = None
+        events_config = vllm_config.kv_events_config
+        self._kv_events = events_config is not None and events_config.enable_kv_cache_events
+        self._events: ConnectorEvents | None = None  # the workers' events, not yet taken
         if role == KVConnectorRole.SCHEDULER:
             client = SyncLookupClient(
                 self._instance_id,
@@ -107,6 +114,7 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
                 can_save=transfer.is_kv_producer,
                 default_tenant=settings.tenant,
                 prefetch_timeout=settings.prefetch_timeout,
+                block_size=self._block_size if self._kv_events else 0,
             )
             # vLLM builds the scheduler's connector once per engine process.
             _warn_of_load_failure_policy(transfer.kv_load_failure_policy)
@@ -157,6 +165,7 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
         self._engine = engine
         positions = {names[i]: position for position, i in enumerate(order)}
         self._worker.attach(engine, tensors, positions)
+        self._worker.events = self._worker_events()
         if tensors[0].is_cuda:
             self._timer = CudaStepTimer(self._meter, tensors[0].device)
         rank = pp_rank * self._tp_size + tp_rank
@@ -175,6 +184,41 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
             endpoint=endpoint,
             sidecar=self._settings.sidecar_url,
         )
+
+    def _worker_events(self) -> WorkerEvents | None:
+        """The worker's KV events for vLLM's stream, when vLLM publishes one: an embedded
+        engine's own, or the sidecar's read from ``sidecar_events``."""
+        settings = self._settings
+        if not self._kv_events:
+            return None
+        sidecar = None
+        if settings.sidecar_url is not None:
+            if settings.sidecar_events is None:
+                log.warning(
+                    "vllm_sidecar_events_unset",
+                    message="vLLM publishes KV events but sidecar_events is not set: the "
+                    "sidecar's blocks are not among them",
+                )
+                return None
+            curve = None
+            if settings.sidecar_server_key is not None:
+                curve = CurveClientKeys.make(
+                    settings.sidecar_server_key, settings.sidecar_client_certificate
+                )
+            sidecar = SidecarEvents(settings.sidecar_events, curve=curve)
+        elif not settings.engine.enable_kv_events:
+            return None
+        return WorkerEvents(
+            block_size=self._block_size,
+            chunk_size=settings.engine.chunk_size,
+            tenants=settings.kv_events_tenants,
+            sidecar=sidecar,
+        )
+
+    def get_kv_connector_kv_cache_events(self) -> ConnectorEvents | None:
+        """This worker's KV events since the last step: the blocks the cache stored and
+        removed, named as vLLM names them where known (:mod:`.kv_events`)."""
+        return self._worker.take_events()
 
     def _orders(self) -> LMCacheAsyncConnectorMetadata | None:
         meta = self._get_connector_metadata()
@@ -267,6 +311,8 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
         (its ``cache_salt``, else the ``tenant`` setting), loaded asynchronously unless
         layerwise; None while the workers still bring hits into host memory."""
         planner = self._scheduler()
+        if self._kv_events:
+            planner.note_block_hashes(request.request_id, request.block_hashes)
         hits = planner.num_new_matched_tokens(
             request.request_id, request.prompt_token_ids, num_computed_tokens, request.cache_salt
         )
@@ -290,7 +336,24 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
         return self._scheduler().build(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Nothing to do: a failed load shows as vLLM rolling the request back."""
+        """Keep the workers' KV events for :meth:`take_events` (a failed load needs
+        nothing here: it shows as vLLM rolling the request back)."""
+        events = connector_output.kv_cache_events
+        if not isinstance(events, ConnectorEvents):
+            return
+        if self._events is None:
+            self._events = events
+        else:
+            self._events.add_events(events.get_all_events())
+            self._events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The KV events every worker reported since the last call (vLLM publishes them
+        with its own)."""
+        events, self._events = self._events, None
+        if events is None:
+            return ()
+        return events.aggregate().get_all_events()
 
     def request_finished(
         self, request: Request, block_ids: list[int]

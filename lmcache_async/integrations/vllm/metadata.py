@@ -102,7 +102,8 @@ class SaveSpec:
     """Store the chunks of ``tokens`` (a prefix of the request's tokens: of its prompt, or
     with ``store_decode_tokens`` of all it computed) from the chunk holding token ``start``
     on, after this step's forward, as ``tenant``'s KV (None: the worker engine's own
-    tenant)."""
+    tenant). ``block_names``: vLLM's names of the whole blocks of ``tokens`` (as its KV
+    events name them), when known: the store's KV events name the blocks so."""
 
     req_id: str
     tokens: list[int]
@@ -110,6 +111,7 @@ class SaveSpec:
     start: int
     epoch: int
     tenant: str | None = None
+    block_names: tuple[int, ...] = ()
 
     def slots_and_mask(
         self, *, block_size: int, chunk_size: int

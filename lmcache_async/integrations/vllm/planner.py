@@ -39,6 +39,7 @@ from lmcache_async.errors import InvalidInputError
 from lmcache_async.rpc.lookup import SyncLookupClient
 from lmcache_async.tenancy.tenants import check_tenant
 
+from .kv_events import block_name
 from .metadata import LMCacheAsyncConnectorMetadata, LoadSpec, SaveSpec
 from .settings import DEFAULT_PREFETCH_TIMEOUT
 
@@ -114,8 +115,10 @@ class SchedulerPlanner:
         load_async: bool = False,
         prefetch_timeout: float = DEFAULT_PREFETCH_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
+        block_size: int = 0,
     ) -> None:
         self._chunk = chunk_size
+        self._block_size = block_size
         self._default_tenant = check_tenant(default_tenant, field="default_tenant")
         self._granule = load_granule
         self._save_unfull = save_unfull_chunk
@@ -137,6 +140,8 @@ class SchedulerPlanner:
         # the requests whose salt cannot be a tenant name (never cached).
         self._tenants: dict[str, str | None] = {}
         self._refused: set[str] = set()
+        # vLLM's block hashes of each request noted (its own growing list), and not finished.
+        self._block_hashes: dict[str, Sequence[bytes]] = {}
 
     @classmethod
     def over_lookups(
@@ -148,6 +153,7 @@ class SchedulerPlanner:
         can_save: bool = True,
         default_tenant: str | None = None,
         prefetch_timeout: float = DEFAULT_PREFETCH_TIMEOUT,
+        block_size: int = 0,
     ) -> SchedulerPlanner:
         """A planner of ``config``'s chunks that asks the workers for promises through
         ``client`` (for the request's tenant), pinned under the request id; loads are
@@ -165,6 +171,7 @@ class SchedulerPlanner:
             default_tenant=default_tenant,
             load_async=not config.use_layerwise,
             prefetch_timeout=prefetch_timeout,
+            block_size=block_size,
         )
 
     @property
@@ -190,6 +197,19 @@ class SchedulerPlanner:
             self._refused.add(req_id)
             return False
         return True
+
+    def note_block_hashes(self, req_id: str, block_hashes: Sequence[bytes]) -> None:
+        """vLLM's hashes of the request's blocks of ``block_size`` tokens (the request's own
+        list, which grows as it computes): its stores name their blocks by them
+        (:attr:`SaveSpec.block_names`). Nothing without a ``block_size``."""
+        if self._block_size > 0:
+            self._block_hashes[req_id] = block_hashes
+
+    def _block_names(self, req_id: str, num_tokens: int) -> tuple[int, ...]:
+        hashes = self._block_hashes.get(req_id)
+        if hashes is None:
+            return ()
+        return tuple(block_name(h) for h in hashes[: num_tokens // self._block_size])
 
     def _align(self, tokens: int) -> int:
         return tokens - tokens % self._chunk
@@ -410,6 +430,7 @@ class SchedulerPlanner:
             start=tracker.saved,
             epoch=tracker.epoch,
             tenant=tracker.tenant,
+            block_names=self._block_names(req_id, len(tokens)),
         )
         tracker.stored += len(tokens) - tracker.saved
         tracker.saved = len(tokens)
@@ -434,6 +455,7 @@ class SchedulerPlanner:
     def finished(self, req_id: str) -> dict[str, int] | None:
         """Forget a finished request; returns its token counts if it was tracked."""
         self._tenants.pop(req_id, None)
+        self._block_hashes.pop(req_id, None)
         self._refused.discard(req_id)
         self._asked.pop(req_id, None)
         self._pending.pop(req_id, None)

@@ -46,12 +46,14 @@ DEFAULT_LOAD_TIMEOUT: Final = 5.0
 CONNECTOR_KEYS: Final = (
     "config_file",
     "instance_id",
+    "kv_events_tenants",
     "load_timeout",
     "lookup_timeout",
     "prefetch_timeout",
     "prefill_tokens_per_s",
     "request_stats",
     "sidecar_client_certificate",
+    "sidecar_events",
     "sidecar_server_key_file",
     "sidecar_timeout",
     "sidecar_url",
@@ -63,6 +65,9 @@ CONNECTOR_KEYS: Final = (
 
 * ``config_file``: YAML file of engine settings (below the extra config in precedence);
 * ``instance_id``: names the lookup sockets (default: vLLM's ``engine_id``);
+* ``kv_events_tenants``: when true, the KV events vLLM publishes (with its
+  ``--kv-events-config``) include named tenants' blocks (requests with a ``cache_salt``);
+  by default they are left out, as their tokens are as private as their prompts;
 * ``load_timeout``: seconds an asynchronous load (from host memory, between steps) may take
   (default 5); what has not arrived by then is reported as invalid blocks, which vLLM
   recomputes (with its ``kv_load_failure_policy="recompute"``);
@@ -83,6 +88,9 @@ CONNECTOR_KEYS: Final = (
   the bare z85 key), for a sidecar started with ``--curve-secret-key-file``;
 * ``sidecar_client_certificate``: the ``zmq.auth`` secret certificate the workers prove
   themselves with; its public half must be in the sidecar's ``--curve-clients``;
+* ``sidecar_events``: the sidecar's KV event socket (its ``serve --events URL``): with
+  vLLM's ``--kv-events-config``, the workers read it and vLLM publishes the sidecar's
+  blocks beside its own (an embedded engine's are published without it);
 * ``sidecar_timeout``: seconds each request to the sidecar may take (default 5); a sidecar
   that does not answer in time is a miss;
 * ``socket_dir``: directory of the lookup sockets (default: the temporary directory);
@@ -119,6 +127,8 @@ class ConnectorSettings:
     load_timeout: float = DEFAULT_LOAD_TIMEOUT
     prefill_tokens_per_s: float | None = None
     store_decode_tokens: bool = False
+    sidecar_events: str | None = None
+    kv_events_tenants: bool = False
 
     @classmethod
     def from_extra_config(
@@ -159,7 +169,12 @@ class ConnectorSettings:
         if sidecar_url is not None:
             _check_sidecar(sidecar_url, engine, engine_keys)
         else:
-            for key in ("sidecar_timeout", "sidecar_server_key_file", "sidecar_client_certificate"):
+            for key in (
+                "sidecar_timeout",
+                "sidecar_server_key_file",
+                "sidecar_client_certificate",
+                "sidecar_events",
+            ):
                 if key in own:
                     raise ConfigError(key, "only meaningful with sidecar_url")
         server_key, certificate = _sidecar_keys(own)
@@ -178,6 +193,8 @@ class ConnectorSettings:
             load_timeout=_seconds(own, "load_timeout", DEFAULT_LOAD_TIMEOUT),
             prefill_tokens_per_s=_speed(own, "prefill_tokens_per_s"),
             store_decode_tokens=_flag(own, "store_decode_tokens"),
+            sidecar_events=_events_url(own),
+            kv_events_tenants=_flag(own, "kv_events_tenants"),
         )
 
 
@@ -204,6 +221,18 @@ def _sidecar_keys(values: Mapping[str, Any]) -> tuple[bytes | None, str | None]:
     if key_file is None:
         return None, certificate
     return load_curve_public_key(key_file, field="sidecar_server_key_file"), certificate
+
+
+def _events_url(values: Mapping[str, Any]) -> str | None:
+    """The ``sidecar_events`` key: an ``ipc://`` or ``tcp://`` URL."""
+    url = _optional_str(values, "sidecar_events")
+    if url is not None:
+        scheme, _, rest = url.partition("://")
+        if scheme not in ("ipc", "tcp") or not rest:
+            raise ConfigError(
+                "sidecar_events", f"expected ipc://PATH or tcp://HOST:PORT, got {url!r}"
+            )
+    return url
 
 
 def _seconds(values: Mapping[str, Any], key: str, default: float) -> float:

@@ -23,6 +23,7 @@ import torch
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.sync.engine import LayerSteps, SyncCacheEngine
 
+from .kv_events import ConnectorEvents, WorkerEvents
 from .loads import IDLE_STEP_WAIT, STUCK_GRACE, AsyncLoads, unfilled_blocks
 from .metadata import LMCacheAsyncConnectorMetadata, LoadSpec, SaveSpec
 
@@ -69,6 +70,8 @@ class WorkerTransfers:
         self._load_errors: set[int] = set()
         self._failed_epochs: dict[str, int] = {}
         self._released: set[str] = set()
+        self.events: WorkerEvents | None = None
+        """The worker's KV events for vLLM (set when vLLM publishes KV events)."""
 
     def attach(
         self,
@@ -217,6 +220,7 @@ class WorkerTransfers:
         for save in saves:
             if self._failed_epochs.get(save.req_id) == save.epoch:
                 continue  # computed over a prefix that failed to load
+            self._learn_names(save)
             try:
                 slots, mask = save.slots_and_mask(
                     block_size=self._block_size, chunk_size=self._chunk
@@ -234,6 +238,16 @@ class WorkerTransfers:
                 continue
             done.append((save, result))
         return done
+
+    def _learn_names(self, save: SaveSpec) -> None:
+        """Tell the KV events vLLM's names of the blocks ``save`` stores."""
+        if self.events is None or not save.block_names or self._engine is None:
+            return
+        try:
+            base = self._engine.engine.key_hasher
+            self.events.learn(base, save.tokens, save.tenant, save.block_names)
+        except Exception:  # the store goes on; its events keep our names
+            log.exception("vllm_block_names_failed", req_id=save.req_id)
 
     def save(self, meta: LMCacheAsyncConnectorMetadata) -> None:
         """Store this step's chunks; returns once they are in host memory. With
@@ -284,6 +298,16 @@ class WorkerTransfers:
         sending, self._released = self._released, set()
         return sending or None, recving or None
 
+    def take_events(self) -> ConnectorEvents | None:
+        """The KV events since the last call, as vLLM's (None: none, or events are off)."""
+        if self.events is None:
+            return None
+        try:
+            return self.events.take(self._engine)
+        except Exception:
+            log.exception("vllm_kv_events_failed")
+            return None
+
     def take_errors(self) -> set[int]:
         """Blocks whose load failed (this step's, and the asynchronous loads reported
         finished in it); vLLM recomputes them."""
@@ -292,5 +316,9 @@ class WorkerTransfers:
         return errors
 
     def close(self) -> None:
-        """Wait for the asynchronous loads under way (bounded), cancel those left."""
+        """Wait for the asynchronous loads under way (bounded), cancel those left; close
+        the KV events' subscription."""
         self._async.close(self._load_timeout + STUCK_GRACE)
+        if self.events is not None:
+            self.events.close()
+            self.events = None

@@ -20,6 +20,7 @@ from anyio.abc import TaskGroup
 from lmcache_async.config import DEFAULT_INLINE_COPY_BYTES
 from lmcache_async.engine.client import Promise
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.keys.chunks import ChunkHasher
 from lmcache_async.keys.tokens import Tokens
 from lmcache_async.layouts import KVCacheViews, KVLayout
 from lmcache_async.rpc.client.admin import AdminCalls
@@ -413,6 +414,12 @@ class RemoteCacheEngine(MoveCalls):
         """Whether payloads move through the sidecar's shared memory now (else inline)."""
         link = self._conn.link
         return link is not None and link.segment is not None
+
+    @property
+    def key_hasher(self) -> ChunkHasher | None:
+        """The hasher of this client's chunk keys as the sidecar computes them (None
+        before the first hello, or when the sidecar did not say how it hashes)."""
+        return self._conn.hasher
 
     @property
     def chunk_size(self) -> int | None:
