@@ -305,8 +305,10 @@ async def test_compress_and_decompress_in_place_on_disk(tmp_path: Path) -> None:
         async with engine_on(tmp_path, local_cpu=False) as engine:
             await store(engine, 64)
             assert codecs() == {"none"}
+            engine.take_events()
             assert await engine.compress(tokens_of(64, 1), "zstd", "disk") == 4
             assert codecs() == {"zstd"}
+            assert engine.take_events() == [], "re-encoded chunks stay: nothing is removed"
             await retrieve(engine, 64, 64)
             assert await engine.decompress(tokens_of(64, 1), "disk") == 4
             assert codecs() == {"none"}

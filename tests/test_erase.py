@@ -204,6 +204,27 @@ async def test_an_engine_erases_a_tenant_from_cpu_disk_and_redis_for_good(
 
 @pytest.mark.anyio
 @pytest.mark.subprocess
+async def test_an_erasure_records_the_removal_of_exactly_the_tenants_chunks_per_tier(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    tag = tenant_tag("a")
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(tmp_path / "disk", redis_server.url) as engine:
+            await store_all(engine)
+            stored: dict[str, set[bytes]] = {"cpu": set(), "disk": set(), "redis": set()}
+            for event in engine.take_events():
+                stored[event.medium] |= {h for h in event.block_hashes if h.startswith(tag)}
+            assert all(len(hashes) == CHUNKS["a"] for hashes in stored.values())
+            await engine.erase("a")
+            gone = [e for e in engine.take_events() if e.kind == "removed"]
+            assert sorted(e.medium for e in gone) == ["cpu", "disk", "redis"]
+            for event in gone:
+                assert set(event.block_hashes) == stored[event.medium], event.medium
+                assert len(event.block_hashes) == CHUNKS["a"], event.medium
+
+
+@pytest.mark.anyio
+@pytest.mark.subprocess
 async def test_an_engine_erases_a_tenant_from_every_node_of_a_redis_cluster(
     redis_cluster: RedisCluster,
 ) -> None:

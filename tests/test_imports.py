@@ -65,6 +65,7 @@ RANK: Final = {name: rank for rank, name in enumerate(LAYERS)}
 LAYER_OF: Final[Mapping[str, str]] = {
     # ground floor: what every floor uses; imports nothing of the package above it
     "config": "ground floor",
+    "config_values": "ground floor",
     "errors": "ground floor",
     "logging": "ground floor",
     "events": "ground floor",

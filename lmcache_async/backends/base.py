@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lmcache_async.keys.chunks import ChunkKey
 from lmcache_async.memory.pool import MemoryObj
@@ -11,7 +11,10 @@ from lmcache_async.memory.pool import MemoryObj
 from ..stats import TierStats
 from .record import RecordSpec
 
-__all__ = ["StorageBackend", "leading_run"]
+__all__ = ["RemovalListener", "StorageBackend", "leading_run"]
+
+RemovalListener = Callable[[Sequence[ChunkKey]], None]
+"""Told the keys of chunks that left a tier (see :meth:`StorageBackend.set_removal_listener`)."""
 
 
 class StorageBackend(abc.ABC):
@@ -24,6 +27,26 @@ class StorageBackend(abc.ABC):
     """
 
     name: str
+    _removal_listener: RemovalListener | None = None
+
+    def set_removal_listener(self, listener: RemovalListener | None) -> None:
+        """Tell ``listener`` the keys of the chunks that leave this tier (None: tell no
+        one, the default), for the KV events of a KV-aware router.
+
+        The disk and Redis tiers call it synchronously, on the event loop, once the chunks
+        are gone: the ones they evict (capacity, a tenant's quota), delete as corrupt,
+        remove, clear or erase. It must not raise or block. It hears only what this client
+        deletes: Redis' own ``maxmemory`` eviction and TTL expiry happen in the server,
+        unseen (keyspace notifications are not used). The CPU tier reports its evictions
+        through :meth:`~.cpu.CPUBackend.set_eviction_listener` instead.
+        """
+        self._removal_listener = listener
+
+    def _report_removed(self, keys: Sequence[ChunkKey]) -> None:
+        """Tell the removal listener that ``keys`` left the tier (nothing when empty)."""
+        listener = self._removal_listener
+        if listener is not None and keys:
+            listener(keys)
 
     @abc.abstractmethod
     async def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:

@@ -22,6 +22,11 @@ each keep their own index and capacity.
 *Tenants*: usage by tenant tag and the quotas of ``limits`` are kept by the index
 (:mod:`.disk_index`, :mod:`.tenant_ledger`), rebuilt at open from the files' keys.
 
+*Removals*: each chunk that leaves the index (evicted for the capacity or a tenant's quota,
+found corrupt or missing on a read, removed, cleared, erased) is told to the removal
+listener (:meth:`StorageBackend.set_removal_listener`) once its file is gone; what the scan
+at open deletes is gone before the tier exists, and is not told.
+
 *Threads*: the index and counters belong to the event loop; worker threads only do file
 I/O, checksums and codecs, one thread call per batch. Writes (put, eviction, remove,
 clear) are serialized by a lock; reads are not, since a file is replaced atomically and an
@@ -36,35 +41,23 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final, TypeAlias
+from typing import Final
 
 import anyio
 import anyio.to_thread
 import structlog
 
 from lmcache_async.keys.chunks import ChunkKey
-from lmcache_async.memory.pool import MemoryObj, MemoryPool, current_budget, waited_in_vain
+from lmcache_async.memory.pool import MemoryObj, MemoryPool, current_budget
 from lmcache_async.tenancy.tenants import TenantLimits, tag_hex
 
-from ..errors import (
-    AllocationTimeoutError,
-    EngineClosedError,
-    InvalidInputError,
-    TierError,
-)
+from ..errors import EngineClosedError, InvalidInputError, TierError
 from ..stats import TierStats
 from .base import StorageBackend, leading_run
 from .counters import TierCounters
-from .disk_file import (
-    CHUNK_SUFFIX,
-    TEMP_PREFIX,
-    ReadOutcome,
-    ReadStatus,
-    RecordFiles,
-    as_key,
-    encode_batch,
-)
+from .disk_file import CHUNK_SUFFIX, TEMP_PREFIX, RecordFiles, WriteResult, as_key, encode_batch
 from .disk_index import DiskEntry, DiskIndex
+from .disk_reads import Job, allocate_reads, settle_reads
 from .disk_settings import check_disk_settings
 from .record import RecordSpec
 from .tenant_ledger import check_tag
@@ -75,10 +68,6 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_HEALTH_TIMEOUT: Final = 5.0
 """Seconds :meth:`DiskBackend.check_health` waits for its probe write and read."""
-
-
-_Job: TypeAlias = tuple[int, bytes, DiskEntry, MemoryObj]
-"""A read to do: the key's position in the get, the key, its index entry, its object."""
 
 
 class _State(enum.Enum):
@@ -237,10 +226,10 @@ class DiskBackend(StorageBackend):
         budget = current_budget()
         if budget is not None and budget.exhausted:
             return out  # nothing read would find room: not a miss, so not counted
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         settled = False
         try:
-            await _allocate(
+            await allocate_reads(
                 self._pool,
                 self._spec,
                 self._index,
@@ -253,7 +242,8 @@ class DiskBackend(StorageBackend):
                 nbytes = sum(obj.nbytes for *_, obj in jobs)
                 outcomes = await self._files.read(self._spec, reads, nbytes)
                 settled = True
-                _settle_reads(self._index, self._counts, jobs, outcomes, out)
+                forgotten = settle_reads(self._index, self._counts, jobs, outcomes, out)
+                self._report_removed(forgotten)
         finally:
             if not settled:
                 for _, _, _, obj in jobs:
@@ -346,28 +336,13 @@ class DiskBackend(StorageBackend):
         result = await self._files.write(evicted, [(batch[i][0], *encoded[i]) for i in admitted])
         if evicted:
             log.debug("disk_tier_evicted", chunks=len(evicted))
+            self._report_removed([as_key(key) for key in evicted])
         for i in admitted[: result.written]:
             key, obj = batch[i]
             head, body = encoded[i]
             self._index.add(key, DiskEntry(len(head) + len(body), tuple(obj.shape)))
         self._counts.puts += result.written
-        if result.unlink_errors:
-            self._counts.errors += 1
-            log.warning(
-                "disk_tier_delete_failed",
-                chunks=len(result.unlink_errors),
-                error=result.unlink_errors[0],
-            )
-        if result.error is not None:
-            self._counts.errors += 1
-            log.warning(
-                "disk_tier_write_failed",
-                written=result.written,
-                chunks=len(admitted),
-                errno=result.error.errno,
-                error=str(result.error),
-            )
-            raise TierError(f"disk tier write failed: {result.error}") from result.error
+        _check_written(self._counts, result, len(admitted))
         return result.written
 
     async def remove(self, keys: Sequence[ChunkKey]) -> int:
@@ -403,6 +378,9 @@ class DiskBackend(StorageBackend):
         record files were deleted. Waits for writes under way; a put called before this
         returns writes none of the tenant's chunks after it.
 
+        The indexed keys are reported to the removal listener (files of the tenant found
+        by name only, of other layouts or processes, were never this tier's chunks).
+
         Raises:
             InvalidInputError: ``tag`` is not a tenant tag.
             TierError: a file could not be deleted (the indexed ones are forgotten anyway).
@@ -412,17 +390,22 @@ class DiskBackend(StorageBackend):
         self._check_open()
         async with self._write_lock:
             self._check_open()
-            erased, temps, failures = await self._index.erase_tenant(self._files, tag)
+            keys, others, temps, failures = await self._index.erase_tenant(self._files, tag)
+        erased = len(keys) + others
         log.info("disk_tier_tenant_erased", tag=tag_hex(tag), chunks=erased, temps=temps)
+        self._report_removed([as_key(key) for key in keys])
         self._check_deleted(failures)
         return erased
 
     async def _delete(self, keys: Sequence[bytes]) -> None:
+        """Forget ``keys`` (all indexed), delete their files, tell the removal listener."""
         if not keys:
             return
         for key in keys:
             self._index.pop(key)
-        self._check_deleted(await self._files.delete(keys))
+        failures = await self._files.delete(keys)
+        self._report_removed([as_key(key) for key in keys])
+        self._check_deleted(failures)
 
     def _check_deleted(self, failures: list[str]) -> None:
         if failures:
@@ -486,58 +469,26 @@ class DiskBackend(StorageBackend):
             raise EngineClosedError(f"disk tier is {self._state.value}, not open")
 
 
-async def _allocate(
-    pool: MemoryPool,
-    spec: RecordSpec,
-    index: DiskIndex,
-    keys: Sequence[ChunkKey],
-    *,
-    timeout: float,
-    jobs: list[_Job],
-) -> None:
-    """A pool object for each key ``index`` holds, in order, into ``jobs``; stops at the
-    first that gets no memory in time."""
-    for i, key in enumerate(keys):
-        entry = index.get(key)
-        if entry is None:
-            continue
-        try:
-            obj = await pool.allocate(entry.shape, spec.dtype, timeout=timeout)
-        except AllocationTimeoutError:
-            (log.warning if waited_in_vain() else log.debug)(
-                "disk_tier_allocation_timeout", keys=len(keys) - i, timeout=timeout
-            )
-            return
-        jobs.append((i, key, entry, obj))
+def _check_written(counts: TierCounters, result: WriteResult, chunks: int) -> None:
+    """Count and log what went wrong in a write of ``chunks`` records.
 
-
-def _settle_reads(
-    index: DiskIndex,
-    counts: TierCounters,
-    jobs: list[_Job],
-    outcomes: list[ReadOutcome],
-    out: list[MemoryObj | None],
-) -> None:
-    """Hand verified objects to ``out``; release the rest and drop their index entries."""
-    read_errors: list[str] = []
-    for (i, key, entry, obj), outcome in zip(jobs, outcomes, strict=True):
-        index.settle(key, entry, outcome.status)
-        if outcome.status is ReadStatus.OK:
-            out[i] = obj
-            continue
-        obj.unref()
-        if outcome.status is ReadStatus.ERROR:
-            read_errors.append(outcome.reason)
-        elif outcome.status is ReadStatus.CORRUPT:
-            counts.corrupt += 1
-            log.warning(
-                "tier_entry_corrupt",
-                tier=DiskBackend.name,
-                key=as_key(key).to_str(),
-                reason=outcome.reason,
-            )
-        else:
-            log.debug("disk_tier_entry_vanished", key=as_key(key).to_str())
-    if read_errors:
+    Raises:
+        TierError: a record could not be written.
+    """
+    if result.unlink_errors:
         counts.errors += 1
-        log.warning("disk_tier_read_failed", chunks=len(read_errors), error=read_errors[0])
+        log.warning(
+            "disk_tier_delete_failed",
+            chunks=len(result.unlink_errors),
+            error=result.unlink_errors[0],
+        )
+    if result.error is not None:
+        counts.errors += 1
+        log.warning(
+            "disk_tier_write_failed",
+            written=result.written,
+            chunks=chunks,
+            errno=result.error.errno,
+            error=str(result.error),
+        )
+        raise TierError(f"disk tier write failed: {result.error}") from result.error

@@ -154,13 +154,13 @@ class DiskIndex:
                 todo.append(i)
         return todo
 
-    def settle(self, key: bytes, entry: DiskEntry, status: ReadStatus) -> None:
+    def settle(self, key: bytes, entry: DiskEntry, status: ReadStatus) -> bool:
         """Account for a read of ``key`` that found ``entry``: a hit becomes the most
         recent; a file found missing or corrupt is forgotten. Either only if ``entry`` is
         still the key's entry (a write may have replaced the file meanwhile); a read error
-        changes nothing."""
+        changes nothing. Returns whether ``key`` was forgotten."""
         if self._entries.get(key) is not entry:
-            return
+            return False
         if status is ReadStatus.OK:
             self._entries.move_to_end(key)
             self.ledger.touch_one(key)
@@ -168,6 +168,8 @@ class DiskIndex:
             del self._entries[key]
             self.bytes -= entry.size
             self.ledger.remove(key)
+            return True
+        return False
 
     def pop(self, key: bytes) -> DiskEntry:
         """Forget ``key`` (which must be indexed); returns its entry."""
@@ -218,7 +220,9 @@ class DiskIndex:
             admitted.append(i)
         return admitted, victims
 
-    async def erase_tenant(self, files: RecordFiles, tag: bytes) -> tuple[int, int, list[str]]:
+    async def erase_tenant(
+        self, files: RecordFiles, tag: bytes
+    ) -> tuple[list[bytes], int, int, list[str]]:
         """Forget and delete every file of the tenant with ``tag``: those indexed, then any
         other record or temporary file of ``files`` whose name starts with the tag's hex
         (another process's, another layout's: found by name, never by reading a file).
@@ -226,7 +230,9 @@ class DiskIndex:
         :meth:`to_write`) even if the deletion fails.
 
         Returns:
-            Record files deleted (indexed or not), temporary files deleted, the errors.
+            The keys that were indexed (all forgotten, their files deleted but for the
+            errors), the other record files deleted, the temporary files deleted, the
+            errors.
         """
         try:
             keys = self.ledger.erase(tag)
@@ -240,7 +246,7 @@ class DiskIndex:
             self.ledger.count_erased(tag, others)
         finally:
             self.ledger.mark_erased(tag)
-        return len(keys) + others, temps, failures
+        return keys, others, temps, failures
 
     def clear(self) -> None:
         self._entries.clear()

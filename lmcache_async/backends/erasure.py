@@ -43,7 +43,8 @@ async def erase_tenant(
     """Remove every chunk of the tenant with ``tag`` from the ``cpu`` tier, the slow tiers
     of ``writers`` (in their order) and their queued writes; returns the chunks removed per
     tier. The CPU tier's chunks go at once, pinned or not (their memory when the pins end),
-    with a KV event in ``events``; the slow tiers' without one (their keys are not listed).
+    with a KV event in ``events``; each slow tier reports the keys it erased to its removal
+    listener (the manager records their events).
     The tenant's erasure runs in ``epochs`` from the first step to the last, so that work
     marked before it lands nothing (nor does any while it runs).
 

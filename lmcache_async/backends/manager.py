@@ -42,6 +42,7 @@ from .manager_pins import LookupPins
 from .manager_removals import Removals
 from .pins import Clock, PinSets
 from .prefix import OnRead, chunk_keys, count_prefix, read_prefix
+from .removal_events import RemovalEvents
 from .tier_events import TierEvents
 from .tiers import TierSet
 from .writers import TierWriters
@@ -99,6 +100,7 @@ class StorageManager(LookupPins, HeldWrites, Removals):
         self._writers = TierWriters(
             (), queue_size=write_queue_size, events=events, epochs=self._epochs
         )
+        self._removal_events = RemovalEvents(self._kv_events)
         self.attach_slow_tiers(slow_tiers)
         self.promoted_chunks = 0
         self.tier_read_errors = 0
@@ -108,6 +110,8 @@ class StorageManager(LookupPins, HeldWrites, Removals):
         """Put ``tiers`` (fastest first) behind the CPU tier; call before :meth:`start`.
 
         The configured store and retrieve locations are narrowed to the enabled tiers.
+        Each tier's removal listener is set to record removed KV events (through its
+        writer, :mod:`.writers`; :mod:`.removal_events`).
         """
         self._tiers = TierSet(
             self._cpu, tiers, wanted_store=self._want_store, wanted_read=self._want_read
@@ -117,6 +121,7 @@ class StorageManager(LookupPins, HeldWrites, Removals):
             queue_size=self._write_queue_size,
             events=self._events,
             epochs=self._epochs,
+            removed=self._removal_events.record,
         )
 
     def check_locations(self, locations: Sequence[str] | None, name: str) -> tuple[str, ...]:

@@ -1,9 +1,11 @@
 """The storage manager's removals: chunks by key, whole tiers, and tenants by erasure, with
 the erasure marks that make an erasure final (:mod:`.epochs`: work marked before an erasure
-of its tenant lands nothing after it)."""
+of its tenant lands nothing after it). The slow tiers report the chunks they drop
+themselves (:mod:`.removal_events`)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -16,6 +18,7 @@ from .base import StorageBackend
 from .cpu import CPUBackend
 from .epochs import ErasureEpochs
 from .pins import PinSets
+from .removal_events import RemovalEvents
 from .tier_events import TierEvents
 from .tiers import TierSet
 from .writers import TierWriters
@@ -35,6 +38,7 @@ class Removals:
     _pins: PinSets
     _kv_events: TierEvents
     _epochs: ErasureEpochs
+    _removal_events: RemovalEvents
     check_locations: Callable[[Sequence[str] | None, str], tuple[str, ...]]
     _read_failed: Callable[[StorageBackend, Exception], None]
 
@@ -49,8 +53,19 @@ class Removals:
         """How many leading ``keys`` no erasure of their tenant reached since ``mark``."""
         return self._epochs.intact(keys, mark)
 
+    def rewriting(
+        self, tier: str, keys: Sequence[ChunkKey]
+    ) -> contextlib.AbstractContextManager[list[ChunkKey]]:
+        """Hold back the removed events of ``keys`` leaving the slow tier ``tier`` while
+        they are written again; the caller extends the list it yields with the keys it
+        wrote back, and the others are recorded on the way out
+        (:meth:`.removal_events.RemovalEvents.rewriting`)."""
+        return self._removal_events.rewriting(tier, keys)
+
     async def remove(self, keys: Sequence[ChunkKey], locations: Sequence[str] | None = None) -> int:
-        """Forget ``keys`` in the named tiers (all by default); returns chunks removed."""
+        """Forget ``keys`` in the named tiers (all by default); returns chunks removed. The
+        CPU tier's removed event is recorded here, a slow tier's when the tier reports
+        the keys it held."""
         names = self.check_locations(locations, "locations")
         removed = 0
         if self._cpu.name in names:
@@ -60,18 +75,16 @@ class Removals:
         for tier in self._tiers.slow:
             if tier.name in names and tier.healthy():
                 try:
-                    gone = await tier.remove(keys)
+                    removed += await tier.remove(keys)
                 except TierError as exc:
                     self._read_failed(tier, exc)
-                    continue
-                removed += gone
-                if gone:
-                    self._kv_events.removed(keys, tier.name)
         return removed
 
     async def clear(self, locations: Sequence[str] | None = None) -> int:
         """Drop every chunk of the named tiers (all by default) and, for the CPU tier, every
-        pin; returns the number of chunks dropped."""
+        pin; returns the number of chunks dropped. A clear of every tier records one
+        cleared event; of some, a removed event of the keys of each (a slow tier reports
+        its own)."""
         names = self.check_locations(locations, "locations")
         everything = set(names) >= {self._cpu.name, *(tier.name for tier in self._tiers.slow)}
         dropped = 0
@@ -81,13 +94,14 @@ class Removals:
             if not everything:
                 self._kv_events.removed(keys, self._cpu.name)
             dropped += len(keys)
-        for tier in self._tiers.slow:
-            if tier.name in names:
-                await self._writers[tier.name].drain()
-                try:
-                    dropped += await tier.clear()
-                except TierError as exc:
-                    self._read_failed(tier, exc)
+        with self._removal_events.clearing_all() if everything else contextlib.nullcontext():
+            for tier in self._tiers.slow:
+                if tier.name in names:
+                    await self._writers[tier.name].drain()
+                    try:
+                        dropped += await tier.clear()
+                    except TierError as exc:
+                        self._read_failed(tier, exc)
         if everything:
             self._kv_events.cleared()
         log.info("cache_cleared", chunks=dropped, locations=list(names))

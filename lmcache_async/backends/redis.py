@@ -19,6 +19,12 @@ Every call runs under a deadline, and connection errors and timeouts mark the ti
 unhealthy until :meth:`RedisBackend.check_health` gets an answer again
 (:mod:`.redis_conn`, which also parses ``remote_url``). Tenant quotas are kept in the server
 (shared by every host) and tenants are erased by key prefix (:mod:`.redis_tenants`).
+
+The removal listener (:meth:`StorageBackend.set_removal_listener`) is told every chunk
+this client deletes: evicted for a tenant's quota, refused by it after the write, found
+corrupt, removed, cleared or erased (the last two page by page, as the ``SCAN`` finds
+them). Chunks the server drops itself (``maxmemory`` eviction, TTL expiry) or another host
+deletes are not seen, hence not told.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from .record import RecordSpec
 from .redis_conn import DEFAULT_TIMEOUT, RedisConnection, RedisTarget, parse_remote_url
 from .redis_put import RecordWriter
 from .redis_records import RecordLoader, overlapped
-from .redis_tenants import TenantIndex, glob_escape
+from .redis_tenants import TenantIndex, glob_escape, key_of_member
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
@@ -302,6 +308,7 @@ class RedisBackend(StorageBackend):
             return
         try:
             gone = await self._conn.unlink_each([self._key(key) for key in corrupt])
+            self._report_removed([key for key, was in zip(corrupt, gone, strict=True) if was])
             await self._tenants.removed(corrupt, gone)
         except TierError as exc:
             # The read already missed; a later read finds the entry corrupt again.
@@ -343,11 +350,12 @@ class RedisBackend(StorageBackend):
         tenants' quotas (deleting what they evict or refuse); returns how many were new."""
         new = [(k, size) for k, size, ok in zip(keys, sizes, replies, strict=True) if ok]
         recorded = await self._tenants.stored(new)
-        added = len(new) - recorded.refused
+        added = len(new) - len(recorded.refused)
         self._bytes += sum(size for _, size in new) - recorded.refused_bytes
         self._chunks += added
-        self._forget(recorded.evicted)
+        self._forget(len(recorded.evicted))
         self._counts.puts += added
+        self._report_removed(recorded.evicted + recorded.refused)
         return added
 
     async def remove(self, keys: Sequence[ChunkKey]) -> int:
@@ -361,19 +369,23 @@ class RedisBackend(StorageBackend):
             return 0
         gone = await self._conn.unlink_each([self._key(k) for k in keys])
         self._forget(sum(gone))
+        self._report_removed([key for key, was in zip(keys, gone, strict=True) if was])
         await self._tenants.removed(keys, gone)
         return sum(gone)
 
     async def clear(self) -> int:
         """Delete every key under this tier's prefix (on every cluster node), tenant
-        indexes included; returns how many there were, indexes not counted.
+        indexes included; returns how many there were, indexes not counted. The chunk
+        keys among them are told to the removal listener page by page.
 
         Raises:
             TierUnavailableError: Redis is unreachable or did not answer in time.
             TierError: Redis reported another error.
         """
         pattern = glob_escape(self._prefix.decode()) + "*"
-        removed = await self._conn.unlink_matching(pattern, self._tenants.is_chunk_key)
+        removed = await self._conn.unlink_matching(
+            pattern, self._tenants.is_chunk_key, self._report_deleted
+        )
         self._chunks = self._bytes = 0
         self._tenants.cleared()
         return removed
@@ -388,9 +400,18 @@ class RedisBackend(StorageBackend):
             TierUnavailableError: Redis is unreachable or did not answer in time.
             TierError: Redis reported another error.
         """
-        erased = await self._tenants.erase(tag)
+        erased = await self._tenants.erase(tag, self._report_deleted)
         self._forget(erased)
         return erased
+
+    def _report_deleted(self, rkeys: list[bytes]) -> None:
+        """Tell the removal listener the chunks of Redis keys this client deleted (keys
+        under the prefix that name no chunk are left out)."""
+        if self._removal_listener is None:
+            return
+        cut = len(self._prefix)
+        keys = [key for key in (key_of_member(rkey[cut:]) for rkey in rkeys) if key is not None]
+        self._report_removed(keys)
 
     def _forget(self, removed: int) -> None:
         if self._chunks:

@@ -349,12 +349,16 @@ class RedisConnection:
         return answers
 
     async def unlink_matching(
-        self, pattern: str, counted: Callable[[bytes], bool] | None = None
+        self,
+        pattern: str,
+        counted: Callable[[bytes], bool] | None = None,
+        deleted: Callable[[list[bytes]], None] | None = None,
     ) -> int:
         """Delete every key matching the glob ``pattern`` (on every node of a cluster),
         page by page as a ``SCAN`` finds them; returns how many there were (of those
-        ``counted`` accepts, when given). Each step of the scan, not the whole of it, gets
-        the deadline: a large store takes many pages.
+        ``counted`` accepts, when given). ``deleted`` is told, after each page, the keys
+        of it that were there and counted. Each step of the scan, not the whole of it,
+        gets the deadline: a large store takes many pages.
 
         Raises:
             TierUnavailableError: the server is unreachable or did not answer in time.
@@ -370,23 +374,30 @@ class RedisConnection:
                 except StopAsyncIteration:
                     break
                 if len(page) == _SCAN_COUNT:
-                    removed += await self._unlink_counted(page, counted)
+                    removed += await self._unlink_counted(page, counted, deleted)
                     page = []
             if page:
-                removed += await self._unlink_counted(page, counted)
+                removed += await self._unlink_counted(page, counted, deleted)
         finally:
             with anyio.CancelScope(shield=True):
                 await found.aclose()
         return removed
 
     async def _unlink_counted(
-        self, rkeys: Sequence[bytes], counted: Callable[[bytes], bool] | None
+        self,
+        rkeys: Sequence[bytes],
+        counted: Callable[[bytes], bool] | None,
+        deleted: Callable[[list[bytes]], None] | None,
     ) -> int:
         gone = await self.unlink_each(rkeys)
-        return sum(
-            was and (counted is None or counted(rkey))
+        found = [
+            rkey
             for rkey, was in zip(rkeys, gone, strict=True)
-        )
+            if was and (counted is None or counted(rkey))
+        ]
+        if deleted is not None and found:
+            deleted(found)
+        return len(found)
 
     async def ping(self) -> bool:
         """PING the server (every primary of a cluster) within the timeout; updates

@@ -27,7 +27,7 @@ A quota counts record bytes (header and payload as stored), not Redis' memory ov
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
@@ -45,7 +45,7 @@ from ..stats import TenantUsage
 from .redis_conn import RedisConnection
 from .redis_scripts import FORGET, RECORD, TOUCH
 
-__all__ = ["MAX_ACCOUNTS", "Recorded", "TenantIndex", "glob_escape"]
+__all__ = ["MAX_ACCOUNTS", "Recorded", "TenantIndex", "glob_escape", "key_of_member"]
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +59,15 @@ _GLOB_SPECIAL: Final = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 def glob_escape(text: str) -> str:
     """``text`` with the characters special to a ``SCAN MATCH`` glob escaped."""
     return text.translate(_GLOB_SPECIAL)
+
+
+def key_of_member(member: bytes) -> ChunkKey | None:
+    """The chunk key whose text form is ``member`` (an index member, or a Redis key with
+    its prefix cut off); None for any other text."""
+    try:
+        return ChunkKey.from_str(member.decode("ascii"))
+    except (UnicodeDecodeError, InvalidInputError):
+        return None
 
 
 @dataclass(slots=True)
@@ -92,13 +101,14 @@ class _Call:
 
 @dataclass(frozen=True, slots=True)
 class Recorded:
-    """What :meth:`TenantIndex.stored` did to a batch: ``refused`` of its chunks (and their
-    ``refused_bytes``) were deleted again as larger than their quota; ``evicted`` chunks
-    were deleted to keep tenants under their quotas."""
+    """What :meth:`TenantIndex.stored` did to a batch: its ``refused`` chunks (of
+    ``refused_bytes`` in all) were deleted again, each larger than its quota; the
+    ``evicted`` chunks (any host's, each tenant's least recently used) were deleted to keep
+    tenants within their quotas."""
 
-    refused: int = 0
+    refused: tuple[ChunkKey, ...] = ()
     refused_bytes: int = 0
-    evicted: int = 0
+    evicted: tuple[ChunkKey, ...] = ()
 
 
 class TenantIndex:
@@ -209,24 +219,27 @@ class TenantIndex:
             calls.append(_Call("record", tag, args))
         replies = await self._run("tenant_record", calls)
         doomed: list[bytes] = []
-        refused = refused_bytes = evicted = 0
+        refused: list[ChunkKey] = []
+        evicted: list[ChunkKey] = []
+        refused_bytes = 0
         for (tag, items), (gone, over, count, total) in zip(by_tag.items(), replies, strict=True):
             account = self._account(tag)
             account.shared = (int(count), int(total))
             account.evictions += len(gone)
-            evicted += len(gone)
+            evicted += [key for key in map(key_of_member, gone) if key is not None]
             doomed += [self._prefix + member for member in gone]
             if over:
-                sizes = {key.to_str().encode(): size for key, size in items}
-                refused += len(over)
-                refused_bytes += sum(sizes[member] for member in over)
+                mine = {key.to_str().encode(): (key, size) for key, size in items}
+                over_bytes = sum(mine[member][1] for member in over)
+                refused += [mine[member][0] for member in over]
+                refused_bytes += over_bytes
                 account.chunks -= len(over)
-                account.nbytes -= sum(sizes[member] for member in over)
+                account.nbytes -= over_bytes
                 self._refused(tag, len(over), self.quota(tag) or 0)
                 doomed += [self._prefix + member for member in over]
         if doomed:
             await self._conn.unlink(doomed)
-        return Recorded(refused, refused_bytes, evicted)
+        return Recorded(tuple(refused), refused_bytes, tuple(evicted))
 
     # -- get, remove ----------------------------------------------------------------------
 
@@ -314,11 +327,12 @@ class TenantIndex:
 
     # -- erasure, clear, figures ----------------------------------------------------------
 
-    async def erase(self, tag: bytes) -> int:
+    async def erase(self, tag: bytes, deleted: Callable[[list[bytes]], None] | None = None) -> int:
         """Delete every chunk record of the tenant with ``tag`` (a ``SCAN`` of
         ``<prefix><tag hex>*`` on every primary, deleted page by page), then its index;
-        returns how many records there were. Each page, not the whole scan, gets the
-        deadline. Chunks other hosts write meanwhile may be left.
+        returns how many records there were. ``deleted`` is told the Redis keys of each
+        page deleted. Each page, not the whole scan, gets the deadline. Chunks other hosts
+        write meanwhile may be left.
 
         Raises:
             InvalidInputError: ``tag`` is not
@@ -329,7 +343,7 @@ class TenantIndex:
         if not isinstance(tag, bytes) or len(tag) != TAG_BYTES:
             raise InvalidInputError(f"a tenant tag is {TAG_BYTES} bytes, got {tag!r:.80}")
         pattern = glob_escape(self._prefix.decode()) + tag_hex(tag) + "*"
-        erased = await self._conn.unlink_matching(pattern)
+        erased = await self._conn.unlink_matching(pattern, deleted=deleted)
         await self._conn.unlink(list(self.index_keys(tag)))
         account = self._account(tag)
         account.chunks = account.nbytes = 0

@@ -14,11 +14,17 @@ write carries the erasure mark of the store or read its payloads came from
 (:mod:`.epochs`): when it comes up, the chunks of a tenant erased since (or being erased)
 are dropped, so a write handed over during an erasure, or by a store reserved before it,
 never lands either. Nothing queued before an erasure stays in the tier after it.
+
+Removals: given ``removed``, a writer becomes its tier's removal listener and passes on
+the keys the tier reports gone, except those of a write under way whose stored event is
+still to come (a chunk the write's own put evicted, refused or undid): those are passed on
+after that event, so a router never sees a chunk stored after it was removed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -32,7 +38,7 @@ from lmcache_async.tenancy.tenants import TAG_BYTES
 
 from ..errors import TierError
 from ..events import EventBuffer, PendingEvent
-from .base import StorageBackend
+from .base import RemovalListener, StorageBackend
 from .epochs import ErasureEpochs
 
 __all__ = ["TierWriter", "TierWriters"]
@@ -51,6 +57,8 @@ class _Write:
     """Set when the write is done, for an erasure waiting on it (made on demand)."""
     undo: frozenset[bytes] = frozenset()
     """Tags of tenants erased while the write was under way: removed once it ends."""
+    lost: list[ChunkKey] | None = None
+    """Keys of the write the tier reported removed while it was under way."""
 
     def has_tag(self, tag: bytes) -> bool:
         return any(key[:TAG_BYTES] == tag for key in self.keys)
@@ -76,7 +84,9 @@ class TierWriter:
     """Writes chunks behind the stores into one slow tier, through a bounded queue.
 
     ``epochs``: the erasure epochs a write's mark is checked against when it comes up
-    (None: a private set, for a writer used alone).
+    (None: a private set, for a writer used alone). ``removed``: told the keys that left
+    the tier, the writer being the tier's removal listener (None: the tier's listener is
+    left as it is).
     """
 
     def __init__(
@@ -86,8 +96,12 @@ class TierWriter:
         queue_size: int,
         events: EventBuffer,
         epochs: ErasureEpochs | None = None,
+        removed: RemovalListener | None = None,
     ) -> None:
         self.tier = tier
+        self._removed = removed
+        if removed is not None:
+            tier.set_removal_listener(self._tier_removed)
         self._events = events
         self._epochs = epochs if epochs is not None else ErasureEpochs()
         self._send: MemoryObjectSendStream[_Write]
@@ -166,8 +180,24 @@ class TierWriter:
             return await self._put_running(write)
         finally:
             self._running.discard(write)
+            if write.lost and self._removed is not None:
+                self._removed(write.lost)  # after the write's stored event, if any
             if write.ended is not None:
                 write.ended.set()
+
+    def _tier_removed(self, keys: Sequence[ChunkKey]) -> None:
+        """The tier's removal listener: ``keys`` are passed on now, but those of a write
+        under way with a stored event still to record, kept for after it."""
+        now = list(keys)
+        for write in self._running:
+            if write.event is not None and now:
+                mine = set(write.keys)
+                held = [key for key in now if key in mine]
+                if held:
+                    write.lost = [*(write.lost or ()), *held]
+                    now = [key for key in now if key not in mine]
+        if now and self._removed is not None:
+            self._removed(now)
 
     async def _put_running(self, write: _Write) -> int:
         keys = write.keys
@@ -282,9 +312,18 @@ class TierWriters(Mapping[str, TierWriter]):
         queue_size: int,
         events: EventBuffer,
         epochs: ErasureEpochs | None = None,
+        removed: Callable[[str, Sequence[ChunkKey]], None] | None = None,
     ) -> None:
+        """``removed(tier name, keys)``: told the keys that left each tier (see
+        :class:`TierWriter`; None: the tiers' listeners are left as they are)."""
         self._writers = {
-            tier.name: TierWriter(tier, queue_size=queue_size, events=events, epochs=epochs)
+            tier.name: TierWriter(
+                tier,
+                queue_size=queue_size,
+                events=events,
+                epochs=epochs,
+                removed=None if removed is None else functools.partial(removed, tier.name),
+            )
             for tier in tiers
         }
 

@@ -54,6 +54,7 @@ class TierControls(EngineBase):
             record_spec(self._parts.config, self._parts.layout, codec, self._parts.cipher),
             batch_chunks=self._parts.config.pipeline_batch_chunks,
             intact=lambda batch: manager.intact(batch, mark),
+            rewriting=manager.rewriting,
         )
 
     async def decompress(

@@ -5,10 +5,11 @@ speed (and assumes it worth loading). :class:`TierProbe` seeds it at engine star
 background: for each far tier (Redis), a read of a key that is not there (the latency of
 a call) and a read of a chunk it has just written (latency plus a chunk's bytes), fed to
 :meth:`~.costs.LoadCosts.observe` as the storage manager's observer feeds real reads;
-then the chunk is removed. The probe's key has a tag of its own (no tenant's name leads
-to it but by a 1 in 2³² chance) and 12 random bytes, so it never names a stored chunk and
-no two engines sharing a Redis meet on it; its payload is random values of the layout's
-dtype (what a codec makes of real KV, not of zeros), from the engine's pool.
+then the chunk is removed. The probe's key has a tag of its own, :data:`PROBE_TAG` (no
+tenant's name leads to it but by a 1 in 2³² chance; no KV event names its chunks), and 12
+random bytes, so it never names a stored chunk and no two engines sharing a Redis meet on
+it; its payload is random values of the layout's dtype (what a codec makes of real KV, not
+of zeros), from the engine's pool.
 
 Each read is taken :data:`PROBE_READS` times and the fastest kept: a probe at engine start
 shares the machine with the serving engine's own start, and contention only ever adds
@@ -34,7 +35,6 @@ from typing import Final
 
 import anyio
 import anyio.to_thread
-import blake3
 import structlog
 import torch
 
@@ -43,6 +43,7 @@ from lmcache_async.memory.pool import MemoryObj, MemoryPool
 from lmcache_async.tenancy.tenants import TAG_BYTES
 
 from ..backends.base import StorageBackend
+from ..backends.removal_events import PROBE_TAG
 from ..layouts import KVLayout
 from .costs import LoadCosts
 
@@ -60,9 +61,6 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_PROBE_TIMEOUT: Final = 2.0
 """Seconds each tier's probe may take."""
-
-PROBE_TAG: Final = blake3.blake3(b"lmcache_async/probe/v1\x00").digest(length=TAG_BYTES)
-"""The tag of the probe's keys (tenant tags come from another domain)."""
 
 UNPROBED_TIERS: Final = frozenset({"disk"})
 """Tiers a write read back would not time (the page cache answers)."""
