@@ -1,4 +1,5 @@
-"""NVIDIA Dynamo's standalone KV indexer (``python -m dynamo.indexer``) as a test server.
+"""NVIDIA Dynamo's standalone KV indexer (``python -m dynamo.indexer``) as a child process,
+for the routing benchmark and the tests.
 
 The indexer is the index of a KV-aware router: it subscribes to workers' ZMQ KV event
 streams (vLLM's wire format: ``[topic, 8-byte big-endian seq, msgpack KVEventBatch]``) and
@@ -37,16 +38,14 @@ from pathlib import Path
 from typing import Any, Final, NamedTuple
 
 import httpx
-import pytest
 
-from tests.servers import free_port
+from .ports import free_port
 
 __all__ = [
     "DynamoIndexer",
     "IndexedBlock",
     "IndexerError",
     "TierMatch",
-    "require_dynamo_indexer",
 ]
 
 START_TIMEOUT: Final = 30.0
@@ -83,14 +82,6 @@ class IndexedBlock(NamedTuple):
     """``"device"``, ``"host_pinned"`` or ``"disk"``."""
     block_hash: int
     parent_hash: int | None
-
-
-def require_dynamo_indexer() -> None:
-    """Skip the calling test module when ``dynamo.indexer`` is not installed (the test
-    install, ``make dev``, brings it)."""
-    pytest.importorskip(
-        "dynamo.indexer", reason="ai-dynamo-runtime is not installed (run `make dev`)"
-    )
 
 
 class DynamoIndexer:
