@@ -17,7 +17,10 @@ Each job lives in its own module so that importing this package stays cheap:
   link (:mod:`~lmcache_async.bench.throttle`, a bandwidth-limiting TCP proxy): the cost
   model's TTFT next to loading everything, recomputing everything and no connector, and
   another request's decode steps during the load. :mod:`~lmcache_async.bench.tiny_llama`
-  builds the small random-weight model it (and the ``vllm`` target) runs.
+  builds the small random-weight model it (and the ``vllm`` target) runs;
+- :mod:`lmcache_async.bench.routing` — two ``vllm serve`` with the connector behind a
+  KV-aware router (NVIDIA Dynamo's indexer): hit rate and time to first token of round
+  robin, routing by vLLM's own KV events and routing by every tier's.
 
 The plain-torch copies the micro and GPU benchmarks measure the engine against live in
 :mod:`lmcache_async.bench.baselines`. This module holds the small helpers they all share:

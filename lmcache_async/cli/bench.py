@@ -1,8 +1,8 @@
 """``lmcache-async bench``: its flags, and which benchmark they run.
 
 Without a mode flag it runs the load generator (:mod:`lmcache_async.bench.loadgen`);
-``--micro``, ``--tiers``, ``--sidecar``, ``--gpu`` and ``--vllm-slow-tier`` run the other
-benchmarks.
+``--micro``, ``--tiers``, ``--sidecar``, ``--gpu``, ``--vllm-slow-tier`` and ``--routing``
+run the other benchmarks.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def add_bench_parser(sub: Any) -> None:
     from lmcache_async.bench import DTYPES  # noqa: PLC0415
     from lmcache_async.bench.loadgen import ARRIVALS, TARGETS, LoadOptions  # noqa: PLC0415
     from lmcache_async.bench.micro import MicroOptions  # noqa: PLC0415
+    from lmcache_async.bench.routing.options import RoutingOptions  # noqa: PLC0415
     from lmcache_async.bench.slow_tier.options import SlowTierOptions  # noqa: PLC0415
     from lmcache_async.bench.vllm_target import VLLM_EXECUTORS  # noqa: PLC0415
     from lmcache_async.bench.workloads import WORKLOADS  # noqa: PLC0415
@@ -31,6 +32,7 @@ def add_bench_parser(sub: Any) -> None:
     emb = LoadOptions()
     mic = MicroOptions()
     sto = SlowTierOptions()
+    rto = RoutingOptions()
     bench = sub.add_parser(
         "bench",
         help="run the load generator (or --micro)",
@@ -68,6 +70,13 @@ def add_bench_parser(sub: Any) -> None:
         help="vLLM with a prompt only Redis holds behind a slow link: time to first token of "
         "the cost model next to loading everything, recomputing everything and no connector; "
         "another request's decode steps during a slow load next to its steps before",
+    )
+    bench.add_argument(
+        "--routing",
+        action="store_true",
+        help="two vLLM servers, each with its own CPU tier, behind a KV-aware router (NVIDIA "
+        "Dynamo's indexer): hit rate and time to first token of round robin, routing by "
+        "vLLM's own KV events and routing by every tier's",
     )
     bench.add_argument(
         "--redis-url",
@@ -183,6 +192,38 @@ def add_bench_parser(sub: Any) -> None:
         "--prompt-tokens", type=int, default=sto.prompt_tokens, help="tokens of each prompt"
     )
 
+    routing = bench.add_argument_group(
+        "KV-aware routing (--routing; also takes --model, --seed, --chunk-size)"
+    )
+    routing.add_argument(
+        "--prefixes", type=int, default=rto.prefixes, help="shared prefixes the requests repeat"
+    )
+    routing.add_argument(
+        "--prefix-tokens", type=int, default=rto.prefix_tokens, help="tokens of each prefix"
+    )
+    routing.add_argument(
+        "--requests", type=int, default=rto.requests, help="requests of each policy, in turn"
+    )
+    routing.add_argument(
+        "--vllm-cache-prefixes",
+        type=int,
+        default=None,
+        help="prefixes vLLM's own KV cache holds (default: a quarter of --prefixes)",
+    )
+    routing.add_argument(
+        "--cpu-tier-prefixes",
+        type=int,
+        default=None,
+        help="prefixes each server's CPU tier holds (default: 60%% of --prefixes)",
+    )
+    routing.add_argument(
+        "--work-dir",
+        default=None,
+        metavar="DIR",
+        help="where the model and the servers' and indexers' logs go (default: a temporary "
+        "directory, removed after)",
+    )
+
     micro = bench.add_argument_group("micro-benchmarks (--micro)")
     micro.add_argument("--tokens", type=int, default=mic.tokens, help="tokens per copy")
     micro.add_argument("--lookup-tokens", type=int, default=mic.lookup_tokens)
@@ -248,6 +289,36 @@ def _run_slow_tier_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _run_routing_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``--routing`` with the flags' settings.
+
+    Raises:
+        InvalidInputError: a setting is invalid, or vLLM or Dynamo's indexer is missing.
+        ServerError, IndexerError: a server or the indexer failed.
+    """
+    import anyio  # noqa: PLC0415
+
+    from lmcache_async.bench.routing import RoutingOptions, run_routing_bench  # noqa: PLC0415
+
+    options = RoutingOptions(
+        prefixes=args.prefixes,
+        prefix_tokens=args.prefix_tokens,
+        requests=args.requests,
+        seed=args.seed,
+        vllm_cache_prefixes=args.vllm_cache_prefixes,
+        cpu_tier_prefixes=args.cpu_tier_prefixes,
+        chunk_size=args.chunk_size or RoutingOptions().chunk_size,
+        model=args.model,
+        work_dir=args.work_dir,
+    )
+    options.validate()  # bad settings are usage errors before anything starts
+    stream = None if args.quiet else sys.stderr
+    result: dict[str, Any] = anyio.run(
+        functools.partial(run_routing_bench, options, progress_stream=stream)
+    )
+    return result
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the flags choose, print its summary and write ``--json``;
     exit 1 when it ran but found errors, 2 when no sidecar answers at ``--url``.
@@ -274,6 +345,20 @@ def run_bench(args: argparse.Namespace) -> int:
         from lmcache_async.bench.slow_tier import format_slow_tier  # noqa: PLC0415
 
         summary = format_slow_tier(results)
+        failed = bool(results["problems"])
+    elif args.routing:
+        import httpx  # noqa: PLC0415
+
+        from lmcache_async.bench.routing import format_routing  # noqa: PLC0415
+        from lmcache_async.bench.routing.indexer import IndexerError  # noqa: PLC0415
+        from lmcache_async.bench.routing.server import ServerError  # noqa: PLC0415
+
+        try:
+            results = _run_routing_bench(args)
+        except (ServerError, IndexerError, httpx.HTTPError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        summary = format_routing(results)
         failed = bool(results["problems"])
     elif args.sidecar:
         from lmcache_async.bench.sidecar import format_sidecar, run_sidecar_bench  # noqa: PLC0415

@@ -7,7 +7,11 @@ vLLM's prefix cache on, a KV cache of ``num_blocks`` blocks of ``block_size`` to
 ``--kv-events-config`` publishing on ``tcp://*:<events_port>`` (vLLM binds wildcard
 addresses and connects to others). Its log goes to a file, quoted when it fails; it ends by
 pid (SIGTERM, then SIGKILL). :meth:`VllmServer.first_token` streams one completion and
-returns its time to first token.
+returns its time to first token with the prompt tokens vLLM did not compute
+(``usage.prompt_tokens_details.cached_tokens``: its own prefix cache's hits plus the
+connector's; ``--enable-prompt-tokens-details`` is on and the stream asks for its usage).
+The connector's own per-request counts (``request_stats``) ride on ``kv_transfer_params``,
+which vLLM's completions API returns only when not streaming.
 """
 
 from __future__ import annotations
@@ -21,11 +25,18 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from .ports import free_port
 
-__all__ = ["START_TIMEOUT", "ServerError", "VllmServer", "connector_config"]
+__all__ = [
+    "START_TIMEOUT",
+    "FirstToken",
+    "PrefixHits",
+    "ServerError",
+    "VllmServer",
+    "connector_config",
+]
 
 START_TIMEOUT: Final = 240.0
 """Seconds a server gets to answer ``GET /health`` (it takes 20-40 s on two cores)."""
@@ -33,12 +44,37 @@ STOP_TIMEOUT: Final = 20.0
 """Seconds a server gets to exit after SIGTERM before it is killed."""
 REQUEST_TIMEOUT: Final = 300.0
 """Seconds one completion may take."""
+METRICS_TIMEOUT: Final = 10.0
+"""Seconds reading the server's metrics may take."""
+_LOCAL_HITS: Final = "vllm:prefix_cache_hits_total"
+_EXTERNAL_HITS: Final = "vllm:external_prefix_cache_hits_total"
 _START_ATTEMPTS: Final = 3
 
 
 class ServerError(RuntimeError):
     """The server could not start, exited, or refused a request (the message quotes its
     log)."""
+
+
+class FirstToken(NamedTuple):
+    """One streamed completion: its time to first token and its prompt's cached part."""
+
+    seconds: float
+    """From sending the request to its first streamed token."""
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens vLLM did not compute: hits in its prefix cache plus the connector's."""
+
+
+class PrefixHits(NamedTuple):
+    """Prompt tokens a server did not compute since it started, by where they were found
+    (its Prometheus counters ``vllm:prefix_cache_hits`` and
+    ``vllm:external_prefix_cache_hits``)."""
+
+    local: int
+    """Found in vLLM's own KV cache (its prefix cache)."""
+    external: int
+    """Found by the connector (our cache)."""
 
 
 def connector_config(extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,6 +169,7 @@ class VllmServer:
             str(self.num_blocks),
             "--kv-events-config",
             json.dumps(events),
+            "--enable-prompt-tokens-details",
         ]
         if self.kv_transfer is not None:
             command += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
@@ -208,12 +245,13 @@ class VllmServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    async def first_token(self, tokens: Sequence[int], *, max_tokens: int = 1) -> float:
+    async def first_token(self, tokens: Sequence[int], *, max_tokens: int = 1) -> FirstToken:
         """Send one completion of ``tokens`` (streamed) and return the seconds until its
-        first token arrived; the rest is read to the end.
+        first token arrived and its usage; the rest is read to the end.
 
         Raises:
-            ServerError: not running, or an error status.
+            ServerError: not running, an error status or streamed error, no token or no
+                usage streamed.
             httpx.HTTPError: no answer within :data:`REQUEST_TIMEOUT`.
         """
         import httpx  # noqa: PLC0415
@@ -226,8 +264,10 @@ class VllmServer:
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "stream": True,
+            "stream_options": {"include_usage": True},
         }
         first: float | None = None
+        usage: dict[str, Any] | None = None
         async with httpx.AsyncClient(
             base_url=self.url, timeout=REQUEST_TIMEOUT, trust_env=False
         ) as client:
@@ -237,8 +277,43 @@ class VllmServer:
                     await response.aread()
                     raise ServerError(f"completion -> {response.status_code}: {response.text}")
                 async for line in response.aiter_lines():
-                    if first is None and line.startswith("data:") and "[DONE]" not in line:
+                    if not line.startswith("data:") or "[DONE]" in line:
+                        continue
+                    chunk = json.loads(line.removeprefix("data:"))
+                    if "error" in chunk:  # a failure after the stream began
+                        raise ServerError(f"the completion failed: {chunk['error']}")
+                    if first is None and chunk.get("choices"):
                         first = time.perf_counter() - began
+                    usage = chunk.get("usage") or usage
         if first is None:
             raise ServerError("the completion streamed no token")
-        return first
+        if usage is None:
+            raise ServerError("the completion streamed no usage")
+        details = usage.get("prompt_tokens_details") or {}
+        return FirstToken(
+            first, int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0)
+        )
+
+    async def prefix_hits(self) -> PrefixHits:
+        """vLLM's prefix-cache hit counters, read from ``GET /metrics``.
+
+        Raises:
+            ServerError: not running, or an error status.
+            httpx.HTTPError: no answer within :data:`METRICS_TIMEOUT`.
+        """
+        import httpx  # noqa: PLC0415
+
+        if not self.running:
+            raise ServerError(f"vllm serve is not running: {self.log_tail()}")
+        async with httpx.AsyncClient(
+            base_url=self.url, timeout=METRICS_TIMEOUT, trust_env=False
+        ) as client:
+            response = await client.get("/metrics")
+        if response.is_error:
+            raise ServerError(f"/metrics -> {response.status_code}: {response.text}")
+        totals = {_LOCAL_HITS: 0.0, _EXTERNAL_HITS: 0.0}
+        for line in response.text.splitlines():
+            name, _, rest = line.partition("{")
+            if name in totals:
+                totals[name] += float(rest.rpartition(" ")[2])
+        return PrefixHits(int(totals[_LOCAL_HITS]), int(totals[_EXTERNAL_HITS]))
