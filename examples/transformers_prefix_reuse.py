@@ -29,7 +29,6 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from lmcache_async import CacheEngine, EngineConfig
 from lmcache_async.integrations.transformers import kv_layout_for, prefill
-from lmcache_async.logging import configure_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -141,7 +140,6 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    configure_logging(level="WARNING", fmt="console", stream=sys.stderr)
     return anyio.run(run, args)
 
 

@@ -105,7 +105,7 @@ DEFAULT_USE_LAYERWISE: Final = False
 DEFAULT_TENANT_QUOTAS: Final = None
 DEFAULT_TENANT_LABELS: Final = None
 DEFAULT_ENCRYPTION_KEY_FILE: Final = None
-DEFAULT_LOG_LEVEL: Final = "INFO"
+DEFAULT_LOG_LEVEL: Final = None
 DEFAULT_LOG_FORMAT: Final = "console"
 
 # Field annotations are strings under ``from __future__ import annotations``.
@@ -216,8 +216,13 @@ class EngineConfig:
     encryption_key_file: str | None = DEFAULT_ENCRYPTION_KEY_FILE
     """A file holding a 32-byte master key (raw, or 64 hex characters): disk and Redis
     records are then encrypted (AES-GCM, a key per tenant); None: stored in the clear."""
-    log_level: str = DEFAULT_LOG_LEVEL
-    """``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR`` (any case; stored upper-case)."""
+    log_level: str | None = DEFAULT_LOG_LEVEL
+    """``DEBUG``, ``INFO``, ``WARNING`` or ``ERROR`` (any case; stored upper-case): the
+    level an engine sets, when it opens, on the library's own logger ``lmcache_async``
+    (``logging.getLogger("lmcache_async").setLevel``), not a global setting: the host's root
+    logger and handlers are left alone, and with no handler configured the library's
+    records go to stderr (:func:`lmcache_async.logging.set_library_log_level`). None: the
+    host's ``logging`` configuration decides (WARNING and above when it has none)."""
     log_format: str = DEFAULT_LOG_FORMAT
     """``"console"`` or ``"json"``."""
 

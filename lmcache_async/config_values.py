@@ -137,6 +137,7 @@ _OPTIONAL: Final = frozenset(
         "tenant_quotas",
         "tenant_labels",
         "encryption_key_file",
+        "log_level",
     }
 )
 

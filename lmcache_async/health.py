@@ -12,12 +12,13 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import anyio
-import structlog
 from anyio.abc import TaskStatus
+
+from lmcache_async.logging import get_logger
 
 __all__ = ["HealthMonitor", "Probed"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Probed(Protocol):

@@ -48,7 +48,7 @@ EXPECTED_DEFAULTS: dict[str, Any] = {
     "tenant_quotas": None,
     "tenant_labels": None,
     "encryption_key_file": None,
-    "log_level": "INFO",
+    "log_level": None,
     "log_format": "console",
 }
 

@@ -4,6 +4,7 @@ after the call has returned."""
 
 from __future__ import annotations
 
+import math
 import pickle
 import threading
 import time
@@ -17,16 +18,17 @@ import torch
 from lmcache_async import CacheEngine, ChunkKey, ConfigError, EngineConfig, KVLayout
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.keys.chunks import DIGEST_SIZE
+from lmcache_async.memory.pool import page_size_for
 from lmcache_async.transfer.plan import TransferPlan
 
 pytestmark = pytest.mark.anyio
 
 CHUNK = 16
 BLOCKS = 64
-PAGE = 64 * 1024
 LAYOUT = KVLayout.vllm_flash_attn(
     num_layers=2, block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32
 )
+PAGE = page_size_for(math.prod(LAYOUT.payload_shape(CHUNK)) * 4)  # a chunk takes one
 
 
 def config(**overrides: Any) -> EngineConfig:

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from lmcache_async import CacheEngine, InvalidInputError, Promise
+from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.config import GB
+from lmcache_async.memory.pool import page_size_for
 from tests.test_engine_tiers import (
     CHUNK,
     TIMEOUT,
@@ -76,6 +78,9 @@ async def test_a_bad_file_ends_the_promise_before_it(tmp_path: Path, damage: str
         async with engine_on(tmp_path) as engine:
             await store(engine, 64)
         async with engine_on(tmp_path) as engine:
+            disk = engine._parts.manager.tier("disk")
+            assert isinstance(disk, DiskBackend)
+            assert await disk.wait_index(audited=True)  # the file is known before it goes bad
             third = engine.key_hasher.spans(tokens_of(64, 1))[2].key.to_str()
             (victim,) = [p for p in chunk_files(tmp_path) if p.name.startswith(third)]
             data = bytearray(victim.read_bytes())
@@ -195,7 +200,7 @@ async def test_a_full_pool_promises_what_could_be_reserved_without_waiting_for_r
         async with engine_on(tmp_path, allocation_timeout=60) as engine:
             pool = engine._parts.pool
             held = []
-            while (obj := pool.allocate_nowait((4096,), torch.float16)) is not None:
+            while (obj := pool.allocate_nowait((pool.page_size,), torch.uint8)) is not None:
                 held.append(obj)  # the pool is full of memory nobody may evict
             try:
                 with anyio.fail_after(20):  # far below the 60 s a wait for room would take
@@ -218,8 +223,8 @@ async def test_a_promise_of_nothing_is_asked_afresh(tmp_path: Path) -> None:
             assert engine.stats().pinned_chunks == 0
 
 
-PAGE = 65536  # the pool's page: each chunk here takes one
 CHUNK_BYTES = math.prod(layout().payload_shape(CHUNK)) * layout().dtype.itemsize
+PAGE = page_size_for(CHUNK_BYTES)  # the pool's page: each chunk here takes one
 
 
 @pytest.mark.anyio

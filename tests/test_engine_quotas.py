@@ -19,7 +19,7 @@ from lmcache_async import CacheEngine
 from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.config import GB
 from lmcache_async.keys.chunks import ChunkKey
-from lmcache_async.memory.pool import MemoryObj
+from lmcache_async.memory.pool import MemoryObj, page_size_for
 from lmcache_async.rpc.metrics import EngineCollector, make_registry
 from lmcache_async.tenancy.tenants import tenant_tag
 from tests.rpc.test_metrics import samples, value
@@ -38,6 +38,7 @@ from tests.test_engine import (
 PROMPT = 3 * CHUNK  # three whole chunks
 CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 8 * 2  # layers x K/V x tokens x heads x head size x fp16
 QUOTA_CHUNKS = 6
+PAGE = page_size_for(CHUNK_BYTES)  # the pool's page: each chunk of these tests takes one
 
 
 def quota_gb(chunks: int) -> float:
@@ -136,9 +137,8 @@ async def test_a_tenant_writing_ten_times_its_quota_evicts_only_its_own_chunks(
 
 @pytest.mark.anyio
 async def test_a_named_tenant_within_its_quota_is_never_evicted_for_another() -> None:
-    # The pool holds 24 chunks (a page of 64 KiB each); "a" has no quota and writes far
-    # more than that.
-    pool_gb = 24 * 65536 / GB
+    # The pool holds 24 chunks (a page each); "a" has no quota and writes far more.
+    pool_gb = 24 * PAGE / GB
     scene = Scene.build("flash_nhd", torch.float16, PROMPT, seed=22)
     settings = config(
         max_local_cpu_size=pool_gb,
@@ -273,7 +273,6 @@ async def test_chunks_promoted_from_disk_keep_their_tenant_within_its_cpu_quota(
 
 # -- pins count against the CPU quota --------------------------------------------------------
 
-PAGE = 65536  # the pool's page: each chunk of these tests takes one
 PIN_PROMPT = 2 * CHUNK  # two whole chunks
 
 

@@ -73,6 +73,8 @@ def test_example_runs(name: str) -> None:
         check=False,
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    # The library says nothing unasked: an example's stderr stays empty.
+    assert done.stderr == ""
     lines = done.stdout.splitlines()
     for pattern in example.expect:
         assert any(re.search(pattern, line) for line in lines), (

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final, NoReturn
 
-import structlog
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import (
@@ -40,6 +39,7 @@ from cryptography.hazmat.primitives.ciphers import (
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from lmcache_async.logging import get_logger
 from lmcache_async.tenancy.tenants import TAG_BYTES, tag_of
 
 from ..errors import ConfigError, IntegrityError, InvalidInputError
@@ -58,7 +58,7 @@ __all__ = [
     "parse_key",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 CIPHER_NAME: Final = "aes-256-gcm"
 """What a sealed record's header names as its cipher."""

@@ -16,8 +16,8 @@ prefetch pinned, a write coming up), and after its end only work begun after it 
 from __future__ import annotations
 
 import anyio
-import structlog
 
+from lmcache_async.logging import get_logger
 from lmcache_async.tenancy.tenants import TAG_BYTES, tag_hex
 
 from ..errors import EraseIncompleteError, InvalidInputError, TierError
@@ -28,7 +28,7 @@ from .writers import TierWriter, TierWriters
 
 __all__ = ["erase_slow_tier", "erase_tenant"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 async def erase_tenant(

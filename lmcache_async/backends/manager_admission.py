@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import structlog
-
 from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.logging import get_logger
 
 from ..stats import AdmissionStats
 from .admission import Admission, Held, adjacent_runs
@@ -19,7 +18,7 @@ from .writers import TierWriters
 
 __all__ = ["HeldWrites"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class HeldWrites:

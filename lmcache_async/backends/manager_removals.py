@@ -8,9 +8,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
-import structlog
-
 from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.logging import get_logger
 
 from ..errors import TierError
 from . import erasure
@@ -25,7 +24,7 @@ from .writers import TierWriters
 
 __all__ = ["Removals"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Removals:

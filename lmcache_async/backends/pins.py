@@ -12,13 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import structlog
-
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj
 
 __all__ = ["Charges", "Clock", "OnRelease", "PinSet", "PinSets"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Clock = Callable[[], float]
 """Seconds on a monotonic clock (``time.monotonic`` unless a test passes its own)."""

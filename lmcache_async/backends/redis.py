@@ -34,9 +34,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, Final
 
-import structlog
-
 from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj, MemoryPool, current_budget
 from lmcache_async.tenancy.tenants import TenantLimits
 
@@ -60,7 +59,7 @@ __all__ = [
     "parse_remote_url",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_KEY_PREFIX: Final = "lmca:"
 """Prefix of every key this tier writes; :meth:`RedisBackend.clear` deletes only these."""

@@ -22,12 +22,13 @@ from typing import Any, Final, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import anyio
-import structlog
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+
+from lmcache_async.logging import get_logger
 
 from ..errors import ConfigError, EngineClosedError, TierError, TierUnavailableError
 from .counters import TierCounters
@@ -42,7 +43,7 @@ __all__ = [
     "parse_remote_url",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_TIMEOUT: Final = 2.0
 """Seconds allowed for a connect, a socket read or write, and a small call."""

@@ -21,9 +21,9 @@ from typing import Final, TypeVar
 import anyio
 import anyio.to_thread
 import numpy as np
-import structlog
 
 from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj, MemoryPool, waited_in_vain
 
 from ..errors import AllocationTimeoutError, ForeignRecordError, IntegrityError
@@ -40,7 +40,7 @@ __all__ = [
     "set_commands",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 INLINE_BYTES: Final = 256 * 1024
 """Batches with fewer payload bytes are checked and copied on the loop (a thread hop costs

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
 
-import structlog
 from redis import exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 
 from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj
 from lmcache_async.tenancy.tenants import TAG_BYTES, TenantLimits, tag_hex, tag_of
 
@@ -47,7 +47,7 @@ from .redis_scripts import FORGET, RECORD, TOUCH
 
 __all__ = ["MAX_ACCOUNTS", "Recorded", "TenantIndex", "glob_escape", "key_of_member"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 MAX_ACCOUNTS: Final = 4096
 """Tenants a client keeps figures for; past that the one seen first is forgotten (its

@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import anyio
-import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj
 from lmcache_async.tenancy.tenants import TAG_BYTES
 
@@ -43,7 +43,7 @@ from .epochs import ErasureEpochs
 
 __all__ = ["TierWriter", "TierWriters"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(slots=True, eq=False)

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-import structlog
 import torch
 
 from lmcache_async.config import EngineConfig
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.logging import get_logger
 
 __all__ = [
     "VLLM_EXECUTORS",
@@ -47,7 +47,7 @@ __all__ = [
     "read_model",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 VLLM_EXECUTORS: Final = ("mp", "uni")
 """Where vLLM's worker runs: ``mp`` its own process (vLLM's default on the CPU), ``uni`` in

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import anyio
-import structlog
 from anyio import CancelScope
 from anyio.abc import TaskGroup
 
 from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import AllocationBudget, MemoryObj
 
 from ..backends.manager import StorageManager, chunk_keys
@@ -34,7 +34,7 @@ PREFETCH_ALLOCATION_WAIT: Final = 0.25
 """Seconds a prefetch's allocations may wait for pool memory, in all (eviction is never
 waited for: the evictor runs at once)."""
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class LoadCore:

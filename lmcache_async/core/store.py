@@ -18,9 +18,9 @@ from typing import Protocol
 
 import anyio
 import numpy as np
-import structlog
 
 from lmcache_async.keys.chunks import ChunkKey, ChunkSpan
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj, MemoryPool
 
 from ..backends.manager import StorageManager
@@ -30,7 +30,7 @@ from ..stats import Counters
 
 __all__ = ["Cancellable", "StoreCore", "StoreTxn", "layer_keys", "release"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Cancellable(Protocol):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
-import structlog
-
 from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.logging import get_logger
 
 from ..backends.base import StorageBackend
 from ..backends.manager import chunk_keys
@@ -15,7 +14,7 @@ from ..backends.record import RecordSpec
 
 __all__ = ["reencode_prefix"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 Intact = Callable[[Sequence[bytes]], int]

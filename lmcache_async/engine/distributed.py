@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
-import structlog
 import torch
 import torch.distributed as dist
 
 from lmcache_async.errors import InvalidInputError, ProtocolError, TierUnavailableError
 from lmcache_async.layouts import SUPPORTED_DTYPES, KVLayout, LayoutKind
+from lmcache_async.logging import get_logger
 
 if TYPE_CHECKING:
     from lmcache_async.engine import CacheEngine
@@ -53,7 +53,7 @@ __all__ = [
     "store_first_rank",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_PIECE_TOKENS = 1024
 """Tokens per broadcast payload piece: bounds the staging memory of a long retrieve."""

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 import anyio
-import structlog
+
+from lmcache_async.logging import get_logger
 
 from ..backends.manager import StorageManager
 from ..errors import EngineClosedError, InvalidInputError
@@ -23,7 +24,7 @@ from ..stats import Counters
 
 __all__ = ["Runner"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 

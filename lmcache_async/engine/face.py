@@ -18,12 +18,12 @@ from types import TracebackType
 import anyio
 import anyio.to_thread
 import numpy as np
-import structlog
 import torch
 from anyio.abc import TaskGroup
 
 from lmcache_async.keys.chunks import ChunkHasher, ChunkKey, ChunkSpan, Namespace
 from lmcache_async.keys.tokens import Tokens
+from lmcache_async.logging import get_logger, set_library_log_level
 from lmcache_async.transfer.cuda import caller_stream
 
 from ..backends.codec import Codec
@@ -44,7 +44,7 @@ from .tiers import open_slow_tiers, record_spec
 
 __all__ = ["CacheEngine"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class CacheEngine(Queries, TierControls):
@@ -95,7 +95,9 @@ class CacheEngine(Queries, TierControls):
         every chunk key with the layout's fingerprint, so caches of different models,
         weights, layouts or tenants never mix. ``pool_buffer`` (e.g. a shared-memory
         segment's ``buf``) becomes the host arena instead of ``max_local_cpu_size`` bytes
-        allocated here; the caller keeps it mapped until the engine is closed. Raises
+        allocated here; the caller keeps it mapped until the engine is closed.
+        ``config.log_level``, when given, becomes the level of the library's own logger
+        (``lmcache_async``); nothing else in the process's logging changes. Raises
         InvalidInputError for a bad argument.
         """
         if not isinstance(config, EngineConfig):
@@ -104,6 +106,7 @@ class CacheEngine(Queries, TierControls):
             raise InvalidInputError("layout must be a KVLayout")
         if not isinstance(model_name, str) or not model_name:
             raise InvalidInputError("model_name must be a non-empty string")
+        set_library_log_level(config.log_level)
         engine = cls(
             config,
             layout,

@@ -35,10 +35,10 @@ from typing import Final
 
 import anyio
 import anyio.to_thread
-import structlog
 import torch
 
 from lmcache_async.keys.chunks import DIGEST_SIZE, ChunkKey
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj, MemoryPool
 from lmcache_async.tenancy.tenants import TAG_BYTES
 
@@ -57,7 +57,7 @@ __all__ = [
     "probe_key",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_PROBE_TIMEOUT: Final = 2.0
 """Seconds each tier's probe may take."""

@@ -20,9 +20,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import structlog
-
 from lmcache_async.engine.client import Promise
+from lmcache_async.logging import get_logger
 
 from ..backends.manager import StorageManager
 from ..core import LoadCore, Prefetch
@@ -34,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Promise", "Promises"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(eq=False, slots=True)

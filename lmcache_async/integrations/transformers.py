@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio.to_thread
-import structlog
 import torch
 from transformers import DynamicCache
 
@@ -41,6 +40,7 @@ from lmcache_async.engine.client import KVCacheClient
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.keys.tokens import Tokens
 from lmcache_async.layouts import KVLayout, LayoutKind
+from lmcache_async.logging import get_logger
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -53,7 +53,7 @@ __all__ = [
     "store_dynamic_cache",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_BLOCK_SIZE: Final = 16
 """Tokens per block of the paged buffer the helpers copy through."""

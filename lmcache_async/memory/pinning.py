@@ -22,12 +22,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import structlog
 import torch
+
+from lmcache_async.logging import get_logger
 
 __all__ = ["HOST_REGISTER_PORTABLE", "HostRegistration", "register_host"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 HOST_REGISTER_PORTABLE = 1
 """``cudaHostRegisterPortable``: the range counts as pinned for every CUDA context, not only

@@ -40,10 +40,10 @@ import functools
 from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-import structlog
 import torch
 
 from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj
 from lmcache_async.transfer.cuda import CallerStream, Direction, Transfers, wait_out
 
@@ -63,7 +63,7 @@ __all__ = [
     "layer_keys",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 StoreLayers = AsyncGenerator[int | None, None]
 """A layerwise store: ``num_layers`` steps yield None, the last yields the tokens stored."""

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import AllocationBudget, MemoryObj
 from lmcache_async.transfer.cuda import Transfers
 
@@ -30,7 +30,7 @@ from .stage import Completion, Emit, drive
 
 __all__ = ["RetrieveBatch", "RetrieveRequest", "build_retrieve_stages"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(eq=False, slots=True)

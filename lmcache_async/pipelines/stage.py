@@ -21,15 +21,16 @@ from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
-import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from lmcache_async.logging import get_logger
 
 from ..errors import EngineClosedError
 
 __all__ = ["Completion", "Emit", "ItemStage", "Pipeline", "Stage", "drive", "items", "put"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 

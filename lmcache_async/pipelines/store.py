@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj
 from lmcache_async.transfer.cuda import Transfers
 
@@ -27,7 +27,7 @@ from .stage import Completion, Emit, drive
 
 __all__ = ["StoreBatch", "StoreRequest", "build_store_stages"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(eq=False, slots=True)

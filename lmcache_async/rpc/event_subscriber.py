@@ -19,12 +19,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
 import anyio
-import structlog
 import zmq
 import zmq.asyncio
 
 from lmcache_async.errors import InvalidInputError, ProtocolError
 from lmcache_async.keys.tokens import is_strict_int
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.events import DEFAULT_EVENT_TOPIC, END_OF_REPLAY
 from lmcache_async.rpc.kv_wire import (
     AllBlocksCleared,
@@ -45,7 +45,7 @@ __all__ = [
     "tail_events",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_MAX_EVENT_BYTES: Final = 64 << 20
 """Largest batch message a subscriber accepts (ZeroMQ drops a peer sending more)."""

@@ -34,13 +34,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import anyio
-import structlog
 import zmq
 import zmq.asyncio
 
 from lmcache_async.errors import ConfigError, InvalidInputError
 from lmcache_async.events import KVEvent
 from lmcache_async.keys.tokens import is_strict_int
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.kv_wire import WireEvent, encode_batch, wire_events
 from lmcache_async.rpc.transport import check_listen_url
 from lmcache_async.tenancy.tenants import TAG_BYTES, tenant_tag
@@ -60,7 +60,7 @@ __all__ = [
     "is_public",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_EVENT_TOPIC: Final = b""
 """The topic frame of every batch: empty, as vLLM's publisher sends by default."""

@@ -28,7 +28,6 @@ from typing import Final
 
 import anyio
 import anyio.abc
-import structlog
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -40,6 +39,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from lmcache_async.errors import ConfigError, InvalidInputError
 from lmcache_async.keys.tokens import is_strict_int
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.metrics_costs import cost_metrics
 from lmcache_async.rpc.metrics_tenants import DEFAULT_TENANT_LABELS, TenantSeries
 from lmcache_async.stats import EngineStats
@@ -55,7 +55,7 @@ __all__ = [
     "make_registry",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_LATENCY_BUCKETS: Final = (
     0.0001,

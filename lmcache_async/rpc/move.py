@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import anyio.to_thread
 import numpy as np
-import structlog
 
 from lmcache_async.keys.chunks import ChunkSpan
 from lmcache_async.keys.tokens import Tokens
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj
 
 from ..backends.record import object_checksum
@@ -26,7 +26,7 @@ from .client import RemoteCacheEngine, check_move_target
 
 __all__ = ["move"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Payload bytes a move sends to its target in one message.
 _MOVE_BATCH_BYTES = 64 << 20

@@ -31,10 +31,10 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeAlias, cast
 
-import structlog
 import zmq
 
 from lmcache_async.errors import ConfigError
+from lmcache_async.logging import get_logger
 
 __all__ = [
     "FrameLike",
@@ -45,7 +45,7 @@ __all__ = [
     "default_endpoint",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 FrameLike: TypeAlias = zmq.Frame | bytes | bytearray | memoryview
 OnMessage: TypeAlias = Callable[[list[zmq.Frame]], None]

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import anyio
 import anyio.from_thread
-import structlog
 import torch
 
 from lmcache_async.config import EngineConfig
@@ -36,6 +35,7 @@ from lmcache_async.errors import EngineClosedError, InvalidInputError, TierUnava
 from lmcache_async.events import KVEvent
 from lmcache_async.keys.tokens import Tokens
 from lmcache_async.layouts import KVLayout
+from lmcache_async.logging import get_logger
 from lmcache_async.stats import EngineStats
 from lmcache_async.sync.calls import (
     SidecarLookups,
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # rpc sits above the engine: imported when a sidecar is used
 
 __all__ = ["DEFAULT_SIDECAR_TIMEOUT", "LayerSteps", "SyncCacheEngine"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 

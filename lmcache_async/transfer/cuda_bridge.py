@@ -22,13 +22,13 @@ from collections.abc import Callable, Collection
 from typing import Any, Final
 
 import anyio
-import structlog
 
 from lmcache_async.errors import EngineClosedError
+from lmcache_async.logging import get_logger
 
 __all__ = ["EventBridge", "wait_out"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _RECHECK_SECONDS: Final = 0.01
 """The shortest period at which an overdue wait asks whether anything can still end it."""

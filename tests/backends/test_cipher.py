@@ -463,9 +463,13 @@ TAMPERINGS: dict[str, Callable[[bytes], bytes]] = {
 
 
 async def open_disk(directory: Path, pool: MemoryPool, spec: RecordSpec) -> DiskBackend:
-    return await DiskBackend.open(
+    """An open tier whose index is complete."""
+    disk = await DiskBackend.open(
         directory, pool=pool, spec=spec, allocation_timeout=1.0, max_local_disk_size=1 << 30
     )
+    with anyio.fail_after(30):
+        await disk.wait_index(audited=True)
+    return disk
 
 
 def record_files(directory: Path) -> list[Path]:

@@ -137,3 +137,40 @@ def test_usage_is_accounted_by_tenant_without_quotas() -> None:
     cpu.clear_nowait()
     assert cpu.stats().tenants[tag_hex(b)] == TenantUsage()
     assert pool.stats().used_bytes == 0
+
+
+def test_without_quotas_the_tier_keeps_one_map_of_its_keys() -> None:
+    """Each cached chunk costs the tier one index entry: without quotas the ledger only
+    counts, and eviction walks the tier's own LRU order."""
+    pool, cpu, evicted = make(pages=2)
+    put(cpu, pool, 0)
+    put(cpu, pool, 1)
+    assert all(not account.keys for account in cpu.ledger._accounts.values())
+    cpu.contains_prefix_nowait([key(0)])  # 1 is now the oldest
+    put(cpu, pool, 2)
+    assert evicted == [[key(1)]]
+    usage = cpu.stats().tenants.values()  # these keys' first bytes make a tenant each
+    assert sum(u.chunks for u in usage) == 2 and sum(u.bytes for u in usage) == 2 * PAGE
+    assert sum(u.evictions for u in usage) == 1
+
+
+@pytest.mark.anyio
+async def test_the_pool_is_empty_again_after_clear_and_after_close() -> None:
+    pool, cpu, _ = make(pages=4)
+    for i in range(3):
+        put(cpu, pool, i)
+    short = pool.allocate_nowait((100,), torch.uint8)  # a short chunk: one whole page
+    assert short is not None
+    assert cpu.put_nowait([key(9)], [short]) == 1
+    short.unref()
+    assert pool.stats().used_bytes == 4 * PAGE
+    cpu.clear_nowait()
+    assert (pool.stats().used_bytes, pool.stats().num_objects) == (0, 0)
+    for i in range(2):
+        put(cpu, pool, i)
+    held = cpu.get_prefix_nowait([key(0)])
+    await cpu.aclose()
+    assert pool.stats().num_objects == 1  # the reader's reference keeps its payload
+    held[0].unref()
+    assert (pool.stats().used_bytes, pool.stats().num_objects) == (0, 0)
+    assert cpu.stats().bytes == 0

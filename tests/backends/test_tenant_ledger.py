@@ -187,3 +187,33 @@ def test_a_bad_tag_is_refused(tag: object) -> None:
     with pytest.raises(InvalidInputError, match="tenant tag"):
         check_tag(tag)
     assert check_tag(A) == A
+
+
+def test_with_the_tiers_index_and_no_quota_it_counts_and_keeps_no_key() -> None:
+    """A tier that hands over its index (the CPU tier) is spared a second map of its keys
+    when no quota needs one: counts and bytes per tenant only, keys found in the index."""
+    index: dict[bytes, int] = {}
+    ledger = TenantLedger(index=index)
+    a_keys, b_keys = [key(A) for _ in range(3)], [key(B) for _ in range(2)]
+    for k in [*a_keys, *b_keys]:
+        index[k] = 10
+        ledger.add(k, 10)
+    assert all(not account.keys for account in ledger._accounts.values())
+    ledger.remove(a_keys[0], 10)
+    ledger.evicted(a_keys[1], 10)
+    del index[a_keys[0]], index[a_keys[1]]
+    assert ledger.usage()[tag_hex(A)] == TenantUsage(chunks=1, bytes=10, evictions=1)
+    assert ledger.held(A) == 10
+    assert ledger.erase(B) == b_keys  # in the index's order
+    assert ledger.usage()[tag_hex(B)] == TenantUsage(erased=2)
+    assert ledger.erase(C) == []
+    ledger.clear()
+    assert ledger.usage()[tag_hex(A)] == TenantUsage(evictions=1)
+
+
+def test_with_a_quota_it_keeps_its_own_keys_even_given_the_index() -> None:
+    index: dict[bytes, int] = {}
+    ledger = TenantLedger(limits(a=100), index=index)
+    a_keys = filled(ledger, A, 3)
+    assert list(ledger._accounts[A].keys) == a_keys  # the LRU order a quota needs
+    assert ledger.victims(A, 80) == a_keys[:1]

@@ -232,7 +232,8 @@ async def test_cpu_erase_tenant_counts_and_checks_the_tag(pool: MemoryPool) -> N
 async def open_disk(
     directory: Path, pool: MemoryPool, *, cap: int = 1 << 30, quotas: TenantLimits | None = None
 ) -> DiskBackend:
-    return await DiskBackend.open(
+    """An open tier whose index is complete."""
+    disk = await DiskBackend.open(
         directory,
         pool=pool,
         spec=make_spec(),
@@ -240,6 +241,9 @@ async def open_disk(
         max_local_disk_size=cap,
         limits=quotas,
     )
+    with anyio.fail_after(30):
+        await disk.wait_index(audited=True)
+    return disk
 
 
 async def file_size(tmp_path: Path, pool: MemoryPool) -> int:
@@ -439,7 +443,7 @@ async def test_disk_erase_waits_for_a_write_under_way_and_drops_one_queued(
             release.wait(30)
         return encode(spec, batch)
 
-    monkeypatch.setattr("lmcache_async.backends.disk.encode_batch", gated)
+    monkeypatch.setattr("lmcache_async.backends.disk_changes.encode_batch", gated)
     a_first, a_queued, b_queued = key(A), key(A), key(B)
     results: dict[str, int] = {}
 

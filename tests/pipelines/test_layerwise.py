@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -21,6 +22,7 @@ import torch
 
 from lmcache_async import CacheEngine, EngineConfig, InvalidInputError, KVLayout
 from lmcache_async.errors import EngineClosedError
+from lmcache_async.memory.pool import page_size_for
 from lmcache_async.pipelines.layerwise import _Copies
 from lmcache_async.transfer.cuda import Direction
 from lmcache_async.transfer.plan import TransferPlan
@@ -33,7 +35,6 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 24
 NUM_SLOTS = NUM_BLOCKS * BLOCK_SIZE
 CHUNK = 16
-PAGE = 64 * 1024
 TIMEOUT = 20
 
 KINDS = ("flash_nhd", "flash_hnd", "flashinfer", "mla", "vllm_cpu")
@@ -211,6 +212,12 @@ async def wait_for(predicate: Callable[[], bool]) -> None:
             if predicate():
                 return
             await anyio.sleep(0.001)
+
+
+def page_of(layout: KVLayout) -> int:
+    """The engine's pool page for ``layout``: a whole chunk's payload takes one (without
+    ``use_layerwise``), and so does each per-layer payload."""
+    return page_size_for(math.prod(layout.payload_shape(CHUNK)) * layout.dtype.itemsize)
 
 
 def pool_use(engine: CacheEngine) -> tuple[int, int]:
@@ -578,7 +585,7 @@ async def test_frozen_engine_stores_nothing_but_takes_every_step() -> None:
 async def test_partial_store_when_memory_runs_out() -> None:
     """Eight pages; each per-layer payload takes one: two chunks fit, the third waits."""
     scene = Scene("flash_nhd", torch.float32, 4 * CHUNK, seed=15)
-    size_gb = 8 * PAGE / 1024**3
+    size_gb = 8 * page_of(scene.layout) / 1024**3
     async with open_engine(scene.layout, max_local_cpu_size=size_gb, allocation_timeout=0.05) as e:
         assert await anext_last(scene.store(e)) == 2 * CHUNK
         assert e.stats().partial_stores == 1
@@ -642,7 +649,7 @@ async def test_breaking_out_of_async_for_returns_memory() -> None:
 @pytest.mark.anyio
 async def test_cancelling_a_store_waiting_for_memory_returns_it() -> None:
     layout = make_layout("flash_nhd", torch.float32)
-    size_gb = 8 * PAGE / 1024**3
+    size_gb = 8 * page_of(layout) / 1024**3
     async with open_engine(layout, max_local_cpu_size=size_gb, allocation_timeout=30.0) as engine:
         filler = Scene("flash_nhd", torch.float32, 8 * CHUNK, seed=19)
         assert await filler.store_whole(engine) == 8 * CHUNK

@@ -17,6 +17,7 @@ import torch
 
 from lmcache_async import RemoteCacheEngine
 from lmcache_async.config import GB
+from lmcache_async.memory.pool import page_size_for
 from lmcache_async.tenancy.tenants import tag_hex, tenant_tag
 from tests.backends.test_redis import poll_until
 from tests.rpc.test_sidecar import (
@@ -108,7 +109,7 @@ async def test_a_tenant_writing_ten_times_its_quota_leaves_another_tenants_promp
     assert b_usage["evictions"] == 0
 
 
-PAGE: Final = 65536  # the pool's page: each chunk here takes one
+PAGE: Final = page_size_for(CHUNK_BYTES)  # the pool's page: each chunk here takes one
 PIN_PROMPT: Final = 2 * CHUNK  # two whole chunks
 
 

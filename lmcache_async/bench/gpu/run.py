@@ -15,7 +15,6 @@ from dataclasses import asdict
 from typing import Any, Final
 
 import anyio
-import structlog
 import torch
 
 from lmcache_async import CacheEngine, EngineConfig
@@ -25,10 +24,11 @@ from lmcache_async.bench.gpu.layerwise import layerwise_bench
 from lmcache_async.bench.gpu.options import CPU_NOTE, WARMUP, GpuOptions
 from lmcache_async.bench.gpu.scene import Scene, make_scene
 from lmcache_async.bench.gpu.staged import staged_bench
+from lmcache_async.logging import get_logger
 
 __all__ = ["PARTS", "Checkpoint", "run_gpu_bench", "run_gpu_bench_async"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 PARTS: Final = ("copy", "layerwise", "staged")
 """The parts of a run, in the order they run; each is a key of the results."""

@@ -7,16 +7,16 @@ import time
 from typing import Final, Protocol, TextIO
 
 import anyio
-import structlog
 
 from lmcache_async.bench import Progress
 from lmcache_async.bench.loadgen.options import LoadOptions
 from lmcache_async.bench.loadgen.tally import Tally
 from lmcache_async.bench.workloads import Prompt, Workload
+from lmcache_async.logging import get_logger
 
 __all__ = ["GRACE_SECONDS", "Requester", "drive", "max_in_flight", "timed_run"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 GRACE_SECONDS: Final = 120.0

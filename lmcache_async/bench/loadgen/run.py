@@ -7,7 +7,6 @@ import sys
 from typing import Any, TextIO
 
 import anyio
-import structlog
 
 from lmcache_async import EngineConfig, InvalidInputError
 from lmcache_async.bench.loadgen.driver import max_in_flight, timed_run
@@ -17,10 +16,11 @@ from lmcache_async.bench.loadgen.runner import CacheRunner, OnRequest, VllmRunne
 from lmcache_async.bench.loadgen.tally import Tally
 from lmcache_async.bench.loadgen.targets import open_target
 from lmcache_async.bench.vllm_target import open_vllm, read_model
+from lmcache_async.logging import get_logger
 
 __all__ = ["run_load", "run_load_async"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 async def run_load_async(

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Final
 
 import anyio
-import structlog
 import torch
 
 from lmcache_async import KVLayout
@@ -22,10 +21,11 @@ from lmcache_async.bench.loadgen.tally import Tally
 from lmcache_async.bench.loadgen.targets import Target
 from lmcache_async.bench.vllm_target import VllmTarget
 from lmcache_async.bench.workloads import KVSource, Prompt, same_bytes
+from lmcache_async.logging import get_logger
 
 __all__ = ["VERIFY_SAMPLE", "CacheRunner", "OnRequest", "VllmRunner"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 VERIFY_SAMPLE: Final = 256
 """Random tokens checked per verified retrieve (besides each chunk's first and last)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import structlog
 import torch
 from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.curve import CurveClientKeys
 from lmcache_async.rpc.lookup import SyncLookupClient
 from lmcache_async.sync.engine import SyncCacheEngine
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LMCacheAsyncConnector"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class LMCacheAsyncConnector(KVConnectorBase_V1):

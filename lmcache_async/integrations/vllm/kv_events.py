@@ -27,7 +27,6 @@ import contextlib
 from collections.abc import Sequence
 from typing import Final
 
-import structlog
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
 from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
@@ -37,6 +36,7 @@ from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 from lmcache_async.errors import ProtocolError
 from lmcache_async.events import KVEvent
 from lmcache_async.keys.chunks import ChunkHasher
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.curve import CurveClientKeys
 from lmcache_async.rpc.events import is_public
 from lmcache_async.rpc.kv_wire import (
@@ -61,7 +61,7 @@ __all__ = [
     "to_vllm",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_NAMED_BLOCKS: Final = 1 << 18
 """Blocks whose vLLM names a worker remembers (about 100 bytes each)."""

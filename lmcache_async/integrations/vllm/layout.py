@@ -8,15 +8,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
 import torch
 
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.layouts import CpuKVPacking, KVLayout
+from lmcache_async.logging import get_logger
 
 __all__ = ["detect_layout", "layer_order"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def detect_layout(

@@ -18,17 +18,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-import structlog
 import torch
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.logging import get_logger
 from lmcache_async.sync.engine import SyncCacheEngine
 
 from .metadata import LoadSpec
 
 __all__ = ["IDLE_STEP_WAIT", "AsyncLoads", "unfilled_blocks"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 IDLE_STEP_WAIT: Final = 0.005
 """Seconds a step that computes nothing waits for a load under way before it reports:

@@ -32,10 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import structlog
-
 from lmcache_async.config import EngineConfig
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.lookup import SyncLookupClient
 from lmcache_async.tenancy.tenants import check_tenant
 
@@ -50,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PromiseFn", "SchedulerPlanner"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 PromiseFn = Callable[[list[int], str, "str | None", int, bool], "Promise"]
 """``promise(tokens, req_id, tenant, computed_tokens, finish)``: the workers' promise for a

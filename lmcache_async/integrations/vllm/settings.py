@@ -15,11 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-import structlog
-
 from lmcache_async.config import EngineConfig
 from lmcache_async.errors import ConfigError, InvalidInputError
 from lmcache_async.layouts import KVLayout
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.lookup import DEFAULT_LOOKUP_TIMEOUT, lookup_endpoint
 from lmcache_async.sync.engine import DEFAULT_SIDECAR_TIMEOUT, SyncCacheEngine
 from lmcache_async.tenancy.tenants import check_tenant
@@ -35,7 +34,7 @@ __all__ = [
     "open_engine",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_PREFETCH_TIMEOUT: Final = 2.0
 """Seconds the scheduler waits for a prefetch into host memory before counting what came."""

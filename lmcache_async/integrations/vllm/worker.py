@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import structlog
 import torch
 
 from lmcache_async.errors import InvalidInputError
+from lmcache_async.logging import get_logger
 from lmcache_async.sync.engine import LayerSteps, SyncCacheEngine
 
 from .kv_events import ConnectorEvents, WorkerEvents
@@ -29,7 +29,7 @@ from .metadata import LMCacheAsyncConnectorMetadata, LoadSpec, SaveSpec
 
 __all__ = ["WorkerTransfers"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _R = TypeVar("_R")
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
-
 from lmcache_async.errors import (
     InvalidInputError,
     ProtocolError,
     TierUnavailableError,
 )
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, count
@@ -25,7 +24,7 @@ from lmcache_async.rpc.protocol import Message, MessageType, put_tenant
 
 __all__ = ["AdminCalls"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class AdminCalls:

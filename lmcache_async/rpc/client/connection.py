@@ -17,7 +17,6 @@ from typing import Any, Final
 
 import anyio
 import anyio.lowlevel
-import structlog
 import zmq.asyncio
 from anyio.abc import TaskGroup
 
@@ -29,6 +28,7 @@ from lmcache_async.errors import (
     TierUnavailableError,
 )
 from lmcache_async.keys.chunks import ChunkHasher
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.client.link import Link
 from lmcache_async.rpc.client.segment import Segment
 from lmcache_async.rpc.client.settings import ClientSettings
@@ -38,7 +38,7 @@ from lmcache_async.rpc.protocol import Message, MessageType
 
 __all__ = ["ClientCounters", "Connection"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _PROBE_TIMEOUT_FLOOR: Final = 0.05
 

@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import anyio
-import structlog
 import zmq
 import zmq.asyncio
 
 from lmcache_async.errors import ProtocolError
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.client.segment import Segment
 from lmcache_async.rpc.client.welcome import Welcome
 from lmcache_async.rpc.client.wire import Unavailable, raise_error
@@ -28,7 +28,7 @@ from lmcache_async.rpc.transport import LoopSocket
 
 __all__ = ["Link"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _RECONNECT_IVL_MS: Final = 100
 _ZERO_COPY_BYTES: Final = 4 << 20

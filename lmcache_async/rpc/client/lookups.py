@@ -14,13 +14,13 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import structlog
 
 from lmcache_async.config import DEFAULT_INLINE_HASH_TOKENS
 from lmcache_async.engine.client import Promise
 from lmcache_async.errors import ProtocolError
 from lmcache_async.keys.chunks import ChunkHasher, DigestGuess
 from lmcache_async.keys.tokens import Tokens
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, count, key_fields
@@ -28,7 +28,7 @@ from lmcache_async.rpc.protocol import MessageType, put_tenant
 
 __all__ = ["Lookups"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Lookups:

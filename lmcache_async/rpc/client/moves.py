@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-import structlog
 import torch
 
 from lmcache_async.backends.record import tensor_bytes
 from lmcache_async.errors import InvalidInputError, ProtocolError
 from lmcache_async.keys.tokens import Tokens, is_strict_int
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, count, key_fields
@@ -22,7 +22,7 @@ from lmcache_async.tenancy.tenants import check_tenant
 
 __all__ = ["Moves", "check_move_target"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _MOVE_WAIT_FACTOR: Final = 10  # a move's default wait, in request timeouts
 _CHECKSUM_LIMIT: Final = 1 << 64

@@ -12,15 +12,15 @@ import sys
 from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
 
-import structlog
 import torch
 
 from lmcache_async.errors import ProtocolError
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.client.wire import Unavailable
 
 __all__ = ["Segment"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Segment:

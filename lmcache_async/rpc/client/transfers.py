@@ -18,13 +18,13 @@ from typing import Any, TypeAlias
 
 import anyio
 import anyio.to_thread
-import structlog
 import torch
 
 from lmcache_async.core.copy import gather, mark_loaded, scatter
 from lmcache_async.errors import ProtocolError
 from lmcache_async.keys.tokens import Tokens, check_mask, is_strict_int
 from lmcache_async.layouts import KVCacheViews, KVLayout
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.link import Link
 from lmcache_async.rpc.client.welcome import check_tiers
@@ -35,7 +35,7 @@ from lmcache_async.transfer.plan import TransferPlan
 
 __all__ = ["DataPath"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _Chunk: TypeAlias = tuple[int, int, int, int]  # start, end, offset, nbytes
 

@@ -9,15 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-import structlog
-
 from lmcache_async.errors import InvalidInputError, ProtocolError
 from lmcache_async.keys.chunks import ChunkHasher, HashAlgorithm, Namespace
 from lmcache_async.keys.tokens import is_strict_int
+from lmcache_async.logging import get_logger
 
 __all__ = ["Welcome", "check_tiers", "key_hasher"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _DIGEST_MEMO_PROMPTS: Final = 8  # recent long prompts whose digests a client remembers
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
-
 from lmcache_async.errors import InvalidInputError, PermissionDeniedError, ProtocolError
 from lmcache_async.keys.key_input import check_key_input
 from lmcache_async.keys.tokens import Tokens, is_strict_int
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.protocol import (
     ErrorCode,
     Message,
@@ -33,7 +32,7 @@ __all__ = [
     "raise_error",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Unavailable(Exception):

@@ -10,13 +10,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Generic, TypeVar
 
-import structlog
 import zmq
 
 from lmcache_async.engine.client import Promise
 from lmcache_async.errors import EngineClosedError, InvalidInputError, ProtocolError
 from lmcache_async.keys.key_input import check_key_input
 from lmcache_async.keys.tokens import Tokens, is_strict_int
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.lookup.endpoint import LookupId, check_lookup_id, lookup_endpoint
 from lmcache_async.rpc.protocol import (
     ErrorCode,
@@ -33,7 +33,7 @@ from lmcache_async.rpc.protocol import (
 
 __all__ = ["DEFAULT_LOOKUP_TIMEOUT", "Call", "ClientCore"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 import anyio
-import structlog
 import zmq
 import zmq.asyncio
 
 from lmcache_async.errors import EngineClosedError, InvalidInputError, ProtocolError
 from lmcache_async.keys.tokens import is_strict_int
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.lookup.endpoint import DEFAULT_LOOKUP_LIMITS, lookup_endpoint
 from lmcache_async.rpc.protocol import (
     ErrorCode,
@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # the scheduler's clients need no engine
 
 __all__ = ["DEFAULT_MAX_CONCURRENCY", "LookupServer"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_MAX_CONCURRENCY: Final = 64
 """Requests a server works on at once; further ones wait in the socket's queue."""

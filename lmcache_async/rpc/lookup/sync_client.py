@@ -10,18 +10,18 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-import structlog
 import zmq
 
 from lmcache_async.engine.client import Promise
 from lmcache_async.keys.tokens import Tokens
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.lookup.core import DEFAULT_LOOKUP_TIMEOUT, Call, ClientCore
 from lmcache_async.rpc.lookup.endpoint import DEFAULT_LOOKUP_LIMITS, LookupId
 from lmcache_async.rpc.protocol import Message, MessageLimits
 
 __all__ = ["SyncLookupClient"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 

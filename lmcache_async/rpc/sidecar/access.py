@@ -23,16 +23,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final
 
-import structlog
 import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from lmcache_async.errors import ConfigError
+from lmcache_async.logging import get_logger
 
 __all__ = ["AccessList", "Gatekeeper", "Peer", "Role", "peer_of"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _USER_ID: Final = "User-Id"
 _REFUSALS_REMEMBERED: Final = 4096

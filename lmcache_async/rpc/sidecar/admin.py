@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-import structlog
 
 from lmcache_async.errors import EraseIncompleteError
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.protocol import Message, tenant_of, to_wire
 from lmcache_async.rpc.sidecar.fields import flag_field, locations_field
 from lmcache_async.rpc.sidecar.host import EngineHost
@@ -28,7 +28,7 @@ from lmcache_async.rpc.sidecar.sessions import Session
 
 __all__ = ["AdminHandlers"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class AdminHandlers:

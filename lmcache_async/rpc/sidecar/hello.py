@@ -13,8 +13,7 @@ import socket as socketlib
 import time
 from typing import Any
 
-import structlog
-
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.protocol import Message
 from lmcache_async.rpc.sidecar.fields import label_field
 from lmcache_async.rpc.sidecar.host import EngineHost
@@ -25,7 +24,7 @@ from lmcache_async.rpc.transport import boot_id
 
 __all__ = ["SessionHandlers"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class SessionHandlers:

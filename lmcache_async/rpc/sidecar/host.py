@@ -12,16 +12,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
-import structlog
 
 from lmcache_async.engine import CacheEngine
 from lmcache_async.errors import EngineClosedError, InvalidInputError
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.events import EventPublisher, engine_event_source
 from lmcache_async.rpc.sidecar.settings import SidecarNamespace, SidecarSettings
 
 __all__ = ["EngineHost"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(eq=False, slots=True)

@@ -23,7 +23,6 @@ from multiprocessing import shared_memory
 from typing import Any, Final
 
 import anyio
-import structlog
 import zmq
 import zmq.asyncio
 
@@ -34,6 +33,7 @@ from lmcache_async.errors import (
     PermissionDeniedError,
     ProtocolError,
 )
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.events import EventPublisher
 from lmcache_async.rpc.metrics import EngineCollector, LatencyTracker, MetricsServer
 from lmcache_async.rpc.protocol import (
@@ -62,7 +62,7 @@ from lmcache_async.stats import EngineStats
 
 __all__ = ["SidecarServer"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _CAUSES_LOGGED: Final = 64
 """Distinct causes of failed replies logged with their traceback; later ones are counted."""

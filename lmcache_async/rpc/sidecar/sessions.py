@@ -14,18 +14,18 @@ import time
 from dataclasses import dataclass, field
 
 import anyio
-import structlog
 
 from lmcache_async.core import LoadCore, StoreCore, StoreTxn
 from lmcache_async.errors import EngineClosedError, ProtocolError
 from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj
 from lmcache_async.rpc.protocol import Message, MessageType
 from lmcache_async.rpc.sidecar.host import EngineHost
 
 __all__ = ["Busy", "Session", "Sessions", "Transaction"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Busy(Exception):

@@ -23,12 +23,12 @@ from multiprocessing import shared_memory
 from typing import Final
 
 import anyio
-import structlog
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
 
 from lmcache_async.errors import ConfigError, InvalidInputError
+from lmcache_async.logging import get_logger
 from lmcache_async.rpc.events import EventPublisher
 from lmcache_async.rpc.metrics import MetricsServer, make_registry
 from lmcache_async.rpc.sidecar.access import Gatekeeper
@@ -37,7 +37,7 @@ from lmcache_async.rpc.sidecar.settings import SidecarNamespace, SidecarSettings
 
 __all__ = ["SHUTDOWN_GRACE_SECONDS", "serve"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 SHUTDOWN_GRACE_SECONDS: Final = 10.0
 """How long shutdown waits for requests in flight before cancelling them."""

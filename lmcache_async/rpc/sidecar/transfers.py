@@ -39,7 +39,6 @@ from typing import Any, Final
 import anyio
 import anyio.to_thread
 import numpy as np
-import structlog
 
 from lmcache_async.backends.record import payload_checksum
 from lmcache_async.core import RequestCore
@@ -47,6 +46,7 @@ from lmcache_async.core.store import release
 from lmcache_async.engine import CacheEngine
 from lmcache_async.errors import InvalidInputError, ProtocolError
 from lmcache_async.keys.chunks import ChunkSpan
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import AllocationBudget, MemoryObj
 from lmcache_async.rpc.protocol import Message, MessageType, tenant_of
 from lmcache_async.rpc.sidecar.fields import (
@@ -67,7 +67,7 @@ from lmcache_async.rpc.sidecar.sessions import Session, Sessions, Transaction
 
 __all__ = ["TransferHandlers"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _INLINE_COPY_BYTES: Final = 4 << 20  # bigger inline payloads are copied in a worker thread
 
