@@ -23,9 +23,8 @@ from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import cast
 
-import structlog
-
 from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj, MemoryPool
 from lmcache_async.tenancy.tenants import TAG_BYTES, TenantLimits, tag_hex
 
@@ -38,7 +37,7 @@ from .tenant_ledger import TenantLedger, check_tag
 
 __all__ = ["CPUBackend"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 EvictionListener = Callable[[list[ChunkKey]], None]
 
@@ -60,9 +59,10 @@ class CPUBackend(StorageBackend):
         limits: TenantLimits | None = None,
     ) -> None:
         self._pool = pool
-        self._ledger = TenantLedger(limits)
         # Keys are ChunkKeys; typed as bytes so a bare digest can probe the index.
         self._entries: collections.OrderedDict[bytes, MemoryObj] = collections.OrderedDict()
+        # Without quotas the ledger only counts per tenant, finding keys here.
+        self._ledger = TenantLedger(limits, index=self._entries)
         self._bytes = 0
         self._on_evict = on_evict
         self._hits = 0
@@ -153,7 +153,7 @@ class CPUBackend(StorageBackend):
         for key in keys:
             obj = self._entries.pop(key, None)
             if obj is not None:
-                self._ledger.remove(key)
+                self._ledger.remove(key, obj.nbytes)
                 self._drop(obj)
                 removed += 1
         return removed
@@ -243,9 +243,12 @@ class CPUBackend(StorageBackend):
         """Drop unpinned, otherwise unreferenced entries, oldest first, until ``nbytes`` are
         released or none is left; returns the bytes released. A chunk of a tenant within
         its quota is never dropped."""
-        victims, released = self._ledger.pick_unprotected(
-            self._entries, nbytes, evictable=self._evictable, round_to=self._pool.page_size
-        )  # whole pages go back to the pool
+        if self._ledger.active:
+            victims, released = self._ledger.pick_unprotected(
+                self._entries, nbytes, evictable=self._evictable, round_to=self._pool.page_size
+            )  # whole pages go back to the pool
+        else:
+            victims, released = self._oldest_evictable(nbytes)
         for key in victims:
             self._evict_entry(key)
         if victims:
@@ -253,13 +256,28 @@ class CPUBackend(StorageBackend):
             self._evicted([cast(ChunkKey, key) for key in victims])
         return released
 
+    def _oldest_evictable(self, nbytes: int) -> tuple[list[bytes], int]:
+        """The oldest entries nobody else holds, until they release ``nbytes`` (in whole
+        pages); with the bytes they release. No quota protects anyone here."""
+        page = self._pool.page_size
+        victims: list[bytes] = []
+        released = 0
+        for key, obj in self._entries.items():
+            if released >= nbytes:
+                break
+            if obj.pin_count == 0 and obj.ref_count == 1:
+                victims.append(key)
+                released += obj.npages * page
+        return victims, released
+
     def _evictable(self, key: bytes) -> bool:
         obj = self._entries[key]
         return obj.pin_count == 0 and obj.ref_count == 1
 
     def _evict_entry(self, key: bytes) -> None:
-        self._ledger.evicted(key)
-        self._drop(self._entries.pop(key))
+        obj = self._entries.pop(key)
+        self._ledger.evicted(key, obj.nbytes)
+        self._drop(obj)
 
     def _evicted(self, keys: list[ChunkKey]) -> None:
         self._evictions += len(keys)

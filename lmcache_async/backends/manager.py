@@ -24,10 +24,10 @@ import time
 from collections.abc import Hashable, Sequence
 
 import numpy as np
-import structlog
 from anyio.abc import TaskGroup
 
 from lmcache_async.keys.chunks import ChunkKey, ChunkSpan
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj
 
 from ..errors import InvalidInputError
@@ -49,7 +49,7 @@ from .writers import TierWriters
 
 __all__ = ["StorageManager", "chunk_keys"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def _check_count(name: str, value: object, most: int) -> None:
@@ -341,8 +341,9 @@ class StorageManager(LookupPins, HeldWrites, Removals):
         the slow tiers check it again when each write comes up.
 
         ``tokens`` (the request's tokens, or None when keys came from engine block hashes)
-        fill the KV events: one per tier written, all built from one copy of the tokens
-        and sharing it. Nothing is written when frozen; the CPU tier keeps nothing new
+        fill the KV events: one per tier written, all sharing the tokens the stored event
+        keeps (a reference where they cannot change, else one copy; nothing when events
+        are off). Nothing is written when frozen; the CPU tier keeps nothing new
         with the hot cache off. With admission (``store_threshold``), chunks the CPU tier
         keeps and that were seen too few times are held back from the slow tiers
         (:meth:`sighted` writes them behind later).

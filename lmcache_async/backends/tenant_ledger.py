@@ -14,14 +14,18 @@ config keeps within the tier) are never evicted for another.
 
 Without any quota (:attr:`TenantLedger.active` False) a put or a removal costs one
 dictionary update and a hit costs nothing: the per-tenant LRU order is kept only while
-some quota can use it. Everything runs on the tier's event loop.
+some quota can use it. A tier that hands the ledger its own index (``index``: the CPU
+tier's) is spared the ledger's copy of it too: without a quota the ledger then counts
+each tenant's chunks and bytes, keeps no key, and finds a tenant's keys in the index when
+it is erased. Everything runs on the tier's event loop.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable, Iterable, Sequence
+import operator
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from lmcache_async.tenancy.tenants import TAG_BYTES, TenantLimits, tag_hex
 
@@ -36,6 +40,10 @@ KeyFilter = Callable[[bytes], bool]
 """Asked of a key: whether the tier can evict that chunk now (not pinned, not in use)."""
 
 
+_tag_of = operator.itemgetter(slice(0, TAG_BYTES))
+"""A key's tenant tag."""
+
+
 def check_tag(tag: object) -> bytes:
     """``tag`` if it is a tenant tag (:data:`~lmcache_async.tenancy.tenants.TAG_BYTES` bytes).
 
@@ -48,19 +56,36 @@ def check_tag(tag: object) -> bytes:
 
 
 class _Account:
-    """One tenant's chunks in one tier: key → bytes, least recently used first; and the
-    bytes pinned for it that the tier does not hold."""
+    """One tenant's chunks in one tier: key → bytes, least recently used first (or only
+    their count, in a ledger that keeps no keys); and the bytes pinned for it that the
+    tier does not hold."""
 
-    __slots__ = ("bytes", "erased", "evictions", "keys", "pinned", "pins_refused", "refused")
+    __slots__ = (
+        "bytes",
+        "counted_chunks",
+        "erased",
+        "evictions",
+        "keys",
+        "pinned",
+        "pins_refused",
+        "refused",
+    )
 
     def __init__(self) -> None:
         self.keys: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.counted_chunks = 0
+        """Chunks held, in a ledger that keeps no keys (``keys`` stays empty there)."""
         self.bytes = 0
         self.pinned = 0
         self.evictions = 0
         self.erased = 0
         self.refused = 0
         self.pins_refused = 0
+
+    @property
+    def chunks(self) -> int:
+        """Chunks the tenant holds in the tier."""
+        return self.counted_chunks + len(self.keys)
 
     @property
     def counted(self) -> int:
@@ -72,15 +97,20 @@ class TenantLedger:
     """The accounts of one tier's tenants, by tag, and the quotas of ``limits``.
 
     Sizes are whatever the tier counts (payload bytes in the CPU tier, file bytes on
-    disk); a quota bounds their sum per tenant.
+    disk); a quota bounds their sum per tenant. ``index``: the tier's own keys, oldest
+    first; without a quota the ledger then keeps none of its own (see the module doc):
+    the tier never adds a key it holds, and tells the size of each chunk it drops.
     """
 
-    __slots__ = ("_accounts", "_epochs", "_limits", "active", "refused")
+    __slots__ = ("_accounts", "_epochs", "_index", "_limits", "active", "refused")
 
-    def __init__(self, limits: TenantLimits | None = None) -> None:
+    def __init__(
+        self, limits: TenantLimits | None = None, *, index: Collection[bytes] | None = None
+    ) -> None:
         self._limits = limits if limits is not None else TenantLimits(None)
         self.active = self._limits.active
         """Whether some tenant has a quota here (else nothing is ever protected)."""
+        self._index = None if self.active else index
         self._accounts: dict[bytes, _Account] = {}
         self._epochs = ErasureEpochs()
         self.refused = 0
@@ -94,37 +124,70 @@ class TenantLedger:
         account = self._accounts.get(tag)
         if account is None:
             account = self._accounts[tag] = _Account()
+        if self._index is not None:
+            account.counted_chunks += 1
+            account.bytes += nbytes
+            return
         previous = account.keys.pop(key, 0)
         account.keys[key] = nbytes
         account.bytes += nbytes - previous
 
-    def remove(self, key: bytes) -> int:
-        """Forget a chunk the tier dropped; returns its bytes (0 if it was not accounted)."""
+    def add_many(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        """:meth:`add` of each of ``keys`` (of ``sizes`` bytes), in order: a tier filling
+        its index. A ledger that keeps no keys counts a batch of one tenant at once."""
+        if self._index is not None:
+            tags = set(map(_tag_of, keys))
+            if len(tags) == 1:
+                account = self._account(tags.pop())
+                account.counted_chunks += len(keys)
+                account.bytes += sum(sizes)
+                return
+        for key, nbytes in zip(keys, sizes, strict=True):
+            self.add(key, nbytes)
+
+    def remove(self, key: bytes, nbytes: int = 0) -> int:
+        """Forget a chunk the tier dropped; returns its bytes (0 if it was not accounted).
+        ``nbytes``: its size, for a ledger that keeps no keys."""
         account = self._accounts.get(key[:TAG_BYTES])
         if account is None:
             return 0
-        nbytes = account.keys.pop(key, None)
-        if nbytes is None:
+        if self._index is not None:
+            account.counted_chunks -= 1
+            account.bytes -= nbytes
+            return nbytes
+        held = account.keys.pop(key, None)
+        if held is None:
             return 0
-        account.bytes -= nbytes
-        return nbytes
+        account.bytes -= held
+        return held
 
-    def evicted(self, key: bytes) -> None:
-        """Forget a chunk the tier evicted, and count the eviction for its tenant."""
+    def evicted(self, key: bytes, nbytes: int = 0) -> None:
+        """Forget a chunk the tier evicted, and count the eviction for its tenant.
+        ``nbytes``: its size, for a ledger that keeps no keys."""
         account = self._accounts.get(key[:TAG_BYTES])
-        if account is not None and key in account.keys:
+        if account is None:
+            return
+        if self._index is not None:
+            account.counted_chunks -= 1
+            account.bytes -= nbytes
+            account.evictions += 1
+        elif key in account.keys:
             account.bytes -= account.keys.pop(key)
             account.evictions += 1
 
     def erase(self, tag: bytes) -> list[bytes]:
         """Forget every chunk of the tenant and count them as erased; returns their keys
         (the tier drops them), least recently used first while a quota is active, else in
-        the order they were added."""
+        the order they were added (a ledger that keeps no keys: the index's order)."""
         account = self._accounts.get(tag)
         if account is None:
             return []
-        keys = list(account.keys)
+        if self._index is not None:
+            keys = [key for key in self._index if key[:TAG_BYTES] == tag] if account.chunks else []
+        else:
+            keys = list(account.keys)
         account.keys.clear()
+        account.counted_chunks = 0
         account.bytes = 0
         account.erased += len(keys)
         return keys
@@ -138,6 +201,7 @@ class TenantLedger:
         """Forget every chunk held (the tier was cleared); the counts stay."""
         for account in self._accounts.values():
             account.keys.clear()
+            account.counted_chunks = 0
             account.bytes = 0
 
     def touch(self, keys: Sequence[bytes], count: int | None = None) -> None:
@@ -339,7 +403,7 @@ class TenantLedger:
         """Usage by tag (:func:`~lmcache_async.tenancy.tenants.tag_hex`) of every tenant seen."""
         return {
             tag_hex(tag): TenantUsage(
-                chunks=len(account.keys),
+                chunks=account.chunks,
                 bytes=account.bytes,
                 evictions=account.evictions,
                 erased=account.erased,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from anyio import CancelScope
 
 from lmcache_async.keys.chunks import ChunkHasher, DigestFrames, HashAlgorithm, Namespace
-from lmcache_async.memory.pool import MemoryPool
+from lmcache_async.memory.pool import MemoryPool, page_size_for
 from lmcache_async.transfer.cuda import Transfers
 
 from ..backends.admission import Admission, admission_capacity
@@ -128,18 +128,7 @@ def build_parts(
     events = EventBuffer(
         config.max_kv_events, max_bytes=config.max_kv_event_bytes, enabled=config.enable_kv_events
     )
-    pool = (
-        MemoryPool(config.cpu_capacity_bytes)
-        if pool_buffer is None
-        else MemoryPool.from_buffer(pool_buffer)
-    )
-    chunk_bytes = math.prod(layout.payload_shape(config.chunk_size)) * layout.dtype.itemsize
-    if chunk_bytes > pool.capacity_bytes:
-        raise ConfigError(
-            "max_local_cpu_size",
-            f"{config.max_local_cpu_size} GB holds less than one chunk of this layout "
-            f"({chunk_bytes} bytes for {config.chunk_size} tokens)",
-        )
+    pool, chunk_bytes = _host_pool(config, layout, pool_buffer)
     check_tier_settings(config)
     cipher = record_cipher(config)  # the key file read once, before anything starts
     cpu = CPUBackend(pool, limits=tier_limits(config, "cpu"))
@@ -309,3 +298,38 @@ class EngineBase:
         if locations is None:
             return None
         return self._parts.manager.check_locations(locations, name)
+
+
+def _host_pool(
+    config: EngineConfig, layout: KVLayout, pool_buffer: memoryview | None
+) -> tuple[MemoryPool, int]:
+    """The CPU tier's pool (over ``pool_buffer`` when given: a sidecar's shared segment),
+    its page fitted to the payloads it holds (a layer's with ``use_layerwise``), and a
+    whole chunk's payload bytes.
+
+    Raises:
+        ConfigError: the pool holds less than one chunk.
+    """
+    tokens, itemsize = config.chunk_size, layout.dtype.itemsize
+    chunk_bytes = math.prod(layout.payload_shape(tokens)) * itemsize
+    payloads, payload_bytes = 1, chunk_bytes
+    if config.use_layerwise:
+        payloads = layout.num_layers
+        payload_bytes = math.prod(layout.layer_payload_shape(tokens)) * itemsize
+    page = page_size_for(payload_bytes)
+    room = payloads * -(-payload_bytes // page) * page
+    capacity = config.cpu_capacity_bytes if pool_buffer is None else pool_buffer.nbytes
+    if room <= capacity:
+        pool = (
+            MemoryPool(capacity, page_size=page)
+            if pool_buffer is None
+            else MemoryPool.from_buffer(pool_buffer, page_size=page)
+        )
+        if room <= pool.capacity_bytes:
+            return pool, chunk_bytes
+        pool.close()
+    raise ConfigError(
+        "max_local_cpu_size",
+        f"{config.max_local_cpu_size} GB holds less than one chunk of this layout "
+        f"({room} bytes for {tokens} tokens)",
+    )

@@ -2,7 +2,9 @@
 
 Keys hash tokens as little-endian int32, so every accepted form (a list of int, a 1-D
 integer tensor or ndarray) is converted here once, and ids outside ``[0, 2**31)`` are
-refused. Store/retrieve masks are validated here too.
+refused. Store/retrieve masks are validated here too. :func:`tokens_fixed` tells the
+int32 arrays whose values can never change (a conversion's, not the caller's memory),
+which may be kept without a copy.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "is_strict_int",
     "token_array",
     "token_bytes",
+    "tokens_fixed",
 ]
 
 Tokens: TypeAlias = Sequence[int] | torch.Tensor | npt.NDArray[np.integer[Any]]
@@ -53,6 +56,34 @@ def _check_token_range(unsigned: npt.NDArray[Any], signed: npt.NDArray[Any]) -> 
         raise InvalidInputError(f"token ids must be < 2**31, found {int(signed.max())}")
 
 
+class _TokenBuffer(bytearray):
+    """Memory of a conversion :func:`token_array` made: only the read-only array over it
+    is handed out, so its values never change (:func:`tokens_fixed`)."""
+
+    __slots__ = ()
+
+
+def _converted(array: npt.NDArray[Any]) -> npt.NDArray[np.int32]:
+    """``array`` (checked) as int32, in a buffer of its own, read-only."""
+    out = np.frombuffer(_TokenBuffer(array.size * TOKEN_BYTES), dtype=_TOKEN_DTYPE)
+    out[...] = array
+    out.flags.writeable = False
+    return out
+
+
+def tokens_fixed(array: npt.NDArray[Any]) -> bool:
+    """Whether the values of ``array`` (a :func:`token_array` result, or a slice of one)
+    can never change, so that it may be kept without a copy: its memory is a ``bytes``
+    object (a list's conversion) or a conversion's own buffer. False where it may be the
+    caller's memory (an int32 array or CPU tensor passed in)."""
+    base: object = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    while isinstance(base, memoryview):
+        base = base.obj
+    return type(base) is bytes or type(base) is _TokenBuffer
+
+
 def _ndarray_tokens(array: npt.NDArray[Any], what: str) -> npt.NDArray[np.int32]:
     if array.ndim != 1:
         raise InvalidInputError(f"tokens must be 1-D, got a {array.ndim}-D {what}")
@@ -67,7 +98,9 @@ def _ndarray_tokens(array: npt.NDArray[Any], what: str) -> npt.NDArray[np.int32]
         _check_token_range(array, array)
     else:
         raise InvalidInputError(f"tokens must have an integer dtype, got {what} of {array.dtype}")
-    return np.ascontiguousarray(array, dtype=_TOKEN_DTYPE)
+    if array.dtype == _TOKEN_DTYPE and array.flags.c_contiguous:
+        return array
+    return _converted(array)
 
 
 def _sequence_tokens(tokens: Sequence[int]) -> bytes:
@@ -95,8 +128,10 @@ def token_array(tokens: Tokens) -> npt.NDArray[np.int32]:
 
     Accepts a list/tuple of int, a 1-D integer tensor of any integer dtype on any device
     (copied to the CPU), or a 1-D integer ndarray. The result may share memory with the
-    input and may be read-only: treat it as read-only. In a list, ``True``/``False`` count
-    as the ints 1/0 (refusing them would cost a check per token).
+    input and may be read-only: treat it as read-only. A conversion (a list, another
+    dtype, strided memory) is read-only memory of its own (:func:`tokens_fixed`). In a
+    list, ``True``/``False`` count as the ints 1/0 (refusing them would cost a check per
+    token).
 
     Raises:
         InvalidInputError: the input is not 1-D, not of an integer dtype (bool and float

@@ -2,9 +2,11 @@
 
 :mod:`.pool` (:class:`MemoryPool`: asynchronous allocation bounded by a timeout, eviction
 through the CPU tier), :mod:`.arena` (the one mapping pages are carved from, shared memory
-in sidecar mode), :mod:`.objects` (:class:`MemoryObj`, a view on pages with reference and
-pin counts), :mod:`.budget` (one allocation allowance per request) and :mod:`.pinning`
-(page-locking host memory for CUDA copies).
+in sidecar mode), :mod:`.pages` (the page, fitted to the chunk: :func:`page_size_for`),
+:mod:`.objects` (:class:`MemoryObj`, a view on pages with reference and pin counts),
+:mod:`.shapes` (what payloads of one shape share; their views made when asked for),
+:mod:`.budget` (one allocation allowance per request) and :mod:`.pinning` (page-locking
+host memory for CUDA copies).
 
 May import: the ground floor. Never the other data-model packages or anything above them.
 """
@@ -19,6 +21,7 @@ from lmcache_async.memory.pool import (
     MemoryPool,
     PoolStats,
     current_budget,
+    page_size_for,
     waited_in_vain,
 )
 
@@ -30,5 +33,6 @@ __all__ = [
     "MemoryPool",
     "PoolStats",
     "current_budget",
+    "page_size_for",
     "waited_in_vain",
 ]

@@ -1,9 +1,11 @@
-"""A payload in a memory pool: a typed tensor view on a run of the pool's pages, with a
+"""A payload in a memory pool: a run of the pool's pages, seen as a typed tensor, with a
 reference count (which frees the pages) and a pin count (which keeps the CPU tier from
 evicting it).
 
 :class:`MemoryObj` is made and freed by :class:`~lmcache_async.memory.pool.MemoryPool` and is
-re-exported by :mod:`lmcache_async.memory.pool`; the threading rules there apply.
+re-exported by :mod:`lmcache_async.memory.pool`; the threading rules there apply. It keeps
+its first page and the :class:`~lmcache_async.memory.shapes.PayloadShape` it shares with
+every payload of its shape; its tensor is made when asked for (:mod:`.shapes` says why).
 """
 
 from __future__ import annotations
@@ -13,20 +15,18 @@ from typing import Protocol
 import torch
 
 from lmcache_async.errors import EngineClosedError, InvalidInputError
+from lmcache_async.memory.shapes import PayloadShape
 
 __all__ = ["MemoryObj", "PagePool"]
 
 
 class PagePool(Protocol):
     """What a :class:`MemoryObj` asks of the pool its pages came from
-    (:class:`~lmcache_async.memory.pool.MemoryPool`): the page size, to locate the payload, and
-    the bookkeeping its reference and pin counts drive."""
+    (:class:`~lmcache_async.memory.pool.MemoryPool`): the bookkeeping its reference and pin
+    counts drive."""
 
     _pinned: int
     """Objects of the pool that are pinned and not freed."""
-
-    @property
-    def page_size(self) -> int: ...
 
     def _release(self, obj: MemoryObj) -> None:
         """Take back the pages of ``obj``, whose last reference was dropped."""
@@ -45,37 +45,12 @@ class MemoryObj:
     do); they tell the CPU tier not to evict the object.
     """
 
-    __slots__ = (
-        "_dtype",
-        "_nbytes",
-        "_npages",
-        "_page",
-        "_pin",
-        "_pool",
-        "_ref",
-        "_shape",
-        "_tensor",
-        "checksum",
-    )
+    __slots__ = ("_form", "_page", "_pin", "_pool", "_ref", "checksum")
 
-    def __init__(
-        self,
-        pool: PagePool,
-        *,
-        page: int,
-        npages: int,
-        tensor: torch.Tensor,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        nbytes: int,
-    ) -> None:
+    def __init__(self, pool: PagePool, *, page: int, form: PayloadShape) -> None:
         self._pool = pool
         self._page = page
-        self._npages = npages
-        self._tensor: torch.Tensor | None = tensor
-        self._shape = shape
-        self._dtype = dtype
-        self._nbytes = nbytes
+        self._form = form
         self._ref = 1
         self._pin = 0
         # Checksum of the payload bytes, set by the first slow tier that writes it (the
@@ -84,29 +59,35 @@ class MemoryObj:
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The payload view, of :attr:`shape` and :attr:`dtype`, in the pool's arena.
+        """The payload view, of :attr:`shape` and :attr:`dtype`, in the pool's arena (a new
+        view each time: keep it while it is used, not longer than a reference).
 
         Raises:
             EngineClosedError: the object was freed (its pages may belong to another object).
         """
-        if self._tensor is None:
+        if self._ref == 0:
             raise EngineClosedError("MemoryObj already freed")
-        return self._tensor
+        return self._form.view(self._page)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Shape the object was allocated with."""
-        return self._shape
+        return self._form.dims
 
     @property
     def dtype(self) -> torch.dtype:
         """Element type the object was allocated with."""
-        return self._dtype
+        return self._form.dtype
 
     @property
     def nbytes(self) -> int:
         """Exact payload size in bytes (not rounded to pages)."""
-        return self._nbytes
+        return self._form.nbytes
+
+    @property
+    def npages(self) -> int:
+        """Pages the payload takes."""
+        return self._form.npages
 
     @property
     def offset(self) -> int:
@@ -116,7 +97,7 @@ class MemoryObj:
         it locates the payload in the buffer the pool was built on, so another process
         mapping that buffer sees the same bytes.
         """
-        return self._page * self._pool.page_size
+        return self._page * self._form.page_size
 
     @property
     def ref_count(self) -> int:
@@ -154,7 +135,6 @@ class MemoryObj:
             raise EngineClosedError("unref of a freed MemoryObj")
         self._ref -= 1
         if self._ref == 0:
-            self._tensor = None
             self._pool._release(self)
         else:
             # The owner that remains may be the CPU tier alone: the entry may now be evictable.
@@ -186,8 +166,9 @@ class MemoryObj:
             self._pool._wake_head()
 
     def __repr__(self) -> str:
+        form = self._form
         return (
-            f"MemoryObj(shape={self._shape}, dtype={self._dtype}, nbytes={self._nbytes}, "
-            f"page={self._page}, npages={self._npages}, ref_count={self._ref}, "
+            f"MemoryObj(shape={form.dims}, dtype={form.dtype}, nbytes={form.nbytes}, "
+            f"page={self._page}, npages={form.npages}, ref_count={self._ref}, "
             f"pin_count={self._pin})"
         )

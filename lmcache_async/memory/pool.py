@@ -3,9 +3,10 @@
 A :class:`MemoryPool` owns a single ``torch.uint8`` tensor (the *arena*), allocated once and,
 when CUDA is present, page-locked (exactly its bytes, registered with CUDA) so host<->device
 copies can run asynchronously; :attr:`MemoryPool.pinned` says whether it is. The arena is cut
-into fixed-size pages; every allocation is a run of whole, contiguous pages, so each chunk
-payload is one tensor view (``arena[off:off + nbytes].view(dtype).view(shape)``) that can be
-copied in a single transfer.
+into fixed-size pages (:mod:`lmcache_async.memory.pages` fits the page to the chunk); every
+allocation is a run of whole, contiguous pages, so each chunk payload is one tensor view
+(``arena[off:off + nbytes].view(dtype).view(shape)``, made when asked for:
+:mod:`lmcache_async.memory.shapes`) that can be copied in a single transfer.
 
 Allocation is asynchronous: :meth:`MemoryPool.allocate` waits, bounded by a timeout, until
 pages are returned by :meth:`MemoryObj.unref` or released by the *evictor* (the CPU tier's
@@ -29,20 +30,20 @@ from __future__ import annotations
 
 import bisect
 import math
-import operator
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import anyio
 import anyio.lowlevel
-import structlog
 import torch
 
 from lmcache_async.errors import AllocationTimeoutError, EngineClosedError, InvalidInputError
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.arena import Buffer, alignment_skip, buffer_tensor, host_arena
 from lmcache_async.memory.budget import AllocationBudget, current_budget, waited_in_vain
 from lmcache_async.memory.objects import MemoryObj
+from lmcache_async.memory.pages import DEFAULT_PAGE_SIZE, PAGE_ALIGNMENT, page_size_for
+from lmcache_async.memory.shapes import PayloadShape, PayloadShapes
 from lmcache_async.stats import PoolStats
 
 __all__ = [
@@ -53,95 +54,16 @@ __all__ = [
     "MemoryPool",
     "PoolStats",
     "current_budget",
+    "page_size_for",
     "waited_in_vain",
 ]
 
-log = structlog.get_logger(__name__)
-
-DEFAULT_PAGE_SIZE = 64 * 1024
-"""Default page size in bytes."""
-
-_PAGE_ALIGNMENT = 256
-"""Page sizes must be a multiple of this, so every page offset is aligned for any dtype."""
+log = get_logger(__name__)
 
 Evictor = Callable[[int], int]
 """Hook ``evictor(nbytes) -> released``: asked for ``nbytes`` more contiguous room, it evicts
 entries (their :meth:`MemoryObj.unref` returns pages to the pool) and returns how many bytes
 it released. The pool checks what was actually freed rather than trusting the return value."""
-
-
-_MAX_REMEMBERED_SHAPES = 256
-
-
-class _Request(NamedTuple):
-    """A validated allocation request."""
-
-    dims: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: torch.dtype
-    itemsize: int
-    nbytes: int
-    npages: int
-
-
-class _Requests:
-    """Allocation requests checked against one arena's pages; payload shapes repeat (one
-    per chunk length), so each one's check is remembered."""
-
-    def __init__(self, arena: torch.Tensor, page_size: int, num_pages: int) -> None:
-        self._arena = arena
-        self._page_size = page_size
-        self._num_pages = num_pages
-        self._itemsizes: dict[torch.dtype, int] = {}
-        self._known: dict[tuple[tuple[int, ...], torch.dtype], _Request] = {}
-
-    def check(self, shape: Sequence[int], dtype: torch.dtype) -> _Request:
-        """The request's dims, strides, exact byte size and page count.
-
-        Raises:
-            InvalidInputError: a bad shape or dtype, or more than the whole arena.
-        """
-        key = (shape, dtype) if type(shape) is tuple else None
-        if key is not None and (known := self._known.get(key)) is not None:
-            return known
-        if not isinstance(dtype, torch.dtype):
-            raise InvalidInputError(f"dtype must be a torch.dtype, got {dtype!r}")
-        try:
-            dims = tuple(operator.index(d) for d in shape)
-        except TypeError as exc:
-            raise InvalidInputError(f"shape must be a sequence of ints, got {shape!r}") from exc
-        if any(d < 0 for d in dims):
-            raise InvalidInputError(f"shape has a negative dimension: {dims}")
-        itemsize = self._itemsize(dtype)
-        nbytes = math.prod(dims) * itemsize
-        if nbytes == 0:
-            raise InvalidInputError(f"zero-size allocations are not supported: shape {dims}")
-        npages = -(-nbytes // self._page_size)
-        if npages > self._num_pages:
-            raise InvalidInputError(
-                f"request of {nbytes} bytes exceeds the pool capacity of "
-                f"{self._num_pages * self._page_size} bytes"
-            )
-        strides = [1] * len(dims)
-        for i in range(len(dims) - 2, -1, -1):
-            strides[i] = strides[i + 1] * dims[i + 1]
-        request = _Request(dims, tuple(strides), dtype, itemsize, nbytes, npages)
-        if key is not None and len(self._known) < _MAX_REMEMBERED_SHAPES:
-            self._known[key] = request
-        return request
-
-    def _itemsize(self, dtype: torch.dtype) -> int:
-        size = self._itemsizes.get(dtype)
-        if size is None:
-            try:
-                self._arena[:0].view(dtype)
-            except RuntimeError as exc:
-                raise InvalidInputError(f"unsupported dtype {dtype}: {exc}") from exc
-            size = dtype.itemsize
-            if size <= 0:
-                raise InvalidInputError(f"unsupported dtype {dtype}")
-            self._itemsizes[dtype] = size
-        return size
 
 
 class _Waiter:
@@ -178,7 +100,8 @@ class MemoryPool:
 
         Args:
             capacity_bytes: arena size; rounded down to whole pages, at least one page.
-            page_size: bytes per page, a positive multiple of 256.
+            page_size: bytes per page, a positive multiple of 256 (:func:`page_size_for`
+                fits one to the chunks the pool holds).
             pin_memory: pin the arena, registering exactly :attr:`capacity_bytes` with CUDA
                 (:attr:`pinned`, ``stats().pinned_bytes``); ``None`` pins it when CUDA is
                 available (and never when ``buffer`` is given). When CUDA cannot pin it the
@@ -201,9 +124,9 @@ class MemoryPool:
             raise InvalidInputError(f"page_size must be an int, got {page_size!r}")
         if capacity_bytes <= 0:
             raise InvalidInputError(f"capacity_bytes must be > 0, got {capacity_bytes}")
-        if page_size <= 0 or page_size % _PAGE_ALIGNMENT != 0:
+        if page_size <= 0 or page_size % PAGE_ALIGNMENT != 0:
             raise InvalidInputError(
-                f"page_size must be a positive multiple of {_PAGE_ALIGNMENT}, got {page_size}"
+                f"page_size must be a positive multiple of {PAGE_ALIGNMENT}, got {page_size}"
             )
         num_pages = max(1, capacity_bytes // page_size)
         arena = host_arena(num_pages * page_size, pin_memory, buffer)
@@ -225,8 +148,7 @@ class MemoryPool:
         self._num_objects = 0
         self._pinned = 0
         self._waiters: deque[_Waiter] = deque()
-        self._requests = _Requests(self._arena, page_size, num_pages)
-        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._shapes = PayloadShapes(self._arena, page_size, num_pages)
         log.debug(
             "memory_pool_created",
             capacity_bytes=num_pages * page_size,
@@ -381,7 +303,7 @@ class MemoryPool:
             f"no room for {request.nbytes} bytes ({npages} pages) within {timeout:.3g} s"
         )
 
-    async def _wait(self, request: _Request, timeout: float) -> MemoryObj | None:
+    async def _wait(self, request: PayloadShape, timeout: float) -> MemoryObj | None:
         """Queue for room, FIFO, for at most ``timeout`` seconds; None when none came."""
         waiter = _Waiter(request.npages)
         self._waiters.append(waiter)
@@ -444,28 +366,14 @@ class MemoryPool:
         if self._closed:
             raise EngineClosedError("memory pool is closed")
 
-    def _check_request(self, shape: Sequence[int], dtype: torch.dtype) -> _Request:
+    def _check_request(self, shape: Sequence[int], dtype: torch.dtype) -> PayloadShape:
         """Validate a request; return its dims, strides, exact byte size and page count."""
         self._check_open()
-        return self._requests.check(shape, dtype)
+        return self._shapes.check(shape, dtype)
 
-    def _make_obj(self, page: int, request: _Request) -> MemoryObj:
-        typed = self._typed.get(request.dtype)
-        if typed is None:
-            typed = self._typed[request.dtype] = self._arena.view(request.dtype)
-        # as_strided takes an offset into the whole storage, which begins before the arena.
-        offset = typed.storage_offset() + page * self._page_size // request.itemsize
-        view = typed.as_strided(request.dims, request.strides, offset)
+    def _make_obj(self, page: int, form: PayloadShape) -> MemoryObj:
         self._num_objects += 1
-        return MemoryObj(
-            self,
-            page=page,
-            npages=request.npages,
-            tensor=view,
-            shape=request.dims,
-            dtype=request.dtype,
-            nbytes=request.nbytes,
-        )
+        return MemoryObj(self, page=page, form=form)
 
     def _take(self, npages: int) -> int | None:
         """Carve ``npages`` contiguous pages, asking the evictor while it frees something."""
@@ -525,7 +433,7 @@ class MemoryPool:
 
     def _release(self, obj: MemoryObj) -> None:
         """Called by :meth:`MemoryObj.unref` when the last reference is dropped."""
-        self._give_back(obj._page, obj._npages)
+        self._give_back(obj._page, obj.npages)
         self._num_objects -= 1
         if obj._pin > 0:
             self._pinned -= 1

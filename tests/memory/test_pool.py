@@ -827,3 +827,24 @@ PoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_pool_random_sequences = PoolMachine.TestCase
+
+
+def test_a_payload_keeps_no_tensor_and_each_view_sees_its_bytes() -> None:
+    """A view is made when asked for (a torch view costs more than the rest of a cached
+    chunk): two views are two tensors over the same bytes; a freed payload has none."""
+    pool = MemoryPool(4 * 4096, page_size=4096, pin_memory=False)
+    pool.allocate_nowait((4096,), torch.uint8)  # the next one starts at page 1
+    obj = pool.allocate_nowait((2, 1, 256, 4), torch.float16)
+    assert obj is not None
+    assert not hasattr(obj, "__dict__")
+    assert "_tensor" not in type(obj).__slots__
+    first, second = obj.tensor, obj.tensor
+    assert first is not second
+    assert first.data_ptr() == second.data_ptr() == pool._arena.data_ptr() + 4096
+    assert first.shape == (2, 1, 256, 4) and first.dtype == torch.float16
+    assert first.is_contiguous()
+    first.fill_(3.0)
+    assert bool((second == 3.0).all())
+    obj.unref()
+    with pytest.raises(EngineClosedError, match="freed"):
+        _ = obj.tensor
