@@ -2,8 +2,8 @@
 
 Files live at ``<local_disk>/<first two hex chars of the key>/<key.to_str()>.chunk``; each
 holds one record (see :mod:`.record`): a header naming the key, layout, shape, dtype, codec,
-length and checksum, then the payload. Reading and writing one file is
-:mod:`.disk_file`; the index, its capacity and its rebuild at open are :mod:`.disk_index`.
+length and checksum, then the payload. Reading and writing one file is :mod:`.disk_file`;
+the index and its capacity :mod:`.disk_index`; changes to the files :mod:`.disk_changes`.
 
 *Writes* go to ``.tmp-<pid>-<random>-<name>`` in the same directory and are renamed over the
 final name (``os.replace``), so a crash never leaves a partial record under a real name.
@@ -13,19 +13,36 @@ per chunk costs far more than the occasional lost entry of a cache. ``fsync=True
 each file and its directory before the put returns.
 
 *The index* (key → size and shape, least recently used first, :mod:`.disk_index`) lives in
-memory and is rebuilt by :meth:`DiskBackend.open` from the files' headers, sizes and mtimes;
-hits refresh a file's mtime, so the LRU order survives restarts (to within a minute).
-Files of another KV layout are left alone: engines of other models may share the
-directory. One running engine per directory and layout is supported; two at once would
-each keep their own index and capacity.
+memory. :meth:`DiskBackend.open` returns at once, whatever the tier's size: the index is
+filled behind it (:mod:`.disk_fill`, a thread of its own, a batch at a time), from the
+manifest (:mod:`.disk_manifest`: the index as the last run left it, trusted only for files
+whose name the directory still lists, their sizes checked once the index is complete) and
+from the headers of the files the manifest does not name. :meth:`wait_index` waits for it;
+:attr:`index_complete` and :meth:`index_stats` tell where it stands. While it fills, RAM
+and Redis hits are served as ever, and a lookup or get of a key not indexed yet *looks at
+its file directly* (its header read and checked in a worker thread, the chunk indexed if
+it is there and good): a disk hit is never a miss for being early, and a true miss costs
+one thread call. The LRU order survives a clean restart exactly (the manifest's order) and
+a crash to within the last writes; files the manifest does not name come after those it
+names, by mtime (hits refresh a file's mtime, to within a minute). Files of another
+KV layout are left alone: engines of other models may share the directory. One running
+engine per directory and layout is supported; two at once would each keep their own index
+and capacity.
 
 *Tenants*: usage by tenant tag and the quotas of ``limits`` are kept by the index
-(:mod:`.disk_index`, :mod:`.tenant_ledger`), rebuilt at open from the files' keys.
+(:mod:`.disk_index`, :mod:`.tenant_ledger`), filled at open from the files' keys.
+
+*While the index fills*, a put writes what is not indexed yet (a file the fill finds later
+for a key indexed since is skipped: each chunk is indexed once); what is evicted, removed
+or found corrupt is never brought back by a batch of the fill read before; capacity is
+kept over what is indexed, and once the index is complete the oldest files beyond it are
+evicted. :meth:`remove` deletes the files of keys not indexed yet too; :meth:`clear` waits
+for the index to be complete.
 
 *Removals*: each chunk that leaves the index (evicted for the capacity or a tenant's quota,
 found corrupt or missing on a read, removed, cleared, erased) is told to the removal
-listener (:meth:`StorageBackend.set_removal_listener`) once its file is gone; what the scan
-at open deletes is gone before the tier exists, and is not told.
+listener (:meth:`StorageBackend.set_removal_listener`) once its file is gone; files the
+fill deletes as corrupt were never indexed, and are not told.
 
 *Threads*: the index and counters belong to the event loop; worker threads only do file
 I/O, checksums and codecs, one thread call per batch. Writes (put, eviction, remove,
@@ -45,26 +62,29 @@ from typing import Final
 
 import anyio
 import anyio.to_thread
-import structlog
 
 from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj, MemoryPool, current_budget
 from lmcache_async.tenancy.tenants import TenantLimits, tag_hex
 
-from ..errors import EngineClosedError, InvalidInputError, TierError
+from ..errors import ConfigError, EngineClosedError, InvalidInputError
 from ..stats import TierStats
 from .base import StorageBackend, leading_run
 from .counters import TierCounters
-from .disk_file import CHUNK_SUFFIX, TEMP_PREFIX, RecordFiles, WriteResult, as_key, encode_batch
-from .disk_index import DiskEntry, DiskIndex
+from .disk_changes import DiskChanges
+from .disk_file import CHUNK_SUFFIX, TEMP_PREFIX, RecordFiles, as_key
+from .disk_fill import IndexFill, IndexStats
+from .disk_index import DiskIndex
+from .disk_manifest import Manifest
 from .disk_reads import Job, allocate_reads, settle_reads
 from .disk_settings import check_disk_settings
 from .record import RecordSpec
 from .tenant_ledger import check_tag
 
-__all__ = ["CHUNK_SUFFIX", "DEFAULT_HEALTH_TIMEOUT", "TEMP_PREFIX", "DiskBackend"]
+__all__ = ["CHUNK_SUFFIX", "DEFAULT_HEALTH_TIMEOUT", "TEMP_PREFIX", "DiskBackend", "IndexStats"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_HEALTH_TIMEOUT: Final = 5.0
 """Seconds :meth:`DiskBackend.check_health` waits for its probe write and read."""
@@ -79,14 +99,14 @@ class _State(enum.Enum):
 class DiskBackend(StorageBackend):
     """Chunks as record files under ``local_disk``, at most ``max_local_disk_size`` bytes.
 
-    Build it with :meth:`open`, which checks the settings and the directory and rebuilds
-    the index. A put that would exceed the capacity evicts least recently used files
-    first; a chunk larger than the whole capacity is refused. A file found corrupt on read
-    (checksum, truncation, another key's or layout's record) is a miss, is deleted and is
-    counted in ``corrupt``. Write errors (a full disk, a read-only directory) raise
-    :class:`~lmcache_async.errors.TierError`; read errors are misses. Both count in
-    ``errors``. ``hits`` and ``misses`` count the keys :meth:`get` was asked for.
-    ``limits``: the tenants' quotas in this tier (none by default).
+    Build it with :meth:`open`, which checks the settings and the directory and starts
+    filling the index (:meth:`wait_index`). A put that would exceed the capacity evicts
+    least recently used files first; a chunk larger than the whole capacity is refused. A
+    file found corrupt on read (checksum, truncation, another key's or layout's record) is
+    a miss, is deleted and is counted in ``corrupt``. Write errors (a full disk, a
+    read-only directory) raise :class:`~lmcache_async.errors.TierError`; read errors are
+    misses. Both count in ``errors``. ``hits`` and ``misses`` count the keys :meth:`get`
+    was asked for. ``limits``: the tenants' quotas in this tier (none by default).
     """
 
     name = "disk"
@@ -122,6 +142,27 @@ class DiskBackend(StorageBackend):
         self._index = DiskIndex(max_local_disk_size, limits)
         self._write_lock = anyio.Lock()
         self._counts = TierCounters()
+        self._manifest = Manifest(self._files.directory, spec, fsync=bool(fsync))
+        self._changes = DiskChanges(
+            self._index,
+            self._files,
+            self._manifest,
+            self._counts,
+            self._write_lock,
+            report=self._report_removed,
+            is_open=lambda: self._state is _State.OPEN,
+            complete=lambda: self._fill.complete,
+        )
+        self._fill = IndexFill(
+            self._files.directory,
+            spec,
+            self._index,
+            self._manifest,
+            on_complete=self._changes.fill_complete,
+            on_compact=self._changes.fill_compact,
+            on_corrupt=self._changes.found_corrupt,
+            on_forgotten=self._changes.forgotten,
+        )
 
     @classmethod
     async def open(
@@ -136,8 +177,8 @@ class DiskBackend(StorageBackend):
         health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
         limits: TenantLimits | None = None,
     ) -> DiskBackend:
-        """Create the directory if missing, check it can be written and read, and rebuild
-        the index from the files in it (in a worker thread).
+        """Create the directory if missing, check it can be written and read, and start
+        filling the index from the manifest and the files (behind: :meth:`wait_index`).
 
         Raises:
             ConfigError: a setting is invalid (see :meth:`__init__`), or the directory
@@ -157,23 +198,34 @@ class DiskBackend(StorageBackend):
         return backend
 
     async def _start(self) -> None:
-        scan = await self._index.rebuild(self._files, self._spec)
-        for name, reason in scan.corrupt:
-            log.warning("tier_entry_corrupt", tier=self.name, key=name, reason=reason)
-        self._counts.corrupt += len(scan.corrupt)
+        directory = self._files.directory
+        try:
+            await self._files.prepare()
+        except OSError as exc:
+            raise ConfigError(
+                "local_disk", f"cannot use {str(directory)!r} as a cache directory: {exc}"
+            ) from exc
         self._state = _State.OPEN
         self._healthy = True
-        log.info(
-            "disk_tier_opened",
-            directory=str(self._files.directory),
-            chunks=len(self._index),
-            bytes=self._index.bytes,
-            capacity=self._index.capacity,
-            removed_temps=scan.removed_temps,
-            corrupt=len(scan.corrupt),
-            other_layouts=scan.foreign,
-            evicted=scan.evicted,
-        )
+        self._fill.start()
+        log.info("disk_tier_opened", directory=str(directory), capacity=self._index.capacity)
+
+    # -- the index fill -----------------------------------------------------------------
+
+    @property
+    def index_complete(self) -> bool:
+        """Whether every file of the directory is indexed (see :meth:`wait_index`)."""
+        return self._fill.complete
+
+    async def wait_index(self, *, audited: bool = False) -> bool:
+        """Wait until the index is complete (with ``audited``: and the sizes of the files
+        the manifest named checked), or its fill stopped (the tier closed, the directory
+        unreadable); returns whether it is complete. Bound it with ``anyio.fail_after``."""
+        return await self._fill.wait(audited=audited)
+
+    def index_stats(self) -> IndexStats:
+        """Where the index fill stands, and what the index costs in memory."""
+        return self._fill.stats()
 
     # -- properties ---------------------------------------------------------------------
 
@@ -206,7 +258,7 @@ class DiskBackend(StorageBackend):
             EngineClosedError: the tier is not open.
         """
         self._check_open()
-        return self._index.held_prefix(keys)
+        return await self._fill.held_prefix(keys)
 
     async def get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         """Read, verify and decode each key's record into a new pool object.
@@ -226,6 +278,7 @@ class DiskBackend(StorageBackend):
         budget = current_budget()
         if budget is not None and budget.exhausted:
             return out  # nothing read would find room: not a miss, so not counted
+        await self._fill.look_unindexed(keys)
         jobs: list[Job] = []
         settled = False
         try:
@@ -259,7 +312,7 @@ class DiskBackend(StorageBackend):
             EngineClosedError: the tier or the pool is closed.
         """
         self._check_open()
-        held = self._index.held_prefix(keys)
+        held = await self._fill.held_prefix(keys)
         if held < len(keys):
             self._counts.misses += 1
         return leading_run(await self.get(keys[:held]))
@@ -312,41 +365,15 @@ class DiskBackend(StorageBackend):
                 ]
                 if not batch:
                     return 0
-                return await self._write(batch, spec or self._spec)
+                return await self._changes.write(batch, spec or self._spec)
         finally:
             for obj in held:
                 obj.unref()
 
-    async def _write(self, batch: list[tuple[bytes, MemoryObj]], spec: RecordSpec) -> int:
-        """Encode, make room, write; the caller holds the write lock and the references."""
-        encoded = await anyio.to_thread.run_sync(encode_batch, spec, batch)
-        admitted, evicted = self._index.admit(
-            [key for key, _ in batch], [len(head) + len(body) for head, body in encoded]
-        )
-        if len(admitted) < len(batch):
-            log.warning(
-                "disk_tier_chunks_refused",
-                chunks=len(batch) - len(admitted),
-                capacity=self._index.capacity,
-            )
-        if not admitted and not evicted:
-            return 0
-        # Shielded (see RecordFiles): what the thread wrote and deleted is always reflected
-        # in the index.
-        result = await self._files.write(evicted, [(batch[i][0], *encoded[i]) for i in admitted])
-        if evicted:
-            log.debug("disk_tier_evicted", chunks=len(evicted))
-            self._report_removed([as_key(key) for key in evicted])
-        for i in admitted[: result.written]:
-            key, obj = batch[i]
-            head, body = encoded[i]
-            self._index.add(key, DiskEntry(len(head) + len(body), tuple(obj.shape)))
-        self._counts.puts += result.written
-        _check_written(self._counts, result, len(admitted))
-        return result.written
-
     async def remove(self, keys: Sequence[ChunkKey]) -> int:
-        """Delete the files of ``keys``; returns how many were held.
+        """Delete the files of ``keys``; returns how many were indexed. While the index
+        fills, the files of keys not indexed yet are deleted too (the fill will not find
+        them).
 
         Raises:
             TierError: a file could not be deleted (the key is forgotten anyway).
@@ -355,22 +382,27 @@ class DiskBackend(StorageBackend):
         self._check_open()
         async with self._write_lock:
             self._check_open()
-            gone = [key for key in dict.fromkeys(keys) if key in self._index]
-            await self._delete(gone)
+            wanted = list(dict.fromkeys(keys))
+            gone = [key for key in wanted if key in self._index]
+            if self._index.filling:
+                await self._changes.delete_unindexed([k for k in wanted if k not in self._index])
+            await self._changes.delete(gone)
             return len(gone)
 
     async def clear(self) -> int:
-        """Delete every indexed file (files of other layouts stay); returns how many.
+        """Delete every indexed file (files of other layouts stay); returns how many. Waits
+        for the index to be complete first.
 
         Raises:
             TierError: a file could not be deleted (the key is forgotten anyway).
             EngineClosedError: the tier is not open.
         """
         self._check_open()
+        await self._fill.wait()
         async with self._write_lock:
             self._check_open()
             gone = list(self._index)
-            await self._delete(gone)
+            await self._changes.delete(gone)
             return len(gone)
 
     async def erase_tenant(self, tag: bytes) -> int:
@@ -391,27 +423,16 @@ class DiskBackend(StorageBackend):
         async with self._write_lock:
             self._check_open()
             keys, others, temps, failures = await self._index.erase_tenant(self._files, tag)
+            # The manifest must not name the tenant's chunks any longer.
+            if self.index_complete:
+                await self._changes.compact()
+            else:
+                self._changes.compact_due = True
         erased = len(keys) + others
         log.info("disk_tier_tenant_erased", tag=tag_hex(tag), chunks=erased, temps=temps)
         self._report_removed([as_key(key) for key in keys])
-        self._check_deleted(failures)
+        self._changes.check_deleted(failures)
         return erased
-
-    async def _delete(self, keys: Sequence[bytes]) -> None:
-        """Forget ``keys`` (all indexed), delete their files, tell the removal listener."""
-        if not keys:
-            return
-        for key in keys:
-            self._index.pop(key)
-        failures = await self._files.delete(keys)
-        self._report_removed([as_key(key) for key in keys])
-        self._check_deleted(failures)
-
-    def _check_deleted(self, failures: list[str]) -> None:
-        if failures:
-            self._counts.errors += 1
-            log.warning("disk_tier_delete_failed", chunks=len(failures), error=failures[0])
-            raise TierError(f"disk tier could not delete {len(failures)} files: {failures[0]}")
 
     def healthy(self) -> bool:
         """Whether the tier is open and its last probe (or open) succeeded."""
@@ -455,40 +476,21 @@ class DiskBackend(StorageBackend):
         return self._index.ledger.refused
 
     async def aclose(self) -> None:
-        """Refuse new work, wait for writes under way, forget the index (files stay)."""
+        """Refuse new work, stop the index fill, wait for writes under way, write the
+        manifest (if the index is complete), forget the index (files stay)."""
         if self._state is _State.CLOSED:
             return
+        opened = self._state is _State.OPEN
         self._state = _State.CLOSED
         with anyio.CancelScope(shield=True):
+            await self._fill.stop()
             async with self._write_lock:
+                if opened and self._fill.complete:
+                    await self._changes.compact()
+                await anyio.to_thread.run_sync(self._manifest.close)
                 self._index.clear()
         log.debug("disk_tier_closed", directory=str(self._files.directory))
 
     def _check_open(self) -> None:
         if self._state is not _State.OPEN:
             raise EngineClosedError(f"disk tier is {self._state.value}, not open")
-
-
-def _check_written(counts: TierCounters, result: WriteResult, chunks: int) -> None:
-    """Count and log what went wrong in a write of ``chunks`` records.
-
-    Raises:
-        TierError: a record could not be written.
-    """
-    if result.unlink_errors:
-        counts.errors += 1
-        log.warning(
-            "disk_tier_delete_failed",
-            chunks=len(result.unlink_errors),
-            error=result.unlink_errors[0],
-        )
-    if result.error is not None:
-        counts.errors += 1
-        log.warning(
-            "disk_tier_write_failed",
-            written=result.written,
-            chunks=chunks,
-            errno=result.error.errno,
-            error=str(result.error),
-        )
-        raise TierError(f"disk tier write failed: {result.error}") from result.error

@@ -25,7 +25,7 @@ import mmap
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -56,10 +56,12 @@ __all__ = [
     "prepare_directory",
     "probe_directory",
     "read_header",
+    "record_name",
     "record_path",
     "temp_name",
     "unlink_all",
     "unlink_if_same",
+    "write_atomic",
     "write_batch",
 ]
 
@@ -105,10 +107,18 @@ def as_key(key: bytes) -> ChunkKey:
     return ChunkKey(bytes(key[:DIGEST_SIZE]), layer)
 
 
+def record_name(key: bytes) -> str:
+    """The name of the record file of ``key`` (in the fan-out directory named by its first
+    two characters)."""
+    if len(key) == DIGEST_SIZE:
+        return key.hex() + CHUNK_SUFFIX  # as ChunkKey.to_str() names a whole-chunk key
+    return as_key(key).to_str() + CHUNK_SUFFIX
+
+
 def record_path(directory: Path, key: bytes) -> Path:
     """Where the record of ``key`` lives under ``directory`` (whether or not it exists)."""
-    name = as_key(key).to_str()
-    return directory / name[:2] / (name + CHUNK_SUFFIX)
+    name = record_name(key)
+    return directory / name[:2] / name
 
 
 def temp_name(final_name: str) -> str:
@@ -224,21 +234,41 @@ class RecordFiles:
         return outcomes
 
     async def write(
-        self, evicted: Sequence[bytes], writes: Sequence[tuple[bytes, bytes, Payload]]
+        self,
+        evicted: Sequence[bytes],
+        writes: Sequence[tuple[bytes, bytes, Payload]],
+        after: Callable[[WriteResult], None] | None = None,
     ) -> WriteResult:
         """Delete the files of ``evicted``, then write ``(key, header, payload)`` records in
-        order, stopping at the first failure."""
+        order, stopping at the first failure; then ``after(result)``, in the same thread."""
         victims = [self.path(key) for key in evicted]
         records = [(self.path(key), header, payload) for key, header, payload in writes]
+
+        def run() -> WriteResult:
+            result = write_batch(victims, records, self.fsync)
+            if after is not None:
+                after(result)
+            return result
+
         with anyio.CancelScope(shield=True):
-            result = await anyio.to_thread.run_sync(write_batch, victims, records, self.fsync)
+            result = await anyio.to_thread.run_sync(run)
         return result  # noqa: RET504 (returned inside, mypy takes the scope to swallow it)
 
-    async def delete(self, keys: Sequence[bytes]) -> list[str]:
-        """Delete the files of ``keys`` (already missing is fine); returns the errors."""
+    async def delete(
+        self, keys: Sequence[bytes], after: Callable[[], None] | None = None
+    ) -> list[str]:
+        """Delete the files of ``keys`` (already missing is fine), then ``after()`` in the
+        same thread; returns the errors."""
         paths = [self.path(key) for key in keys]
+
+        def run() -> list[str]:
+            failures = unlink_all(paths)
+            if after is not None:
+                after()
+            return failures
+
         with anyio.CancelScope(shield=True):
-            failures = await anyio.to_thread.run_sync(unlink_all, paths)
+            failures = await anyio.to_thread.run_sync(run)
         return failures  # noqa: RET504 (as above)
 
 
@@ -362,7 +392,7 @@ def _fill(f: io.FileIO, first: bytes, dest: memoryview) -> None:
         n += got
 
 
-def unlink_if_same(path: Path, seen: os.stat_result) -> None:
+def unlink_if_same(path: str | Path, seen: os.stat_result) -> None:
     """Delete ``path`` if it is still the file ``seen`` (a writer may have replaced it)."""
     with contextlib.suppress(OSError):
         now = os.stat(path)
@@ -392,15 +422,16 @@ def write_batch(
     written = 0
     try:
         for path, header, payload in writes:
-            _write_record(path, header, payload, fsync)
+            write_atomic(path, header, payload, fsync)
             written += 1
     except OSError as exc:
         return WriteResult(written, unlink_errors, exc)
     return WriteResult(written, unlink_errors, None)
 
 
-def _write_record(path: Path, header: bytes, payload: Payload, fsync: bool) -> None:
-    """Write one record to a temporary file and rename it to ``path``."""
+def write_atomic(path: Path, header: bytes, payload: Payload, fsync: bool) -> None:
+    """Write ``header`` and ``payload`` to a temporary file beside ``path`` and rename it to
+    ``path`` (with ``fsync``: the file synced before the rename, its directory after)."""
     tmp = path.with_name(temp_name(path.name))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:

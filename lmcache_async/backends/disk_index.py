@@ -1,79 +1,120 @@
-"""The disk tier's index: which chunks it holds, their sizes, least recently used first.
+"""The disk tier's index: which chunks it holds, their sizes and shapes, least recently
+used first.
 
 The index lives in memory, on the event loop, and is the tier's truth for lookups (a
-lookup reads no file). :meth:`DiskIndex.admit` plans the room a batch of writes needs
-within the capacity, evicting the oldest entries, and within the tenants' quotas (a
-:class:`~.tenant_ledger.TenantLedger`, whose accounts the index keeps in step). At open
-the index is rebuilt by :func:`scan_directory` (in a worker thread) from each file's
-header, size and mtime (never its payload: checksums are verified on every read instead),
-each file's tenant from its key, so usage by tenant survives a restart; the scan deletes
-temporary files whose writer process is gone, files whose header is bad or whose length
-does not match the file, and the oldest files beyond the capacity. Files written for
-another KV layout (another fingerprint) are left alone and not indexed: engines of other
-models may share the directory.
+lookup reads no file once the index is complete). :meth:`DiskIndex.admit` plans the room a
+batch of writes needs within the capacity, evicting the oldest entries, and within the
+tenants' quotas (a :class:`~.tenant_ledger.TenantLedger`, whose accounts the index keeps
+in step). It is filled at open in the background (:mod:`.disk_fill`) while it already
+serves: :meth:`DiskIndex.begin_fill` to :meth:`DiskIndex.end_fill`.
+
+*Entries are small*: each chunk costs its key (plain bytes), one ``OrderedDict`` slot and
+one int packing the file's size, its shape's number in a table of the distinct shapes
+(:class:`ShapeTable`: full chunks share one tuple) and a stamp that changes whenever the
+key is indexed again, so that a read can tell whether the entry it began with is still
+the key's entry (:meth:`DiskIndex.settle`). Entries the fill found have no stamp (a key is
+found once), so equal ones share one int. Without a quota the ledger keeps no copy of the
+keys (it counts, and finds a tenant's keys in this index when it is erased).
+
+*While the fill runs* the index also keeps which keys were dropped (evicted, removed,
+found corrupt: never brought back by a batch of the fill read before) and which were used
+(put or hit: the most recent when the fill ends, after everything it found).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import os
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+import itertools
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Final
 
 import anyio
 import anyio.to_thread
 
-from lmcache_async.keys.chunks import ChunkKey
 from lmcache_async.tenancy.tenants import TAG_BYTES, TenantLimits, tag_hex
 
-from ..errors import ConfigError, ForeignRecordError, IntegrityError, InvalidInputError
-from .disk_file import (
-    CHUNK_SUFFIX,
-    TEMP_PREFIX,
-    ReadStatus,
-    RecordFiles,
-    read_header,
-    unlink_all,
-    unlink_if_same,
-)
+from ..errors import IntegrityError
+from .disk_file import ReadStatus, RecordFiles
+from .disk_scan import erase_prefix
 from .lru import held_prefix_count
-from .record import RecordSpec
 from .tenant_ledger import TenantLedger
 
-__all__ = ["DiskEntry", "DiskIndex", "Scan", "erase_prefix", "scan_directory"]
+__all__ = ["DiskEntry", "DiskIndex", "ShapeTable"]
 
-_STALE_TEMP_SECONDS: Final = 600.0
-"""A temporary file this old is a leftover even if a process with its writer's pid runs."""
+DiskEntry = int
+"""An index entry: ``size << 40 | shape number << 20 | stamp`` (see the module doc)."""
+
+_STAMP_BITS: Final = 20
+_SHAPE_SHIFT: Final = _STAMP_BITS
+_SIZE_SHIFT: Final = 40
+_FIELD_MASK: Final = (1 << 20) - 1
+_SHARED_VALUES: Final = 4096
+"""Distinct entries found by the fill that share their int (full chunks of one codec
+without compression have one size and shape: one int for all of them)."""
 
 
-@dataclass(slots=True)
-class DiskEntry:
-    """What the index knows of one file (compared by identity to detect replacement)."""
+class ShapeTable:
+    """The distinct payload shapes of an index, numbered: one tuple per shape."""
 
-    size: int
-    shape: tuple[int, ...]
+    __slots__ = ("_numbers", "shapes")
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+        self._numbers: dict[tuple[int, ...], int] = {}
+
+    def number(self, shape: tuple[int, ...]) -> int:
+        """The number of ``shape`` (given one the first time it is seen).
+
+        Raises:
+            IntegrityError: more distinct shapes than an entry can number (no layout has
+                that many).
+        """
+        number = self._numbers.get(shape)
+        if number is None:
+            number = len(self.shapes)
+            if number > _FIELD_MASK:
+                raise IntegrityError("more distinct record shapes than the index can hold")
+            shape = tuple(int(dim) for dim in shape)
+            self.shapes.append(shape)
+            self._numbers[shape] = number
+        return number
+
+
+class _Fill:
+    """What the index keeps while it is being filled."""
+
+    __slots__ = ("dropped", "used")
+
+    def __init__(self) -> None:
+        self.dropped: set[bytes] = set()
+        """Keys dropped since the fill began: no batch of the fill brings them back."""
+        self.used: dict[bytes, None] = {}
+        """Keys put or hit since the fill began, least recently used first."""
 
 
 class DiskIndex:
     """Entries by key, least recently used first, and their bytes, within ``capacity``
     and the quotas of ``limits``.
 
-    Keys are ChunkKeys, typed as bytes so that a bare digest can probe the index.
+    Keys are stored as plain bytes; any bytes equal to a key (a ChunkKey, a bare digest)
+    finds it.
     """
 
     def __init__(self, capacity: int, limits: TenantLimits | None = None) -> None:
         self.capacity = capacity
-        self.ledger = TenantLedger(limits)
-        """The accounts by tenant of what is indexed."""
         self._entries: collections.OrderedDict[bytes, DiskEntry] = collections.OrderedDict()
+        self.ledger = TenantLedger(limits, index=self._entries)
+        """The accounts by tenant of what is indexed."""
+        self.shapes = ShapeTable()
         self.bytes = 0
         """Bytes of the files indexed."""
         self.evictions = 0
-        """Entries evicted to make room (by :meth:`admit`, or by the scan at open)."""
+        """Entries evicted to make room (by :meth:`admit`, or :meth:`trim`)."""
+        self._stamp = 0
+        self._shared: dict[int, int] = {}  # one int for equal entries found by the fill
+        self._fill: _Fill | None = None
+        self._erasing: set[bytes] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -84,54 +125,53 @@ class DiskIndex:
     def __iter__(self) -> Iterator[bytes]:
         return iter(self._entries)
 
-    async def rebuild(self, files: RecordFiles, spec: RecordSpec) -> Scan:
-        """Create the directory of ``files`` if missing, check it can be written and read,
-        and index the records of ``spec``'s layout in it (:func:`scan_directory`, in worker
-        threads).
+    # -- entries ------------------------------------------------------------------------
 
-        Returns:
-            What the scan found and cleaned up (its entries are indexed by now).
+    def entry(self, size: int, shape: tuple[int, ...]) -> DiskEntry:
+        """A new entry for a file of ``size`` bytes holding a payload of ``shape``."""
+        return self._pack(size, self.shapes.number(shape))
 
-        Raises:
-            ConfigError: (field ``local_disk``) the directory cannot be created, written
-                or read.
-        """
-        directory = files.directory
-        try:
-            await files.prepare()
-        except OSError as exc:
-            raise ConfigError(
-                "local_disk", f"cannot use {str(directory)!r} as a cache directory: {exc}"
-            ) from exc
-        try:
-            scan = await anyio.to_thread.run_sync(scan_directory, directory, spec, self.capacity)
-        except OSError as exc:
-            raise ConfigError(
-                "local_disk", f"cannot read the cache directory {str(directory)!r}: {exc}"
-            ) from exc
-        self.load(scan.entries)
-        self.evictions += scan.evicted
-        return scan
+    def _pack(self, size: int, number: int) -> DiskEntry:
+        self._stamp = (self._stamp + 1) & _FIELD_MASK
+        return size << _SIZE_SHIFT | number << _SHAPE_SHIFT | self._stamp
+
+    @staticmethod
+    def size_of(entry: DiskEntry) -> int:
+        return entry >> _SIZE_SHIFT
+
+    @staticmethod
+    def number_of(entry: DiskEntry) -> int:
+        """The number of the entry's shape in :attr:`shapes`."""
+        return (entry >> _SHAPE_SHIFT) & _FIELD_MASK
+
+    def shape_of(self, entry: DiskEntry) -> tuple[int, ...]:
+        return self.shapes.shapes[(entry >> _SHAPE_SHIFT) & _FIELD_MASK]
 
     def get(self, key: bytes) -> DiskEntry | None:
         return self._entries.get(key)
 
-    def load(self, entries: Iterable[tuple[bytes, DiskEntry]]) -> None:
-        """Index ``entries``, oldest first (a scan's result)."""
-        for key, entry in entries:
-            self.add(key, entry)
-
-    def add(self, key: bytes, entry: DiskEntry) -> None:
-        """Index a file just written, as the most recent."""
+    def add(self, key: bytes, size: int, shape: tuple[int, ...]) -> DiskEntry:
+        """Index a file just written, as the most recent (replacing any entry of the key:
+        one the fill found meanwhile); returns its entry."""
+        key = bytes(key) if type(key) is not bytes else key
+        if key in self._entries:
+            self._forget(key)
+        entry = self.entry(size, shape)
         self._entries[key] = entry
-        self.bytes += entry.size
-        self.ledger.add(key, entry.size)
+        self.bytes += size
+        self.ledger.add(key, size)
+        if self._fill is not None:
+            self._used(key)
+        return entry
 
     def held_prefix(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` indexed; each becomes the most recent."""
         n = held_prefix_count(self._entries, keys)
         if n and self.ledger.active:
             self.ledger.touch(keys, n)
+        if n and self._fill is not None:
+            for key in keys[:n]:
+                self._used(key)
         return n
 
     def to_write(self, keys: Sequence[bytes], since: int | None = None) -> list[int]:
@@ -147,6 +187,8 @@ class DiskIndex:
             if key in self._entries:
                 self._entries.move_to_end(key)
                 ledger.touch_one(key)
+                if self._fill is not None:
+                    self._used(key)
             elif erased and ledger.erased_since(key, since or 0):
                 continue
             elif key not in seen:
@@ -159,24 +201,50 @@ class DiskIndex:
         recent; a file found missing or corrupt is forgotten. Either only if ``entry`` is
         still the key's entry (a write may have replaced the file meanwhile); a read error
         changes nothing. Returns whether ``key`` was forgotten."""
-        if self._entries.get(key) is not entry:
+        if self._entries.get(key) != entry:
             return False
         if status is ReadStatus.OK:
             self._entries.move_to_end(key)
             self.ledger.touch_one(key)
+            if self._fill is not None:
+                self._used(key)
         elif status is not ReadStatus.ERROR:
-            del self._entries[key]
-            self.bytes -= entry.size
-            self.ledger.remove(key)
+            self._forget(key)
             return True
         return False
 
+    def replace(self, key: bytes, entry: DiskEntry, size: int, shape: tuple[int, ...]) -> bool:
+        """Give ``key`` a file of ``size`` bytes and ``shape`` in place (same LRU position),
+        if ``entry`` is still its entry; whether it was."""
+        if self._entries.get(key) != entry:
+            return False
+        self.ledger.remove(key, self.size_of(entry))
+        self.bytes -= self.size_of(entry)
+        self._entries[key] = self.entry(size, shape)
+        self.bytes += size
+        self.ledger.add(key, size)
+        return True
+
     def pop(self, key: bytes) -> DiskEntry:
         """Forget ``key`` (which must be indexed); returns its entry."""
+        return self._forget(key)
+
+    def _forget(self, key: bytes) -> DiskEntry:
         entry = self._entries.pop(key)
-        self.bytes -= entry.size
-        self.ledger.remove(key)
+        size = self.size_of(entry)
+        self.bytes -= size
+        self.ledger.remove(key, size)
+        if self._fill is not None:
+            self._fill.dropped.add(key)
+            self._fill.used.pop(key, None)
         return entry
+
+    def _used(self, key: bytes) -> None:
+        used = self._fill.used  # type: ignore[union-attr]  # only called while filling
+        used.pop(key, None)
+        used[key] = None
+
+    # -- capacity -----------------------------------------------------------------------
 
     def admit(self, keys: Sequence[bytes], sizes: Sequence[int]) -> tuple[list[int], list[bytes]]:
         """Plan writing files of ``sizes`` for ``keys``: which of them fit (their positions)
@@ -202,13 +270,11 @@ class DiskIndex:
             if own is None:
                 ledger.refuse(key)
                 continue
-            own_bytes = sum(self._entries[k].size for k in own)
+            own_bytes = sum(self.size_of(self._entries[k]) for k in own)
             short = self.bytes - own_bytes + reserved + size - self.capacity
             room: list[bytes] = []
             if short > 0:
-                room, _ = ledger.pick_unprotected(
-                    self._entries, short, freed={tag: own_bytes}, whole=True
-                )
+                room = self._room(short, tag, own_bytes)
                 if not room:  # only protected files could make room
                     ledger.refuse(key)
                     continue
@@ -220,24 +286,158 @@ class DiskIndex:
             admitted.append(i)
         return admitted, victims
 
+    def _room(self, short: int, tag: bytes, own_bytes: int) -> list[bytes]:
+        """The oldest keys whose files free ``short`` bytes (none protected by a quota);
+        [] when that many cannot be freed."""
+        if self.ledger.active:
+            room, _ = self.ledger.pick_unprotected(
+                self._entries, short, freed={tag: own_bytes}, whole=True
+            )
+            return room
+        return self._oldest(short)
+
+    def _oldest(self, needed: int) -> list[bytes]:
+        """The oldest keys whose files free ``needed`` bytes ([] when all do not)."""
+        out: list[bytes] = []
+        freed = 0
+        for key, entry in self._entries.items():
+            if freed >= needed:
+                break
+            out.append(key)
+            freed += entry >> _SIZE_SHIFT
+        return out if freed >= needed else []
+
+    def trim(self) -> list[bytes]:
+        """Evict the oldest entries until the files fit in the capacity (a fill found more
+        than it holds, or the capacity shrank since the files were written); returns their
+        keys (already forgotten here)."""
+        if self.bytes <= self.capacity:
+            return []
+        victims = self._oldest(self.bytes - self.capacity)
+        for key in victims:
+            self._evict(key)
+        return victims
+
+    def _evict(self, key: bytes) -> None:
+        entry = self._entries.pop(key)
+        size = self.size_of(entry)
+        self.bytes -= size
+        self.ledger.evicted(key, size)
+        self.evictions += 1
+        if self._fill is not None:
+            self._fill.dropped.add(key)
+            self._fill.used.pop(key, None)
+
+    # -- the fill -----------------------------------------------------------------------
+
+    @property
+    def filling(self) -> bool:
+        """Whether a fill runs (between :meth:`begin_fill` and :meth:`end_fill`)."""
+        return self._fill is not None
+
+    def begin_fill(self) -> None:
+        """A fill begins: keep track of what is dropped and used until it ends."""
+        self._fill = _Fill()
+
+    def mark_dropped(self, keys: Sequence[bytes]) -> None:
+        """Keys not indexed whose files were deleted: no batch of the fill brings them
+        back (nothing to do when no fill runs)."""
+        if self._fill is not None:
+            self._fill.dropped.update(keys)
+
+    def merge(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        numbers: Sequence[int],
+        shapes: Sequence[tuple[int, ...]],
+        *,
+        since: int,
+        used: bool = False,
+    ) -> int:
+        """Index files the fill (or a lookup while it runs) found, as the most recent so
+        far: ``keys[i]`` (all distinct) has a file of ``sizes[i]`` bytes and the shape
+        ``shapes[numbers[i]]``. Skipped: keys indexed (a put was first: its entry is the
+        newer), dropped since the fill began, or of a tenant erased since ``since`` (the
+        ledger's :attr:`~.tenant_ledger.TenantLedger.erasures` when the files were listed)
+        or being erased. ``used``: the files were looked up (most recent when the fill
+        ends). Returns how many were indexed.
+
+        Entries found by the fill carry no stamp (each key is found at most once per
+        fill), so equal ones share one int.
+        """
+        base = [self.shapes.number(shape) << _SHAPE_SHIFT for shape in shapes]
+        entries = self._entries
+        ledger = self.ledger
+        fill = self._fill
+        dropped = fill.dropped if fill is not None else set()
+        if (
+            since != ledger.erasures
+            or self._erasing
+            or dropped
+            or not entries.keys().isdisjoint(keys)
+        ):
+            rows = [
+                i
+                for i, key in enumerate(keys)
+                if key not in entries and key not in dropped and not self._erased(key, since)
+            ]
+            keys = [keys[i] for i in rows]
+            sizes = [sizes[i] for i in rows]
+            numbers = [numbers[i] for i in rows]
+        if len(set(sizes)) == 1 == len(set(numbers)):  # full chunks, stored as they are
+            value = sizes[0] << _SIZE_SHIFT | base[numbers[0]]
+            value = self._shared.setdefault(value, value)
+            entries.update(zip(keys, itertools.repeat(value)))
+        elif keys:
+            raw = [size << _SIZE_SHIFT | base[n] for size, n in zip(sizes, numbers, strict=True)]
+            shared = self._shared if len(self._shared) < _SHARED_VALUES else {}
+            values = [shared.setdefault(value, value) for value in raw]
+            entries.update(zip(keys, values, strict=True))
+        self.bytes += sum(sizes)
+        ledger.add_many(keys, sizes)
+        if used and fill is not None:
+            for key in keys:
+                self._used(key)
+        return len(keys)
+
+    def _erased(self, key: bytes, since: int) -> bool:
+        return key[:TAG_BYTES] in self._erasing or self.ledger.erased_since(key, since)
+
+    def end_fill(self) -> None:
+        """The fill is over: what was used while it ran becomes the most recent, in the
+        order it was used (after everything the fill found)."""
+        fill, self._fill = self._fill, None
+        if fill is None:
+            return
+        move = self._entries.move_to_end
+        for key in fill.used:
+            if key in self._entries:
+                move(key)
+                self.ledger.touch_one(key)
+
+    # -- erasure, clear -----------------------------------------------------------------
+
     async def erase_tenant(
         self, files: RecordFiles, tag: bytes
     ) -> tuple[list[bytes], int, int, list[str]]:
         """Forget and delete every file of the tenant with ``tag``: those indexed, then any
         other record or temporary file of ``files`` whose name starts with the tag's hex
-        (another process's, another layout's: found by name, never by reading a file).
-        The caller holds the tier's write lock; the erasure is marked in the ledger (see
-        :meth:`to_write`) even if the deletion fails.
+        (not indexed yet, another process's, another layout's: found by name, never by
+        reading a file). The caller holds the tier's write lock; the erasure is marked in
+        the ledger (see :meth:`to_write`, :meth:`merge`) even if the deletion fails.
 
         Returns:
             The keys that were indexed (all forgotten, their files deleted but for the
             errors), the other record files deleted, the temporary files deleted, the
             errors.
         """
+        self._erasing.add(tag)
         try:
             keys = self.ledger.erase(tag)
             for key in keys:
-                self.bytes -= self._entries.pop(key).size
+                entry = self._entries.pop(key)
+                self.bytes -= self.size_of(entry)
             paths = [files.path(key) for key in keys]
             with anyio.CancelScope(shield=True):  # the index must learn what was deleted
                 others, temps, failures = await anyio.to_thread.run_sync(
@@ -246,6 +446,7 @@ class DiskIndex:
             self.ledger.count_erased(tag, others)
         finally:
             self.ledger.mark_erased(tag)
+            self._erasing.discard(tag)
         return keys, others, temps, failures
 
     def clear(self) -> None:
@@ -253,150 +454,19 @@ class DiskIndex:
         self.bytes = 0
         self.ledger.clear()
 
-    def _evict(self, key: bytes) -> None:
-        self.bytes -= self._entries.pop(key).size
-        self.ledger.evicted(key)
-        self.evictions += 1
+    # -- figures ------------------------------------------------------------------------
 
+    def items(self) -> list[tuple[bytes, DiskEntry]]:
+        """Every key and entry, least recently used first (a copy)."""
+        return list(self._entries.items())
 
-@dataclass(slots=True)
-class Scan:
-    entries: list[tuple[ChunkKey, DiskEntry]]
-    """Indexable records, least recently used first."""
-    corrupt: list[tuple[str, str]]
-    """Deleted bad records: (file name, reason)."""
-    removed_temps: int = 0
-    foreign: int = 0
-    """Records of other layouts, left alone."""
-    evicted: int = 0
-    """Oldest records deleted because they exceeded the capacity."""
-
-
-def scan_directory(directory: Path, spec: RecordSpec, capacity: int) -> Scan:
-    """Index the records under ``directory`` from their headers; clean up leftovers."""
-    scan = Scan(entries=[], corrupt=[])
-    found: list[tuple[int, str, ChunkKey, DiskEntry]] = []
-    now = time.time()
-    with os.scandir(directory) as tops:
-        for top in tops:
-            if top.name.startswith(TEMP_PREFIX):
-                scan.removed_temps += _remove_stale_temp(top, now)
-            elif _is_fanout(top.name) and top.is_dir(follow_symlinks=False):
-                with os.scandir(top.path) as items:
-                    for item in items:
-                        if item.name.startswith(TEMP_PREFIX):
-                            scan.removed_temps += _remove_stale_temp(item, now)
-                        elif item.name.endswith(CHUNK_SUFFIX) and item.name.startswith(top.name):
-                            _scan_record(item, spec, scan, found)
-    found.sort(key=lambda row: (row[0], row[1]))
-    total = sum(entry.size for _, _, _, entry in found)
-    start = 0
-    while total > capacity and start < len(found):
-        _, name, _, entry = found[start]
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(directory / name[:2] / name)
-        total -= entry.size
-        start += 1
-    scan.evicted = start
-    scan.entries = [(key, entry) for _, _, key, entry in found[start:]]
-    return scan
-
-
-def erase_prefix(directory: Path, prefix: str, known: list[Path]) -> tuple[int, int, list[str]]:
-    """Delete ``known``, then the record files and temporary files (writes under way)
-    under ``directory`` whose key's text starts with ``prefix`` (at least two hex
-    characters: one fan-out directory is listed, no file is read).
-
-    Returns:
-        Record files deleted besides ``known``, temporary files deleted, and the errors.
-    """
-    errors = unlink_all(known)
-    records = temps = 0
-    try:
-        with os.scandir(directory / prefix[:2]) as items:
-            names = [item.name for item in items]
-    except FileNotFoundError:
-        return records, temps, errors
-    except OSError as exc:
-        return records, temps, [*errors, str(exc)]
-    for name in names:
-        is_temp = name.startswith(TEMP_PREFIX)
-        final = name[len(TEMP_PREFIX) :].split("-", 2)[-1] if is_temp else name
-        if not (final.startswith(prefix) and final.endswith(CHUNK_SUFFIX)):
-            continue
-        try:
-            os.unlink(directory / prefix[:2] / name)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            errors.append(str(exc))
-            continue
-        if is_temp:
-            temps += 1
-        else:
-            records += 1
-    return records, temps, errors
-
-
-def _is_fanout(name: str) -> bool:
-    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
-
-
-def _scan_record(
-    item: os.DirEntry[str],
-    spec: RecordSpec,
-    scan: Scan,
-    found: list[tuple[int, str, ChunkKey, DiskEntry]],
-) -> None:
-    try:
-        key = ChunkKey.from_str(item.name.removesuffix(CHUNK_SUFFIX))
-    except InvalidInputError:
-        return  # not a name this tier writes: not ours to judge
-    try:
-        with open(item.path, "rb", buffering=0) as f:
-            st = os.fstat(f.fileno())
-            try:
-                _, header, offset = read_header(f, st.st_size)
-                if header.fingerprint != spec.fingerprint:
-                    scan.foreign += 1
-                    return
-                spec.check_header(header, key)
-                if offset + header.length != st.st_size:
-                    raise IntegrityError(
-                        f"file is {st.st_size} bytes, its record {offset + header.length} bytes"
-                    )
-            except ForeignRecordError:
-                scan.foreign += 1  # sealed under another key: another engine's to read
-                return
-            except IntegrityError as exc:
-                unlink_if_same(Path(item.path), st)
-                scan.corrupt.append((item.name, str(exc)))
-                return
-    except FileNotFoundError:
-        return
-    found.append((st.st_mtime_ns, item.name, key, DiskEntry(st.st_size, header.shape)))
-
-
-def _remove_stale_temp(item: os.DirEntry[str], now: float) -> int:
-    """Delete a temporary file left by a process that is gone (or long ago); 1 if deleted."""
-    try:
-        pid = int(item.name[len(TEMP_PREFIX) :].split("-", 1)[0])
-    except ValueError:
-        pid = 0
-    try:
-        if pid > 0 and _process_alive(pid) and now - item.stat().st_mtime < _STALE_TEMP_SECONDS:
-            return 0  # probably being written right now by another engine
-        os.unlink(item.path)
-    except FileNotFoundError:
-        return 0
-    return 1
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+    def footprint(self) -> int:
+        """About how many bytes of memory the index holds: its dictionary, each key, each
+        distinct entry int (one weighed for all), the shapes. One pass over the entries."""
+        entries = self._entries
+        total = sys.getsizeof(entries) + sum(map(sys.getsizeof, self.shapes.shapes))
+        if entries:
+            key, entry = next(iter(entries.items()))
+            distinct = len(set(map(id, entries.values())))
+            total += len(entries) * sys.getsizeof(key) + distinct * sys.getsizeof(entry)
+        return total

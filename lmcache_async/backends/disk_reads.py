@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeAlias
 
-import structlog
-
 from lmcache_async.keys.chunks import ChunkKey
+from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj, MemoryPool, waited_in_vain
 
 from ..errors import AllocationTimeoutError
@@ -20,7 +19,7 @@ from .record import RecordSpec
 
 __all__ = ["Job", "allocate_reads", "settle_reads"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Job: TypeAlias = tuple[int, bytes, DiskEntry, MemoryObj]
 """A read to do: the key's position in the get, the key, its index entry, its object."""
@@ -42,7 +41,7 @@ async def allocate_reads(
         if entry is None:
             continue
         try:
-            obj = await pool.allocate(entry.shape, spec.dtype, timeout=timeout)
+            obj = await pool.allocate(index.shape_of(entry), spec.dtype, timeout=timeout)
         except AllocationTimeoutError:
             (log.warning if waited_in_vain() else log.debug)(
                 "disk_tier_allocation_timeout", keys=len(keys) - i, timeout=timeout

@@ -1,6 +1,7 @@
 """Writes deterministic chunks through a DiskBackend until killed (for the crash test).
 
-Usage: ``python disk_writer.py DIRECTORY COUNT``. Chunk ``i`` has key :func:`key_for` and
+Usage: ``python disk_writer.py DIRECTORY COUNT [FIRST]``: chunks ``FIRST`` (0 by default)
+to ``FIRST + COUNT - 1``, then a clean close. Chunk ``i`` has key :func:`key_for` and
 payload :func:`payload_for`; chunks are put ``BATCH`` at a time, and after each put the
 writer prints the ids it stored, one per line, so the test knows the writer is under way
 and can SIGKILL it in the middle of later writes. The test imports the helpers from this
@@ -59,7 +60,7 @@ def _base() -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
 
 
-async def write(directory: str, count: int) -> None:
+async def write(directory: str, count: int, first: int = 0) -> None:
     spec = make_spec()
     shape = LAYOUT.payload_shape(CHUNK_TOKENS)
     pool = MemoryPool((BATCH + 1) * (4 << 20), pin_memory=False)
@@ -70,8 +71,8 @@ async def write(directory: str, count: int) -> None:
         allocation_timeout=5.0,
         max_local_disk_size=1 << 40,
     )
-    for start in range(0, count, BATCH):
-        ids = range(start, min(start + BATCH, count))
+    for start in range(first, first + count, BATCH):
+        ids = range(start, min(start + BATCH, first + count))
         objs = []
         for i in ids:
             obj = await pool.allocate(shape, spec.dtype, timeout=5.0)
@@ -86,4 +87,4 @@ async def write(directory: str, count: int) -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(write, sys.argv[1], int(sys.argv[2]))
+    anyio.run(write, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0)

@@ -143,7 +143,8 @@ async def open_disk(
     layout: KVLayout = LAYOUT,
     fsync: bool = False,
 ) -> DiskBackend:
-    return await DiskBackend.open(
+    """An open tier whose index is complete (its fill is tested in test_disk_restart.py)."""
+    disk = await DiskBackend.open(
         directory,
         pool=pool,
         spec=make_spec(codec, layout),
@@ -151,6 +152,9 @@ async def open_disk(
         max_local_disk_size=cap,
         fsync=fsync,
     )
+    with anyio.fail_after(30):
+        await disk.wait_index(audited=True)
+    return disk
 
 
 @contextlib.asynccontextmanager
@@ -394,6 +398,12 @@ async def test_open_with_a_smaller_capacity_evicts_the_oldest(
 # --------------------------------------------------------------------------- corruption
 
 
+def forget_manifest(directory: Path) -> None:
+    """Delete the manifest the last close wrote: the next open reads every header."""
+    for path in directory.glob("manifest-*"):
+        path.unlink()
+
+
 def flip_payload(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-7] ^= 0x20
@@ -507,6 +517,8 @@ async def test_corrupt_entry_is_a_miss_and_is_deleted(
 async def test_open_cleans_leftovers_and_bad_files_but_keeps_other_layouts(
     root: Path, pool: MemoryPool
 ) -> None:
+    """Without a manifest every header is read at open (with one, a file whose name and
+    size it lists is checked at its first read: test_disk_restart.py)."""
     other_layout = KVLayout.vllm_flash_attn(
         num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16
     )
@@ -535,6 +547,7 @@ async def test_open_cleans_leftovers_and_bad_files_but_keeps_other_layouts(
     stray = root / "ab" / f"not-a-key{CHUNK_SUFFIX}"
     stray.parent.mkdir(exist_ok=True)
     stray.write_bytes(b"x")
+    forget_manifest(root)
     with capture_logs() as logs:
         disk = await open_disk(root, pool)
     try:
@@ -546,7 +559,7 @@ async def test_open_cleans_leftovers_and_bad_files_but_keeps_other_layouts(
         assert disk.path_of(key(50)).exists() and key(50) not in disk
         corrupt = [e for e in logs if e["event"] == "tier_entry_corrupt"]
         assert len(corrupt) == 3
-        opened_log = next(e for e in logs if e["event"] == "disk_tier_opened")
+        opened_log = next(e for e in logs if e["event"] == "disk_index_complete")
         assert (opened_log["removed_temps"], opened_log["other_layouts"]) == (2, 1)
         got = await disk.get([key(3), key(4)])
         assert got[0] is None and got[1] is not None
@@ -946,10 +959,11 @@ async def test_sigkilled_writer_leaves_nothing_servable_with_wrong_bytes(root: P
                 allocation_timeout=5.0,
                 max_local_disk_size=1 << 40,
             )
+            assert await disk.wait_index()
         try:
             assert temp_files(root) == []
             assert disk.stats().corrupt == 1
-            log_line = next(e for e in logs if e["event"] == "disk_tier_opened")
+            log_line = next(e for e in logs if e["event"] == "disk_index_complete")
             assert log_line["removed_temps"] == 1 + left_by_kill
             held = [i for i in range(count) if writer.key_for(i) in disk]
             assert held == list(range(len(held)))  # a prefix, with no gap
