@@ -94,13 +94,15 @@ class RedisServer:
     """One ``redis-server`` on a free loopback port, started by :meth:`start`.
 
     With ``cluster`` the node runs in cluster mode (its ``nodes.conf`` lives in
-    ``directory``, so a restarted node rejoins its cluster). Usable as a context manager
-    that stops the server on exit.
+    ``directory``, so a restarted node rejoins its cluster); ``args`` are more options for
+    ``redis-server`` (TLS, ACL users), after the ones set here. Usable as a context
+    manager that stops the server on exit.
     """
 
-    def __init__(self, directory: Path, *, cluster: bool = False) -> None:
+    def __init__(self, directory: Path, *, cluster: bool = False, args: Sequence[str] = ()) -> None:
         self.directory = directory
         self.cluster = cluster
+        self.args = tuple(args)
         self.port = 0
         self._process: subprocess.Popen[bytes] | None = None
         directory.mkdir(parents=True, exist_ok=True)
@@ -162,7 +164,7 @@ class RedisServer:
                 "--cluster-node-timeout",
                 "2000",
             ]
-        return args
+        return args + list(self.args)
 
     def start(self) -> RedisServer:
         """Start on a fresh free port (retrying if another process takes it first).

@@ -189,3 +189,24 @@ async def test_redis_stopped_under_load_fails_no_request(
             assert await engine.lookup(tokens_of(64, 999)) == 64
             await retrieve_checked(engine, 64, 999, 64)
     assert errors == []
+
+
+@pytest.mark.anyio
+async def test_concurrent_retrieves_of_a_redis_only_prefix_get_each_chunk_once(
+    redis_server: RedisServer,
+) -> None:
+    # Eight requests for one prefix held only in Redis, at once: each chunk is fetched
+    # (on the tier's bulk path) once, and every request loads it all, bit-exact.
+    with anyio.fail_after(TIMEOUT):
+        async with open_engine(
+            redis_server.url, store_location=["redis"], wait_for_slow_tiers=True
+        ) as sender:
+            assert await store(sender, 90, 6) == 90
+        async with open_engine(redis_server.url) as receiver:
+            redis_server.command("CONFIG", "RESETSTAT")
+            async with anyio.create_task_group() as tg:
+                for _ in range(8):
+                    tg.start_soon(retrieve_checked, receiver, 90, 6, 90)
+    stats = redis_server.command("INFO", "commandstats").decode()
+    gets = [line for line in stats.splitlines() if line.startswith("cmdstat_get:")]
+    assert gets and "calls=6," in gets[0], gets

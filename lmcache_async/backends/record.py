@@ -30,7 +30,7 @@ import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgpack
 import torch
@@ -54,11 +54,13 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "PREFIX_SIZE",
+    "PayloadHasher",
     "RecordHeader",
     "RecordSpec",
     "SEALED_FORMAT_VERSION",
     "object_checksum",
     "payload_checksum",
+    "payload_hasher",
     "tensor_bytes",
 ]
 
@@ -75,6 +77,21 @@ _MAX_HEADER_BYTES: Final = 64 * 1024
 def payload_checksum(data: bytes | memoryview) -> int:
     """The xxh3-64 checksum records carry for their stored payload bytes."""
     return int(xxhash.xxh3_64_intdigest(data))
+
+
+class PayloadHasher(Protocol):
+    """A checksum fed piece by piece: :meth:`intdigest` of the pieces fed in order is
+    :func:`payload_checksum` of their concatenation."""
+
+    def update(self, data: bytes | memoryview, /) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
+def payload_hasher() -> PayloadHasher:
+    """A :class:`PayloadHasher` for a payload that arrives in pieces."""
+    hasher: PayloadHasher = xxhash.xxh3_64()
+    return hasher
 
 
 def object_checksum(obj: MemoryObj) -> int:
@@ -94,6 +111,27 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _check_prefix(view: memoryview) -> tuple[bytes, int, int, int]:
+    """The fields of a record's prefix: magic, version, header length, header checksum.
+
+    Raises:
+        IntegrityError: too short, bad magic, unknown version, a header over its limit.
+    """
+    if len(view) < PREFIX_SIZE:
+        raise IntegrityError(f"record of {len(view)} bytes is shorter than its prefix")
+    fields: tuple[bytes, int, int, int] = _PREFIX.unpack_from(view)
+    magic, version, length, _ = fields
+    if magic != MAGIC:
+        raise IntegrityError("record has a bad magic number")
+    if version not in (FORMAT_VERSION, SEALED_FORMAT_VERSION):
+        raise IntegrityError(
+            f"record format version {version}, expected {FORMAT_VERSION} or {SEALED_FORMAT_VERSION}"
+        )
+    if length > _MAX_HEADER_BYTES:
+        raise IntegrityError("record header is truncated")
+    return fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +181,17 @@ class RecordHeader:
         body: bytes = msgpack.packb(fields, use_bin_type=True)
         return _PREFIX.pack(MAGIC, version, len(body), xxhash.xxh32_intdigest(body)) + body
 
+    @staticmethod
+    def size_from_prefix(prefix: bytes | memoryview) -> int:
+        """How many bytes ``prefix ‖ header`` take, from a record's first
+        :data:`PREFIX_SIZE` bytes (a reader streaming a record learns here how much to
+        read before :meth:`from_bytes`).
+
+        Raises:
+            IntegrityError: bad magic, unknown version, or a header over its limit.
+        """
+        return PREFIX_SIZE + int(_check_prefix(memoryview(prefix))[2])
+
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> tuple[RecordHeader, int]:
         """Parse the header at the start of ``data``; returns it and the payload offset.
@@ -151,17 +200,8 @@ class RecordHeader:
             IntegrityError: bad magic, unknown version, truncated or corrupt header.
         """
         view = memoryview(data)
-        if len(view) < PREFIX_SIZE:
-            raise IntegrityError(f"record of {len(view)} bytes is shorter than its prefix")
-        magic, version, length, header_sum = _PREFIX.unpack_from(view)
-        if magic != MAGIC:
-            raise IntegrityError("record has a bad magic number")
-        if version not in (FORMAT_VERSION, SEALED_FORMAT_VERSION):
-            raise IntegrityError(
-                f"record format version {version}, expected {FORMAT_VERSION} "
-                f"or {SEALED_FORMAT_VERSION}"
-            )
-        if length > _MAX_HEADER_BYTES or PREFIX_SIZE + length > len(view):
+        _, version, length, header_sum = _check_prefix(view)
+        if PREFIX_SIZE + length > len(view):
             raise IntegrityError("record header is truncated")
         body = view[PREFIX_SIZE : PREFIX_SIZE + length]
         if xxhash.xxh32_intdigest(body) != header_sum:
@@ -328,9 +368,25 @@ class RecordSpec:
             return True
         return len(tokens) == 1 and shape == shape_of(shape[tokens[0]])
 
+    @property
+    def max_record_bytes(self) -> int:
+        """The longest record this spec can read back: the largest header, and a full
+        chunk's payload with room for what a codec may add to incompressible data and a
+        seal's tag. A longer value is not one of its records."""
+        raw = math.prod(self.shape_of(self.max_tokens)) * self.dtype.itemsize
+        if self.layer_shape_of is not None:
+            raw = max(raw, math.prod(self.layer_shape_of(self.max_tokens)) * self.dtype.itemsize)
+        return PREFIX_SIZE + _MAX_HEADER_BYTES + raw + raw // 64 + 4096 + AUTH_TAG_BYTES
+
     def raw_size(self, header: RecordHeader) -> int:
         """Size in bytes of the decoded payload tensor."""
         return math.prod(header.shape) * self.dtype.itemsize
+
+    def verify_checksum(self, header: RecordHeader, checksum: int) -> None:
+        """Raise IntegrityError unless ``checksum`` (of a clear record's payload, computed
+        as it arrived: :func:`payload_hasher`) is the one ``header`` carries."""
+        if header.sealed or checksum != header.checksum:
+            raise IntegrityError("record payload checksum mismatch")
 
     def verify_payload(self, header: RecordHeader, payload: bytes | memoryview) -> None:
         """Raise IntegrityError if ``payload`` is not the bytes ``header`` promises.

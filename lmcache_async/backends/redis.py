@@ -6,14 +6,14 @@ whole record or nothing. Keys are ``<key_prefix><ChunkKey.to_str()>``: the chunk
 binds model, weights and KV layout, so engines of different models share a server safely.
 
 Batches travel through pipelines: one round trip of ``EXISTS`` for a prefix lookup, of
-``GET`` for a read, of ``SET NX`` for a write, split into sub-batches of about
-``batch_bytes`` so that memory and each socket write stay bounded (a write in quarters of
-that, so the checksums of the next quarter run while this one is sent). On a standalone
-server a write's ``SET`` commands are written to the socket straight from the objects'
-memory; in cluster mode (``redis-cluster://``) the records are copied into a buffer and the
-cluster pipeline splits every batch by node (:mod:`.redis_put`). Checksums, copies and
-codecs of large batches run in worker threads, never on the event loop
-(:mod:`.redis_records`).
+``GET`` for a read, split into sub-batches of about ``batch_bytes`` so that what is asked
+of the server at once stays bounded; a write's ``SET NX`` commands are pipelined
+one after the other, its answers counted in batches four times smaller. The values
+themselves travel on the tier's own connections (:mod:`.redis_wire`): a fetched value is
+received straight into the pool object it becomes, its checksum computed as the bytes land
+(:mod:`.redis_records`), and a record is written from its object's memory, its checksum
+computed in a worker thread while the record before it is sent (:mod:`.redis_put`). On a cluster
+(``redis-cluster://``) each primary's keys go on a connection to it, the primaries at once.
 
 Every call runs under a deadline, and connection errors and timeouts mark the tier
 unhealthy until :meth:`RedisBackend.check_health` gets an answer again
@@ -46,7 +46,7 @@ from .counters import TierCounters
 from .record import RecordSpec
 from .redis_conn import DEFAULT_TIMEOUT, RedisConnection, RedisTarget, parse_remote_url
 from .redis_put import RecordWriter
-from .redis_records import RecordLoader, overlapped
+from .redis_records import RecordLoader
 from .redis_tenants import TenantIndex, glob_escape, key_of_member
 
 __all__ = [
@@ -68,9 +68,8 @@ DEFAULT_BATCH_BYTES: Final = 32 * 1024 * 1024
 """Bytes of values per pipelined round trip."""
 
 PUT_SPLIT: Final = 4
-"""A put sends its values in batches this many times smaller than ``batch_bytes``, so that
-checking and copying the next batch overlaps sending this one (a put of one full batch
-would otherwise do all its CPU work before its first byte leaves)."""
+"""A put counts what the server stored, and keeps the tenants' quotas, in batches this many
+times smaller than ``batch_bytes`` (its records go out pipelined regardless)."""
 
 
 def _positive(value: object, name: str) -> float:
@@ -89,9 +88,7 @@ class RedisBackend(StorageBackend):
 
     ``timeout`` (config ``remote_timeout``) bounds every connect, socket read and write and
     small call; ``ttl`` (``remote_ttl``) makes entries expire that many seconds after they
-    are written (None: never). ``batch_bytes`` caps the values moved per round trip; puts
-    to a cluster encode into up to two reused buffers of that size (kept until
-    :meth:`aclose`).
+    are written (None: never). ``batch_bytes`` caps the values asked for per round trip.
     :meth:`stats` counts what this client saw: ``chunks`` and ``bytes`` are entries it added
     and has not removed, since the server is shared and entries may expire.
 
@@ -235,8 +232,9 @@ class RedisBackend(StorageBackend):
 
         The run ends at the first value missing, corrupt, or left when memory ran out
         (that key counts as a miss, the keys after it not at all). Values after it are
-        neither allocated nor decoded, and no batch after its batch is asked for, but the
-        one already on its way (:func:`~.redis_records.overlapped` fetches one ahead).
+        not allocated (on a cluster, where the primaries answer at once, another
+        primary's may have been by then, and are released), and no batch after its batch
+        is asked for.
 
         Raises:
             As :meth:`get`.
@@ -261,34 +259,27 @@ class RedisBackend(StorageBackend):
             raise
 
     async def _get(self, keys: Sequence[ChunkKey], *, prefix: bool) -> list[MemoryObj | None]:
-        """Fetch and load ``keys`` batch by batch; with ``prefix``, stop at the batch with
-        the first value missing or corrupt, and load nothing past that value. Under a
-        request's :class:`~lmcache_async.memory.pool.AllocationBudget`, no batch is fetched
-        once the request can take no more memory (its values would find no room)."""
+        """Fetch and load ``keys`` batch by batch, each value into its object as it
+        arrives; with ``prefix``, load nothing past the first value missing or corrupt,
+        and fetch no batch after it. Under a request's
+        :class:`~lmcache_async.memory.pool.AllocationBudget`, no batch is fetched once the
+        request can take no more memory (its values would find no room)."""
         out: list[MemoryObj | None] = [None] * len(keys)
-        batches = self._batches(len(keys))
+        loads = self._loader.loads(keys, out, prefix=prefix)
         budget = current_budget()
-        if budget is not None and budget.exhausted:
-            return out
-
-        async def fetch(n: int) -> list[bytes | None]:
-            if budget is not None and budget.exhausted:
-                return [None] * len(batches[n])  # loads nothing: the run stops here
-            rkeys = [self._key(keys[i]) for i in batches[n]]
-            return await self._conn.get_values(rkeys, len(rkeys) * self._chunk_bytes)
-
-        async def load(n: int, values: list[bytes | None]) -> bool:
-            batch = batches[n]
-            if prefix and None in values:
-                stop = values.index(None)
-                batch, values = batch[:stop], values[:stop]
-            exhausted, bad = await self._loader.load(keys, batch, values, out)
-            if bad:
-                await self._drop_corrupt([(keys[i], reason, foreign) for i, reason, foreign in bad])
-            return exhausted or (prefix and (bool(bad) or len(batch) < len(batches[n])))
-
+        reported = 0
         try:
-            await overlapped(len(batches), fetch, load)
+            for batch in self._batches(len(keys)):
+                if budget is not None and budget.exhausted:
+                    break
+                rkeys = [self._key(keys[i]) for i in batch]
+                await self._conn.get_records(rkeys, batch, loads, len(rkeys) * self._chunk_bytes)
+                if len(loads.bad) > reported:
+                    bad = loads.bad[reported:]
+                    reported = len(loads.bad)
+                    await self._drop_corrupt([(keys[i], why, foreign) for i, why, foreign in bad])
+                if loads.stop <= batch[-1]:
+                    break
         except BaseException:
             for obj in out:
                 if obj is not None:
@@ -335,12 +326,15 @@ class RedisBackend(StorageBackend):
         if not keys:
             return 0
         rkeys = [self._key(k) for k in keys]
-        # Skipping stored keys saves sending their payloads; SET NX still guards the race.
-        todo = [i for i, present in enumerate(await self._conn.exists(rkeys)) if not present]
-        todo = self._tenants.admit(keys, objs, todo)
-        step = -(-self._batch_keys // PUT_SPLIT)
-        batches = [todo[i : i + step] for i in range(0, len(todo), step)]
-        return await self._writer.write(keys, objs, rkeys, batches, spec or self._spec)
+
+        async def plan() -> list[list[int]]:
+            # Skipping stored keys saves sending their payloads; SET NX guards the race.
+            present = await self._conn.exists(rkeys)
+            todo = self._tenants.admit(keys, objs, [i for i, p in enumerate(present) if not p])
+            step = -(-self._batch_keys // PUT_SPLIT)
+            return [todo[i : i + step] for i in range(0, len(todo), step)]
+
+        return await self._writer.write(keys, objs, rkeys, spec or self._spec, plan)
 
     async def _stored(
         self, keys: Sequence[ChunkKey], sizes: Sequence[int], replies: Sequence[Any]
@@ -444,5 +438,4 @@ class RedisBackend(StorageBackend):
 
     async def aclose(self) -> None:
         """Close the connections (idempotent); later calls raise EngineClosedError."""
-        self._writer.clear()
         await self._conn.aclose()

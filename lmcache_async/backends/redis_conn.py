@@ -10,13 +10,19 @@ errors and timeouts become :class:`~lmcache_async.errors.TierUnavailableError` a
 connection unhealthy until :meth:`RedisConnection.ping` gets an answer again; redis-py
 reconnects by itself once the server is back. Other server errors become
 :class:`~lmcache_async.errors.TierError`.
+
+The values themselves (the bulk ``GET`` and ``SET NX`` of records) travel on connections
+of the tier's own (:mod:`.redis_wire`), opened with redis-py's settings and under the same
+deadlines and error mapping (:meth:`RedisConnection.guard`); a malformed reply there is a
+:class:`~lmcache_async.errors.ProtocolError`, which marks the connection unhealthy too.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+import math
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -30,14 +36,22 @@ from redis.backoff import NoBackoff
 
 from lmcache_async.logging import get_logger
 
-from ..errors import ConfigError, EngineClosedError, TierError, TierUnavailableError
+from ..errors import (
+    ConfigError,
+    EngineClosedError,
+    ProtocolError,
+    TierError,
+    TierUnavailableError,
+)
 from .counters import TierCounters
+from .redis_records import RecordLoads
+from .redis_wire import Encode, Replied, WireClient
 
 __all__ = [
     "CLUSTER_SCHEME",
     "DEFAULT_TIMEOUT",
     "STANDALONE_SCHEMES",
-    "WRITE_PIECE",
+    "Deadline",
     "RedisConnection",
     "RedisTarget",
     "parse_remote_url",
@@ -53,12 +67,6 @@ CLUSTER_SCHEME: Final = "redis-cluster"
 
 _MIN_RATE: Final = 50e6
 """Bytes/s a call is always allowed (its deadline grows by ``bytes / _MIN_RATE``)."""
-
-WRITE_PIECE: Final = 256 * 1024
-"""Most bytes :meth:`RedisConnection.write_packed` hands to the socket per write. What the
-kernel does not take at once is copied into the transport's buffer, so smaller pieces copy
-less but cost more trips through the event loop; 256 KiB measured best on loopback
-(between 32 KiB and 1 MiB)."""
 
 _PASSWORD_OPTION: Final = re.compile(r"([?&]password=)[^&]*", re.IGNORECASE)
 _SCAN_COUNT: Final = 1000
@@ -164,10 +172,31 @@ def parse_remote_url(url: str) -> RedisTarget:
     return RedisTarget(cluster=False, url=url, display=_mask(url))
 
 
-def _stream_writer(conn: Any) -> asyncio.StreamWriter | None:
-    """The stream a connected redis-py asyncio connection writes to, if it has one."""
-    writer = getattr(conn, "_writer", None)
-    return writer if isinstance(writer, asyncio.StreamWriter) else None
+class Deadline:
+    """The deadline of one call (:meth:`RedisConnection.guard`), which waits that are not
+    the server's (memory from the pool) may stop while they last."""
+
+    def __init__(self, scope: anyio.CancelScope) -> None:
+        self._scope = scope
+        self._paused = 0
+        self._saved = self._began = 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Stop the clock for the block: the deadline moves on by the time it took (blocks
+        of several tasks that overlap stop it once, from the first start to the last
+        end)."""
+        scope = self._scope
+        if not self._paused:
+            self._saved, self._began = scope.deadline, anyio.current_time()
+            scope.deadline = math.inf
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            if not self._paused:
+                scope.deadline = self._saved + (anyio.current_time() - self._began)
 
 
 class RedisConnection:
@@ -186,6 +215,7 @@ class RedisConnection:
         self.target = target
         self.timeout = timeout
         self.client: Any = self._make_client()
+        self.wire = WireClient(self.client, cluster=target.cluster)
         self.closed = False
         self._counters = counters
         self._healthy = True
@@ -231,17 +261,26 @@ class RedisConnection:
 
         Raises:
             EngineClosedError: the tier was closed.
-            TierUnavailableError: connection refused or lost, or a timeout.
+            TierUnavailableError: connection refused or lost, a timeout, or a reply that
+                makes no sense.
             TierError: any other error the server or client reported.
         """
+        with self.guard(op, nbytes):
+            return await fn()
+
+    @contextlib.contextmanager
+    def guard(self, op: str, nbytes: int = 0) -> Iterator[Deadline]:
+        """The deadline of one call (``timeout``, plus ``nbytes`` at the slowest rate
+        allowed) and the mapping of its failures, as :meth:`call` describes."""
         if self.closed:
             raise EngineClosedError("redis tier is closed")
         try:
-            with anyio.fail_after(self.timeout + nbytes / _MIN_RATE):
-                return await fn()
+            with anyio.fail_after(self.timeout + nbytes / _MIN_RATE) as scope:
+                yield Deadline(scope)
         except (
             TimeoutError,
             OSError,
+            ProtocolError,
             redis_errors.ConnectionError,
             redis_errors.TimeoutError,
             redis_errors.ClusterError,
@@ -255,6 +294,7 @@ class RedisConnection:
                     "redis_tier_down", op=op, url=self.target.display, error=repr(exc)[:200]
                 )
             self._healthy = False
+            self.wire.discard_idle()
             raise TierUnavailableError(f"redis {op} failed: {exc!r}"[:500]) from exc
         except redis_errors.RedisError as exc:
             self._counters.errors += 1
@@ -288,66 +328,42 @@ class RedisConnection:
 
         return [bool(n) for n in await self.pipelined("unlink", build)]
 
-    async def get_values(self, rkeys: Sequence[bytes], nbytes: int) -> list[bytes | None]:
-        """The values of ``rkeys`` (None where missing) in one pipelined round trip of
-        ``GET`` s; ``nbytes`` is about what they hold, for the deadline."""
+    async def get_records(
+        self,
+        rkeys: Sequence[bytes],
+        indices: Sequence[int],
+        sink: RecordLoads,
+        nbytes: int,
+    ) -> None:
+        """``GET`` ``rkeys`` on the bulk path into ``sink`` (``indices``: the keys' numbers
+        for it) in one pipelined round trip per server; ``nbytes`` is about what they
+        hold, for the deadline. Time spent waiting for pool memory does not count against
+        it.
 
-        def build(pipe: Any) -> None:
-            for rkey in rkeys:
-                pipe.get(rkey)
-
-        return await self.pipelined("get", build, nbytes)
-
-    async def write_packed(
-        self, buffers: Sequence[bytearray | memoryview], replies: int
-    ) -> list[Any]:
-        """Send commands already in RESP (``buffers``, in order) on a pooled connection of a
-        standalone server and read their ``replies`` replies (one call of :meth:`call`
-        bounds it; run it under one).
-
-        redis-py's own send hands a pipeline's buffers to ``writelines()``, which on
-        Python 3.11 joins them into one bytes object, and the transport then copies what
-        the socket does not take at once: two copies of every value, on the event loop.
-        Here each piece of at most ``WRITE_PIECE`` bytes goes to the socket only once the
-        transport's buffer is empty, so the kernel takes it straight from the object's
-        memory.
-
-        A connection cut short mid-command is aborted (dropping whatever the transport
-        still buffers) and disconnected before it goes back to the pool.
+        Raises:
+            As :meth:`call`.
         """
-        pool = self.client.connection_pool
-        conn = await pool.get_connection()
-        writer = _stream_writer(conn)
-        transport = None if writer is None else writer.transport
-        try:
-            if writer is None or transport is None:
-                # Not the connection this path knows: redis-py's own send is slower but
-                # correct.
-                await conn.send_packed_command(list(buffers), check_health=False)
-            else:
-                limits = transport.get_write_buffer_limits()
-                # With a high-water mark of 0, drain() returns once the transport's buffer
-                # is empty, so the next write() hands its piece to send() directly.
-                transport.set_write_buffer_limits(high=0)
-                for buffer in buffers:
-                    view = memoryview(buffer)
-                    for at in range(0, len(view), WRITE_PIECE):
-                        writer.write(view[at : at + WRITE_PIECE])
-                        await writer.drain()
-                transport.set_write_buffer_limits(high=limits[1], low=limits[0])
-            answers = [await conn.read_response() for _ in range(replies)]
-        except BaseException:
-            if transport is not None:
-                transport.abort()
-            with anyio.move_on_after(self.timeout, shield=True):
-                try:
-                    await conn.disconnect(nowait=True)
-                finally:
-                    await pool.release(conn)
-            raise
-        with anyio.move_on_after(self.timeout, shield=True):
-            await pool.release(conn)
-        return answers
+        with self.guard("get", nbytes) as deadline, sink.receiving(deadline.paused):
+            await self.wire.get(rkeys, indices, sink)
+
+    async def set_records(
+        self,
+        rkeys: Sequence[bytes],
+        indices: Sequence[int],
+        encode: Encode,
+        replied: Replied,
+        *,
+        nbytes: int,
+        ttl_ms: int | None,
+    ) -> None:
+        """``SET NX`` each of ``rkeys`` to ``encode(indices[n])`` (``PX ttl_ms`` when
+        given) on the bulk path, pipelined; ``replied`` hears each answer as it comes.
+
+        Raises:
+            As :meth:`call`.
+        """
+        with self.guard("set", nbytes):
+            await self.wire.set(rkeys, indices, encode, replied, ttl_ms=ttl_ms)
 
     async def unlink_matching(
         self,
@@ -426,6 +442,7 @@ class RedisConnection:
         if self.closed:
             return
         self.closed = True
+        self.wire.aclose()
         with anyio.move_on_after(self.timeout, shield=True):
             try:
                 await self.client.aclose()

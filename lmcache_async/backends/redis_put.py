@@ -1,17 +1,21 @@
-"""The write path of the Redis/Valkey tier: batches of records sent as ``SET NX``.
+"""The write path of the Redis/Valkey tier: a put's records sent as ``SET NX`` on the bulk
+path (:mod:`.redis_wire`), from the objects' memory.
 
-On a standalone server a batch's ``SET`` commands are written to the socket straight from
-the objects' memory (:func:`~.redis_records.set_commands`); on a cluster the records are
-copied into a reused buffer and the cluster pipeline splits the batch by node. Either way
-the next batch is encoded while this one is sent (:func:`~.redis_records.overlapped`), and
-each batch's replies go to a callback that counts what the server stored.
+One worker thread encodes the records (each header with the checksum of its payload),
+in order, a couple ahead of the sending (:class:`Encodings`); it starts as the put does,
+so the first checksums are computed while the tier still asks which keys the server
+already holds. Records go out pipelined (on a cluster, each primary's on its own
+connection, the primaries at once), a payload stored as is straight from its object.
+The server's answers are read as they come; each batch's, once complete, go to a
+callback that counts what was stored and keeps the quotas.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
-from collections.abc import Awaitable, Callable, Sequence
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Final
 
 import anyio
@@ -22,173 +26,205 @@ from lmcache_async.memory.pool import MemoryObj
 
 from .record import RecordSpec
 from .redis_conn import RedisConnection
-from .redis_records import (
-    INLINE_BYTES,
-    Commands,
-    Encoded,
-    encode_into,
-    overlapped,
-    set_commands,
-)
+from .redis_records import INLINE_BYTES
+from .redis_wire import Outgoing
 
-__all__ = ["RecordWriter", "Stored"]
+__all__ = ["LOOKAHEAD", "Encodings", "Plan", "RecordWriter", "Stored"]
 
-_SCRATCH_BUFFERS: Final = 2
-"""Encoding buffers kept for reuse by cluster puts (one per concurrent put; more are made
-as needed)."""
+LOOKAHEAD: Final = 2
+"""Records the encoding thread may have ready that the sending has not taken yet."""
 
 Stored = Callable[[Sequence[ChunkKey], Sequence[int], Sequence[Any]], Awaitable[int]]
 """``stored(keys, record sizes, SET replies)`` of one batch; returns how many were new."""
 
+Plan = Callable[[], Awaitable[list[list[int]]]]
+"""``plan()``: the batches of indices to send (ascending), decided once the put began."""
+
 
 class RecordWriter:
-    """Sends the records of a put, batch by batch, with ``PX ttl_ms`` when given; each
-    batch's replies go to ``stored``. Puts to a cluster encode into up to two reused
-    buffers (kept until :meth:`clear`)."""
+    """Sends the records of a put with ``PX ttl_ms`` when given; each batch's replies go
+    to ``stored`` (serialized) once all of them are in."""
 
     def __init__(self, conn: RedisConnection, ttl_ms: int | None, stored: Stored) -> None:
         self._conn = conn
         self._ttl_ms = ttl_ms
         self._stored = stored
-        self._scratch: list[bytearray] = []
+        self._lock = anyio.Lock()
 
     async def write(
         self,
         keys: Sequence[ChunkKey],
         objs: Sequence[MemoryObj],
         rkeys: Sequence[bytes],
-        batches: Sequence[Sequence[int]],
         spec: RecordSpec,
+        plan: Plan,
     ) -> int:
-        """``SET NX`` the records of ``objs[i]`` for ``i`` in each batch in turn under
-        ``rkeys[i]``; returns what ``stored`` counted.
+        """``SET NX`` the record of ``objs[i]`` under ``rkeys[i]`` for ``i`` in the batches
+        ``plan()`` returns (the encoding of the first records starts before it does);
+        returns what ``stored`` counted. A put cut short counts the batches whose answers
+        all came back.
 
         Raises:
             TierUnavailableError: Redis is unreachable or did not answer in time.
             TierError: Redis reported another error.
         """
-        if self._conn.cluster:
-            return await self._put_copied(keys, objs, rkeys, batches, spec)
-        return await self._put_direct(keys, objs, rkeys, batches, spec)
+        async with encodings(keys, objs, spec) as records:
+            batches = await plan()
+            order = [i for batch in batches for i in batch]
+            records.drop(set(range(len(keys))).difference(order))
+            if not order:
+                return 0
+            return await self._send(keys, objs, rkeys, batches, records)
 
-    def clear(self) -> None:
-        """Drop the reused buffers."""
-        self._scratch.clear()
-
-    # -- standalone: SET commands written from the objects' memory ------------------------
-
-    async def _put_direct(
+    async def _send(
         self,
         keys: Sequence[ChunkKey],
         objs: Sequence[MemoryObj],
         rkeys: Sequence[bytes],
         batches: Sequence[Sequence[int]],
-        spec: RecordSpec,
+        records: Encodings,
     ) -> int:
-        """Put on a standalone server: each batch's ``SET`` commands go out with every
-        large payload written from its object's memory, never copied in user space.
-
-        The references are held for the whole put: views on the objects pass from the
-        encoding stage to the sending one, and a batch encoded but never sent (the put
-        failed or was cancelled) is simply dropped.
-        """
-        held = [objs[i].ref() for batch in batches for i in batch]
+        order = [i for batch in batches for i in batch]
+        batch_of = {i: n for n, batch in enumerate(batches) for i in batch}
+        waiting = [len(batch) for batch in batches]
+        replies: dict[int, bool] = {}
         added = 0
 
-        async def encode(n: int) -> Commands:
-            indices = batches[n]
-            args = (
-                [rkeys[i] for i in indices],
-                [keys[i] for i in indices],
-                [objs[i] for i in indices],
-                spec,
-                self._ttl_ms,
-            )
-            if sum(objs[i].nbytes for i in indices) > INLINE_BYTES:
-                # Not cancellable: the objects must outlive the thread that reads them.
-                return await anyio.to_thread.run_sync(set_commands, *args)
-            return set_commands(*args)
-
-        async def send(n: int, commands: Commands) -> bool:
+        async def replied(i: int, stored: bool) -> None:
             nonlocal added
-            write = functools.partial(
-                self._conn.write_packed, commands.buffers, len(commands.sizes)
-            )
-            replies = await self._conn.call("set", write, sum(commands.sizes))
-            added += await self._stored([keys[i] for i in batches[n]], commands.sizes, replies)
-            return False
+            replies[i] = stored
+            n = batch_of[i]
+            waiting[n] -= 1
+            if waiting[n] == 0:
+                batch = batches[n]
+                async with self._lock:
+                    added += await self._stored(
+                        [keys[j] for j in batch],
+                        [records.size(j) for j in batch],
+                        [replies[j] for j in batch],
+                    )
 
-        try:
-            await overlapped(len(batches), encode, send)
-        finally:
-            for obj in held:
-                obj.unref()
+        await self._conn.set_records(
+            [rkeys[i] for i in order],
+            order,
+            records.take,
+            replied,
+            nbytes=sum(objs[i].nbytes for i in order),
+            ttl_ms=self._ttl_ms,
+        )
         return added
 
-    # -- cluster: records copied into scratch buffers, sent by the cluster pipeline -------
 
-    async def _put_copied(
-        self,
-        keys: Sequence[ChunkKey],
-        objs: Sequence[MemoryObj],
-        rkeys: Sequence[bytes],
-        batches: Sequence[Sequence[int]],
-        spec: RecordSpec,
-    ) -> int:
-        """Put on a cluster: each batch's records are copied into a reused buffer and sent
-        by the cluster pipeline, which splits them by node (the direct path above talks to
-        one connection of one server)."""
-        added = 0
+class Encodings:
+    """The records of a put, encoded in index order by one worker thread (or on the
+    loop, for a small put) ahead of the sending: :meth:`take` waits for one, and lets the
+    thread encode one more; :meth:`drop` says which will never be taken (already stored,
+    or refused), so the thread skips them."""
 
-        async def encode(n: int) -> Encoded:
-            indices = batches[n]
-            buffer = self._scratch.pop() if self._scratch else bytearray()
-            return await _encode_batch(
-                buffer, [keys[i] for i in indices], [objs[i] for i in indices], spec
-            )
+    def __init__(self, count: int, encode: Callable[[int], Outgoing], *, inline: bool) -> None:
+        self._encode = encode
+        self._inline = inline
+        self._loop = asyncio.get_running_loop()
+        self._ready: list[asyncio.Future[Outgoing]] = [
+            self._loop.create_future() for _ in range(count)
+        ]
+        self._dropped: set[int] = set()
+        self._sizes: dict[int, int] = {}
+        self._slots = threading.Semaphore(LOOKAHEAD)
+        self._stop = threading.Event()
 
-        async def send(n: int, encoded: Encoded) -> bool:
-            nonlocal added
-            indices = batches[n]
-            added += await self._send_batch(
-                [keys[i] for i in indices], [rkeys[i] for i in indices], encoded
-            )
-            # Reused only once the server has answered: a send cut short may leave views
-            # on the buffer in the transport's queue, still to be flushed.
-            if len(self._scratch) < _SCRATCH_BUFFERS:
-                self._scratch.append(encoded.buffer)
-            return False
-
-        await overlapped(len(batches), encode, send)
-        return added
-
-    async def _send_batch(
-        self, keys: Sequence[ChunkKey], rkeys: Sequence[bytes], encoded: Encoded
-    ) -> int:
-        """SET NX the records of one batch in one round trip; returns how many were new."""
-        view = memoryview(encoded.buffer)
-        values = [view[a:b] for a, b in itertools.pairwise([0, *encoded.ends])]
-
-        def build(pipe: Any) -> None:
-            for rkey, value in zip(rkeys, values, strict=True):
-                pipe.set(rkey, value, nx=True, px=self._ttl_ms)
-
-        results = await self._conn.pipelined("set", build, encoded.ends[-1])
-        return await self._stored(keys, [len(value) for value in values], results)
-
-
-async def _encode_batch(
-    buffer: bytearray, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj], spec: RecordSpec
-) -> Encoded:
-    """The records of ``objs`` one after the other in ``buffer`` (or a larger one)."""
-    held = [obj.ref() for obj in objs]
-    try:
-        if sum(obj.nbytes for obj in held) > INLINE_BYTES:
-            # Not cancellable: the objects must outlive the thread that reads them.
-            buffer, ends = await anyio.to_thread.run_sync(encode_into, buffer, keys, held, spec)
+    async def take(self, i: int) -> Outgoing:
+        """The record of ``i`` (ascending ``i`` from one caller)."""
+        if self._inline:
+            out = self._encode(i)
         else:
-            buffer, ends = encode_into(buffer, keys, held, spec)
+            out = await self._ready[i]
+            self._slots.release()
+        self._sizes[i] = out.size
+        return out
+
+    def size(self, i: int) -> int:
+        """The length of the record of ``i``, once taken."""
+        return self._sizes[i]
+
+    def drop(self, indices: Iterable[int]) -> None:
+        """Records that will not be taken: not encoded, or their slot given back."""
+        for i in indices:
+            self._dropped.add(i)
+            if self._ready[i].done():
+                self._slots.release()
+
+    def work(self) -> None:
+        """The thread's loop: each record not dropped, in order, once a slot is free."""
+        for i, ready in enumerate(self._ready):
+            if i in self._dropped:
+                continue
+            self._slots.acquire()
+            if self._stop.is_set():
+                return
+            result: Outgoing | Exception
+            try:
+                result = self._encode(i)
+            except Exception as exc:
+                result = exc
+            self._loop.call_soon_threadsafe(self._deliver, i, ready, result)
+
+    def _deliver(
+        self, i: int, ready: asyncio.Future[Outgoing], result: Outgoing | Exception
+    ) -> None:
+        if ready.done():
+            return
+        if i in self._dropped:
+            self._slots.release()  # dropped while it was encoded
+        elif isinstance(result, Exception):
+            ready.set_exception(result)
+        else:
+            ready.set_result(result)
+
+    def stop(self) -> None:
+        """Let the thread end (it stops before its next record)."""
+        self._stop.set()
+        self._slots.release(len(self._ready) + LOOKAHEAD)
+
+    def retrieved(self) -> None:
+        """Mark every error as seen (the sending may have stopped before taking it)."""
+        for ready in self._ready:
+            if ready.done() and not ready.cancelled():
+                ready.exception()
+
+
+@contextlib.asynccontextmanager
+async def encodings(
+    keys: Sequence[ChunkKey], objs: Sequence[MemoryObj], spec: RecordSpec
+) -> AsyncIterator[Encodings]:
+    """The :class:`Encodings` of ``objs``' records under ``keys``, its thread running for
+    the block (a put of at most :data:`~.redis_records.INLINE_BYTES` is encoded on the
+    loop instead). The objects are referenced, and the thread has stopped, until the
+    block exits, whatever happened in it: views on the objects pass to the sending."""
+
+    def encode(i: int) -> Outgoing:
+        return Outgoing(*spec.encode(keys[i], objs[i]))
+
+    inline = sum(obj.nbytes for obj in objs) <= INLINE_BYTES
+    records = Encodings(len(objs), encode, inline=inline)
+    held = [obj.ref() for obj in objs]
+    error: Exception | None = None
+    try:
+        if inline:
+            yield records
+            return
+        async with anyio.create_task_group() as tg:
+            # Not cancellable: the objects must outlive the thread that reads them.
+            tg.start_soon(anyio.to_thread.run_sync, records.work)
+            try:
+                yield records
+            except Exception as exc:
+                error = exc  # raised as is below, not in an exception group
+            finally:
+                records.stop()
+        records.retrieved()
     finally:
         for obj in held:
             obj.unref()
-    return Encoded(buffer, ends)
+    if error is not None:
+        raise error

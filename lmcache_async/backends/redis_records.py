@@ -1,274 +1,196 @@
-"""The record pipeline of the Redis/Valkey tier: records encoded for ``SET``, fetched values
-checked and decoded, and the overlap of CPU work with network I/O.
+"""The records of the Redis/Valkey tier as they arrive: each fetched value checked and
+decoded into pool memory while it streams in.
 
 Each chunk is one string value, ``record header ‖ payload``
-(:mod:`~lmcache_async.backends.record`). On the way out a batch becomes either ``SET``
-commands ready for the wire with large payloads left as views on their objects
-(:func:`set_commands`, standalone servers), or records copied one after the other into a
-reused buffer (:func:`encode_into`, clusters). On the way in, :class:`RecordLoader` checks
-each value's header against its key and layout, allocates pool memory, and verifies and
-decodes the payload into it. Large batches do their checksums, copies and codecs in worker
-threads, never on the event loop. :func:`overlapped` runs such a stage beside the network
-stage so that batch *n + 1* is prepared while batch *n* is sent or fetched.
+(:mod:`~lmcache_async.backends.record`). :class:`RecordLoads` is what a get's values are
+fed to (the :class:`~.redis_wire.ValueSink` of the bulk ``GET``): it reads a value's
+header first, checks it against the key and the layout, allocates the pool object, then
+has the payload received. A payload stored as is (codec ``none``, no cipher) lands in
+its object directly, and its checksum is computed piece by piece as the pieces land (each
+fresh in the cache; no second pass over the memory, no thread), so it is verified the
+moment its last byte is in, before the next value is read. Any other payload lands in
+the connection's reusable buffer and is verified and decoded from there (in a worker
+thread when large) before that buffer takes the next value. A value that fails is a
+miss, reported for deletion; nothing of it stays allocated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Final, TypeVar
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Final
 
-import anyio
 import anyio.to_thread
-import numpy as np
 
 from lmcache_async.keys.chunks import ChunkKey
 from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj, MemoryPool, waited_in_vain
 
 from ..errors import AllocationTimeoutError, ForeignRecordError, IntegrityError
-from .record import RecordHeader, RecordSpec
-from .redis_conn import WRITE_PIECE
+from .codec import Codec
+from .record import PREFIX_SIZE, RecordHeader, RecordSpec, payload_hasher, tensor_bytes
+from .redis_wire import BulkValue, overlapped
 
-__all__ = [
-    "INLINE_BYTES",
-    "Commands",
-    "Encoded",
-    "RecordLoader",
-    "encode_into",
-    "overlapped",
-    "set_commands",
-]
+__all__ = ["INLINE_BYTES", "RecordLoader", "RecordLoads", "overlapped"]
 
 log = get_logger(__name__)
 
 INLINE_BYTES: Final = 256 * 1024
-"""Batches with fewer payload bytes are checked and copied on the loop (a thread hop costs
-more than the work)."""
+"""Payloads of fewer bytes are encoded and decoded on the loop (a thread hop costs more
+than the work)."""
 
-T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class _Loaded:
-    """A record fetched for a key, with the object allocated for its payload."""
-
-    index: int
-    header: RecordHeader
-    payload: memoryview
-    obj: MemoryObj
-
-
-@dataclass(slots=True)
-class Encoded:
-    """The records of one put batch: ``buffer[ends[i-1]:ends[i]]`` is record ``i``."""
-
-    buffer: bytearray
-    ends: list[int]
-
-
-@dataclass(slots=True)
-class Commands:
-    """The ``SET`` commands of one standalone put batch, ready for the wire: ``buffers``
-    in order are the bytes to send (large payloads as views on their objects' memory);
-    ``sizes[i]`` is the length of record ``i``."""
-
-    buffers: list[bytearray | memoryview]
-    sizes: list[int]
-
-
-async def overlapped(
-    count: int,
-    first: Callable[[int], Awaitable[T]],
-    second: Callable[[int, T], Awaitable[bool]],
-) -> None:
-    """Run ``second(n, await first(n))`` for ``n`` in ``range(count)``, in order, with
-    ``first(n + 1)`` running while ``second(n)`` does (network I/O beside CPU work).
-
-    ``second`` returning True stops the run. The first error of either stage is raised
-    as is (not in an exception group) once the other stage has stopped; what ``first``
-    produced and ``second`` never saw is dropped, so ``first`` must not hand over
-    anything that needs releasing.
-    """
-    if count <= 1:
-        if count:
-            await second(0, await first(0))
-        return
-    errors: list[Exception] = []
-    send, receive = anyio.create_memory_object_stream[tuple[int, T]]()
-
-    async def produce() -> None:
-        async with send:
-            for n in range(count):
-                try:
-                    item = await first(n)
-                except Exception as exc:
-                    errors.append(exc)
-                    return
-                try:
-                    await send.send((n, item))
-                except anyio.BrokenResourceError:
-                    return  # the consumer stopped
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(produce)
-        try:
-            async with receive:
-                async for n, item in receive:
-                    if await second(n, item):
-                        break
-        except Exception as exc:
-            errors.insert(0, exc)
-        tg.cancel_scope.cancel()
-    if errors:
-        raise errors[0]
-
-
-def set_commands(
-    rkeys: Sequence[bytes],
-    keys: Sequence[ChunkKey],
-    objs: Sequence[MemoryObj],
-    spec: RecordSpec,
-    ttl_ms: int | None,
-) -> Commands:
-    """The RESP of ``SET <rkey> <header ‖ payload> NX [PX <ttl_ms>]`` for each record.
-
-    A value is sent as two buffers behind one bulk-string length, so a payload of at
-    least :data:`~.redis_conn.WRITE_PIECE` bytes stays a view on its object; smaller ones
-    are joined with the small parts around them, which saves a socket write each.
-    """
-    options = b"$2\r\nNX\r\n"
-    if ttl_ms is not None:
-        ttl = str(ttl_ms).encode()
-        options += b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
-    start = b"*%d\r\n$3\r\nSET\r\n" % (4 if ttl_ms is None else 6)
-    buffers: list[bytearray | memoryview] = []
-    sizes: list[int] = []
-    joined = bytearray()
-    for rkey, key, obj in zip(rkeys, keys, objs, strict=True):
-        header, payload = spec.encode(key, obj)
-        view = memoryview(payload).cast("B")
-        size = len(header) + len(view)
-        joined += b"%s$%d\r\n%s\r\n$%d\r\n" % (start, len(rkey), rkey, size)
-        joined += header
-        if len(view) < WRITE_PIECE:
-            joined += view
-        else:
-            buffers += (joined, view)
-            joined = bytearray()
-        joined += b"\r\n" + options
-        sizes.append(size)
-    buffers.append(joined)
-    return Commands(buffers, sizes)
-
-
-def encode_into(
-    buffer: bytearray,
-    keys: Sequence[ChunkKey],
-    objs: Sequence[MemoryObj],
-    spec: RecordSpec,
-) -> tuple[bytearray, list[int]]:
-    """Write each ``header ‖ payload`` record, one after the other, into ``buffer`` (a
-    fresh one when it is too small); returns the buffer and where each record ends.
-
-    This is the one copy a value costs on the way out. It lands in a buffer reused from
-    batch to batch, whose pages are already mapped: a fresh ``header + payload`` per
-    value costs page faults on every batch, and measured several times slower.
-    """
-    parts = [spec.encode(key, obj) for key, obj in zip(keys, objs, strict=True)]
-    total = sum(len(header) + len(payload) for header, payload in parts)
-    if len(buffer) < total:
-        buffer = bytearray(max(total, len(buffer) * 2))
-    # numpy copies without holding the GIL, so the event loop runs on meanwhile.
-    out = np.frombuffer(buffer, dtype=np.uint8)
-    ends: list[int] = []
-    at = 0
-    for header, payload in parts:
-        for piece in (header, payload):
-            np.copyto(out[at : at + len(piece)], np.frombuffer(piece, dtype=np.uint8))
-            at += len(piece)
-        ends.append(at)
-    return buffer, ends
+Pause = Callable[[], AbstractContextManager[None]]
+"""Stops the call's deadline while memory is waited for (see :meth:`RecordLoads.receiving`)."""
 
 
 class RecordLoader:
-    """Turns fetched values into pool objects: header checked against the key and the
-    layout (``spec``), memory allocated (waiting up to ``allocation_timeout`` seconds),
-    payload verified and decoded."""
+    """What turns fetched records into pool objects for one tier: the records expected
+    (``spec``), the pool, and how long to wait for its memory (``allocation_timeout``)."""
 
     def __init__(self, pool: MemoryPool, spec: RecordSpec, allocation_timeout: float) -> None:
-        self._pool = pool
-        self._spec = spec
-        self._allocation_timeout = allocation_timeout
+        self.pool = pool
+        self.spec = spec
+        self.allocation_timeout = allocation_timeout
 
-    async def load(
+    def loads(
+        self, keys: Sequence[ChunkKey], out: list[MemoryObj | None], *, prefix: bool
+    ) -> RecordLoads:
+        """The sink of one get of ``keys``, filling ``out``; with ``prefix`` it loads
+        nothing after the first value missing or unreadable."""
+        return RecordLoads(self, keys, out, prefix=prefix)
+
+
+class RecordLoads:
+    """The values of one get turned into pool objects as they arrive: ``out[i]`` gets the
+    object of ``keys[i]``, with one reference for the caller (who releases it, whatever
+    happens, along with any other object in ``out``).
+
+    :attr:`stop`: values from this index on are not loaded (set by the first miss or
+    unreadable value of a prefix read, and where memory ran out: :attr:`exhausted`).
+    :attr:`bad`: the unreadable values, ``(index, reason, foreign)`` each (``foreign``:
+    sealed under another key, to be left in place).
+    """
+
+    def __init__(
         self,
+        loader: RecordLoader,
         keys: Sequence[ChunkKey],
-        batch: range,
-        values: Sequence[bytes | None],
         out: list[MemoryObj | None],
-    ) -> tuple[bool, list[tuple[int, str, bool]]]:
-        """Check one fetched batch (``values`` of ``keys[i]`` for ``i`` in ``batch``) and
-        decode it into ``out``, each object with one reference for the caller.
+        *,
+        prefix: bool,
+    ) -> None:
+        self._loader = loader
+        self._keys = keys
+        self._out = out
+        self._prefix = prefix
+        self.stop = len(keys)
+        self.exhausted = False
+        self.bad: list[tuple[int, str, bool]] = []
+        self._pause: Pause = contextlib.nullcontext
 
-        Returns:
-            Whether memory ran out (the batch's later values were not loaded), and the
-            unreadable values: ``(index, reason, foreign)`` each (``foreign``: sealed under
-            another key, to be left in place).
-        """
-        loaded: list[_Loaded] = []
-        bad: list[tuple[int, str, bool]] = []
-        exhausted = False
+    @property
+    def max_value(self) -> int:
+        return self._loader.spec.max_record_bytes
+
+    def wanted(self, index: int) -> bool:
+        return index < self.stop
+
+    @contextlib.contextmanager
+    def receiving(self, pause: Pause) -> Iterator[None]:
+        """The scope of one network call feeding this sink: ``pause()`` is entered around
+        each wait for memory, so that a pool under pressure does not pass for a server
+        too slow."""
+        self._pause = pause
         try:
-            for index, value in zip(batch, values, strict=True):
-                if value is None:
-                    continue
-                try:
-                    header, offset = RecordHeader.from_bytes(value)
-                    self._spec.check_header(header, keys[index])
-                except IntegrityError as exc:
-                    bad.append((index, str(exc), isinstance(exc, ForeignRecordError)))
-                    continue
-                try:
-                    obj = await self._pool.allocate(
-                        header.shape, self._spec.dtype, timeout=self._allocation_timeout
-                    )
-                except AllocationTimeoutError:
-                    (log.warning if waited_in_vain() else log.debug)(
-                        "redis_get_allocation_timeout",
-                        loaded=len(loaded),
-                        skipped=len(keys) - index,
-                        timeout=self._allocation_timeout,
-                    )
-                    exhausted = True
-                    break
-                loaded.append(_Loaded(index, header, memoryview(value)[offset:], obj))
-            nbytes = sum(len(item.payload) for item in loaded)
-            if nbytes > INLINE_BYTES:
-                # Not cancellable: the objects must outlive the thread that writes them.
-                failures = await anyio.to_thread.run_sync(self._decode, loaded)
-            else:
-                failures = self._decode(loaded)
-        except BaseException:
-            for item in loaded:
-                item.obj.unref()
-            raise
-        for item in loaded:
-            reason = failures.get(item.index)
-            if reason is None:
-                out[item.index] = item.obj
-            else:
-                item.obj.unref()
-                bad.append((item.index, reason, False))
-        return exhausted, bad
+            yield
+        finally:
+            self._pause = contextlib.nullcontext
 
-    def _decode(self, loaded: Sequence[_Loaded]) -> dict[int, str]:
-        """Verify and decode payloads into their objects; returns failures by index."""
-        failures: dict[int, str] = {}
-        for item in loaded:
-            try:
-                self._spec.verify_payload(item.header, item.payload)
-                self._spec.decode_into(item.header, item.payload, item.obj.tensor)
-            except IntegrityError as exc:
-                failures[item.index] = str(exc)
-        return failures
+    async def value(self, index: int, value: BulkValue | None) -> None:
+        """Load the value of ``keys[index]`` (None: absent)."""
+        if value is None:
+            self._stop(index)
+            return
+        spec = self._loader.spec
+        try:
+            header = await self._header(self._keys[index], value)
+        except IntegrityError as exc:
+            self._refuse(index, str(exc), isinstance(exc, ForeignRecordError))
+            return
+        obj = await self._allocate(index, header)
+        if obj is None:
+            return
+        self._out[index] = obj
+        try:
+            if _direct(header):
+                hasher = payload_hasher()
+                await value.read_into(tensor_bytes(obj.tensor), hasher.update)
+                spec.verify_checksum(header, hasher.intdigest())
+            else:
+                payload = value.spare(header.length)
+                await value.read_into(payload)
+                # The buffer takes the next value: decoded before that one is read.
+                if header.length > INLINE_BYTES:
+                    # Not cancellable: the object must outlive the thread that writes it.
+                    await anyio.to_thread.run_sync(_decode, spec, header, payload, obj)
+                else:
+                    _decode(spec, header, payload, obj)
+        except IntegrityError as exc:
+            self._out[index] = None
+            obj.unref()
+            self._refuse(index, str(exc), False)
+
+    async def _header(self, key: ChunkKey, value: BulkValue) -> RecordHeader:
+        """Read and check the header of ``value``; what is left of it is the payload."""
+        if value.size < PREFIX_SIZE:
+            raise IntegrityError(f"record of {value.size} bytes is shorter than its prefix")
+        prefix = await value.read_exact(PREFIX_SIZE)
+        size = RecordHeader.size_from_prefix(prefix)
+        if size > value.size:
+            raise IntegrityError("record header is truncated")
+        header, _ = RecordHeader.from_bytes(prefix + await value.read_exact(size - PREFIX_SIZE))
+        spec = self._loader.spec
+        spec.check_header(header, key)
+        if value.left != header.length:
+            raise IntegrityError(
+                f"record payload is {value.left} bytes, its header says {header.length}"
+            )
+        if _direct(header) and spec.raw_size(header) != header.length:
+            raise IntegrityError("record payload does not fill its tensor")
+        return header
+
+    async def _allocate(self, index: int, header: RecordHeader) -> MemoryObj | None:
+        loader = self._loader
+        try:
+            with self._pause():
+                return await loader.pool.allocate(
+                    header.shape, loader.spec.dtype, timeout=loader.allocation_timeout
+                )
+        except AllocationTimeoutError:
+            (log.warning if waited_in_vain() else log.debug)(
+                "redis_get_allocation_timeout",
+                skipped=len(self._keys) - index,
+                timeout=loader.allocation_timeout,
+            )
+            self.exhausted = True
+            self.stop = min(self.stop, index)
+            return None
+
+    def _stop(self, index: int) -> None:
+        if self._prefix:
+            self.stop = min(self.stop, index)
+
+    def _refuse(self, index: int, reason: str, foreign: bool) -> None:
+        self.bad.append((index, reason, foreign))
+        self._stop(index)
+
+
+def _direct(header: RecordHeader) -> bool:
+    """Whether the payload is the tensor's bytes as they are (received into the object)."""
+    return header.codec == Codec.NONE and not header.sealed
+
+
+def _decode(spec: RecordSpec, header: RecordHeader, payload: memoryview, obj: MemoryObj) -> None:
+    spec.verify_payload(header, payload)
+    spec.decode_into(header, payload, obj.tensor)
