@@ -49,6 +49,7 @@ __all__ = [
     "DEFAULT_PIN_TIMEOUT",
     "DEFAULT_PIPELINE_BATCH_CHUNKS",
     "DEFAULT_PIPELINE_QUEUE_SIZE",
+    "DEFAULT_PREFAULT_POOL",
     "DEFAULT_RETRIEVE_TIMEOUT",
     "DEFAULT_SAVE_UNFULL_CHUNK",
     "DEFAULT_STORE_TIMEOUT",
@@ -72,6 +73,7 @@ DEFAULT_CHUNK_SIZE: Final = 256
 DEFAULT_LOCAL_CPU: Final = True
 DEFAULT_MAX_LOCAL_CPU_SIZE: Final = 5.0
 DEFAULT_SAVE_UNFULL_CHUNK: Final = True
+DEFAULT_PREFAULT_POOL: Final = True
 DEFAULT_HASH_ALGORITHM: Final = "blake3"
 DEFAULT_PIN_TIMEOUT: Final = 60.0
 DEFAULT_ALLOCATION_TIMEOUT: Final = 5.0
@@ -145,6 +147,10 @@ class EngineConfig:
     """Host memory for the arena, in GB (1 GB = 1024**3 bytes)."""
     save_unfull_chunk: bool = DEFAULT_SAVE_UNFULL_CHUNK
     """Whether the short last chunk of a prompt is stored."""
+    prefault_pool: bool = DEFAULT_PREFAULT_POOL
+    """Whether the host arena's pages are faulted in by a background thread once the engine
+    opens (a fresh page's first write is several times slower than a later one); False:
+    no page is touched before it is used."""
     hash_algorithm: str = DEFAULT_HASH_ALGORITHM
     """Chunk key hash: ``"blake3"`` or ``"xxh3_128"``."""
     pin_timeout: float = DEFAULT_PIN_TIMEOUT

@@ -5,6 +5,7 @@ whatever the caller does with its list or array afterwards."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import anyio
@@ -108,3 +109,54 @@ async def test_events_carry_the_stored_tokens_after_the_caller_changes_its_list_
             events = engine.take_events()
     assert [list(e.token_ids) for e in events] == expected
     assert all(e.kind == "stored" and len(e.block_hashes) == 2 for e in events)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (``VmRSS``)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, madvise")
+
+
+@linux_only
+@pytest.mark.parametrize("prefault", [True, False])
+async def test_the_pool_is_faulted_in_behind_the_start_only_when_asked(prefault: bool) -> None:
+    size = 512 << 20
+    with anyio.fail_after(TIMEOUT * 3):
+        before = rss_bytes()
+        settings = config(max_local_cpu_size=size / GB, prefault_pool=prefault)
+        async with CacheEngine.open(settings, LAYOUT, model_name="m") as engine:
+            worker = engine.core.pool.prefaulting
+            if prefault:
+                assert worker is not None
+                assert await anyio.to_thread.run_sync(worker.join, TIMEOUT * 2)
+                assert worker.faulted_bytes == size
+                assert rss_bytes() - before > 0.9 * size
+            else:
+                assert worker is None
+                assert rss_bytes() - before < size // 4
+        if worker is not None:
+            assert not worker.running
+
+
+@linux_only
+async def test_stores_and_retrieves_keep_exact_bytes_while_the_pool_faults_in() -> None:
+    n = BLOCKS * 16
+    source = caches(11)
+    with anyio.fail_after(TIMEOUT * 3):
+        settings = config(max_local_cpu_size=(256 << 20) / GB, prefault_pool=True)
+        async with CacheEngine.open(settings, LAYOUT, model_name="m") as engine:
+            assert engine.core.pool.prefaulting is not None
+            for seed in range(8):
+                prompt = tokens(n, seed=100 + seed)
+                assert await engine.store(prompt, kv_caches=source, slot_mapping=slots(n)) == n
+                target = [torch.zeros_like(t) for t in source]
+                loaded = await engine.retrieve(prompt, kv_caches=target, slot_mapping=slots(n))
+                assert loaded.all()
+                for src, dst in zip(source, target, strict=True):
+                    assert torch.equal(src, dst)

@@ -5,8 +5,9 @@ through the CPU tier), :mod:`.arena` (the one mapping pages are carved from, sha
 in sidecar mode), :mod:`.pages` (the page, fitted to the chunk: :func:`page_size_for`),
 :mod:`.objects` (:class:`MemoryObj`, a view on pages with reference and pin counts),
 :mod:`.shapes` (what payloads of one shape share; their views made when asked for),
-:mod:`.budget` (one allocation allowance per request) and :mod:`.pinning` (page-locking
-host memory for CUDA copies).
+:mod:`.budget` (one allocation allowance per request), :mod:`.pinning` (page-locking
+host memory for CUDA copies) and :mod:`.prefault` (huge pages, and the arena faulted in
+behind the start).
 
 May import: the ground floor. Never the other data-model packages or anything above them.
 """

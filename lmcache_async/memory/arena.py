@@ -14,6 +14,7 @@ import torch
 
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.memory.pinning import HostRegistration, register_host
+from lmcache_async.memory.prefault import advise_huge_pages
 
 __all__ = [
     "ARENA_ALIGNMENT",
@@ -46,9 +47,10 @@ def host_arena(size: int, pin_memory: bool | None, buffer: Buffer | None) -> Hos
     """An arena of ``size`` bytes: carved from ``buffer`` when given, else allocated as
     ordinary host memory (``torch.empty``: pages are touched only when used, or locked)
     and, when ``pin_memory`` is true, or is None and CUDA is available, page-locked by
-    registering exactly its ``size`` bytes with CUDA. When CUDA cannot lock it, the arena
-    is returned unpinned (a warning is logged): copies are then synchronous, but nothing
-    fails.
+    registering exactly its ``size`` bytes with CUDA. An arena left pageable is advised to
+    use transparent huge pages (:func:`~lmcache_async.memory.prefault.advise_huge_pages`).
+    When CUDA cannot lock it, the arena is returned unpinned (a warning is logged): copies
+    are then synchronous, but nothing fails.
 
     Raises:
         InvalidInputError: pinned memory was asked for without CUDA (or together with
@@ -73,6 +75,9 @@ def host_arena(size: int, pin_memory: bool | None, buffer: Buffer | None) -> Hos
             raise InvalidInputError("cannot pin the host arena: CUDA is not available")
         raw, skip = _pinnable(size) if pin else _plain(size)
     arena = raw[skip : skip + size]
+    if not pin:
+        # Before any page is touched, so first writes fault in 2 MiB at a time.
+        advise_huge_pages(arena)
     registration = register_host(arena.data_ptr(), size) if pin else None
     return HostArena(arena, skip, registration)
 

@@ -23,7 +23,8 @@ reference). The evictor is called synchronously on that thread and must not allo
 
 :class:`MemoryObj` lives in :mod:`lmcache_async.memory.objects` (re-exported here), and the
 arena is allocated, or carved from a buffer, by :mod:`lmcache_async.memory.arena` (and
-page-locked by :mod:`lmcache_async.memory.pinning`).
+page-locked by :mod:`lmcache_async.memory.pinning`); :meth:`MemoryPool.prefault` faults a
+pageable arena in on a thread of :mod:`lmcache_async.memory.prefault`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from lmcache_async.memory.arena import Buffer, alignment_skip, buffer_tensor, ho
 from lmcache_async.memory.budget import AllocationBudget, current_budget, waited_in_vain
 from lmcache_async.memory.objects import MemoryObj
 from lmcache_async.memory.pages import DEFAULT_PAGE_SIZE, PAGE_ALIGNMENT, page_size_for
+from lmcache_async.memory.prefault import DEFAULT_PREFAULT_SLICE, Prefault
 from lmcache_async.memory.shapes import PayloadShape, PayloadShapes
 from lmcache_async.stats import PoolStats
 
@@ -149,6 +151,7 @@ class MemoryPool:
         self._pinned = 0
         self._waiters: deque[_Waiter] = deque()
         self._shapes = PayloadShapes(self._arena, page_size, num_pages)
+        self._prefault: Prefault | None = None
         log.debug(
             "memory_pool_created",
             capacity_bytes=num_pages * page_size,
@@ -216,6 +219,34 @@ class MemoryPool:
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
         return self._closed
+
+    def prefault(
+        self,
+        *,
+        slice_bytes: int = DEFAULT_PREFAULT_SLICE,
+        on_slice: Callable[[int], None] | None = None,
+    ) -> Prefault | None:
+        """Start faulting the arena's pages in on a background thread (returns at once), so
+        first writes run at the speed of later ones; :meth:`close` stops and joins it. Safe
+        while objects are written (contents are never changed: :mod:`.prefault`).
+
+        Returns the worker, or None when there is nothing to do: the arena is page-locked
+        (already resident), the pool is closed, or a worker was started before.
+
+        Raises:
+            InvalidInputError: ``slice_bytes`` is not a positive multiple of 4096.
+        """
+        if self.pinned or self._closed or self._prefault is not None:
+            return None
+        worker = Prefault(self._arena, slice_bytes=slice_bytes, on_slice=on_slice)
+        self._prefault = worker
+        worker.start()
+        return worker
+
+    @property
+    def prefaulting(self) -> Prefault | None:
+        """The worker :meth:`prefault` started (running or done), or None."""
+        return self._prefault
 
     def set_evictor(self, evictor: Evictor | None) -> None:
         """Install (or remove, with ``None``) the hook asked to free room when needed."""
@@ -346,12 +377,15 @@ class MemoryPool:
     def close(self, *, unpin: bool = True) -> None:
         """Refuse new allocations, wake every waiter (they raise EngineClosedError) and,
         unless ``unpin`` is False, :meth:`unpin`. Idempotent. Live objects stay valid (in
-        pageable memory once unpinned): every copy to or from the arena must be done."""
+        pageable memory once unpinned): every copy to or from the arena must be done. A
+        :meth:`prefault` worker is stopped and joined (it finishes the slice it is on)."""
         if not self._closed:
             self._closed = True
             for waiter in self._waiters:
                 waiter.event.set()
             log.debug("memory_pool_closed", live_objects=self._num_objects)
+        if self._prefault is not None:
+            self._prefault.stop()
         if unpin:
             self.unpin()
 
