@@ -64,6 +64,8 @@ async def test_the_indexer_sees_each_tier_of_a_sidecar(
         str(short_dir / "disk"),
         "--max-local-disk-size",
         "1",
+        "--max-local-cpu-size",
+        "0.002",  # 512 chunks: a few stores push the prompt out
     )
     indexer = DynamoIndexer(
         tmp_path_factory.mktemp("indexer"),
