@@ -9,6 +9,9 @@ Each job lives in its own module so that importing this package stays cheap:
   next to plain-torch baselines;
 - :mod:`lmcache_async.bench.tiers` — disk and Redis tier throughput next to plain file
   writes and pipelined redis-py;
+- :mod:`lmcache_async.bench.scale` — the CPU, disk and Redis tiers at growing N chunks:
+  open time, time to a first RAM hit, the disk index next to a names-only walk, and the
+  growth of a 1k-token request's store / lookup / retrieve;
 - :mod:`lmcache_async.bench.sidecar` — store/retrieve through a sidecar next to
   in-process, and lookup round trips over ipc;
 - :mod:`lmcache_async.bench.gpu` — D2H/H2D copies next to a plain pinned copy, and the
@@ -20,7 +23,9 @@ Each job lives in its own module so that importing this package stays cheap:
   builds the small random-weight model it (and the ``vllm`` target) runs;
 - :mod:`lmcache_async.bench.routing` — two ``vllm serve`` with the connector behind a
   KV-aware router (NVIDIA Dynamo's indexer): hit rate and time to first token of round
-  robin, routing by vLLM's own KV events and routing by every tier's.
+  robin, routing by vLLM's own KV events and routing by every tier's;
+- :mod:`lmcache_async.bench.shared_redis` — two hosts (a sidecar and ``vllm serve`` each)
+  sharing one Redis: a prompt only the other host saw, next to that host's warm hit.
 
 The plain-torch copies the micro and GPU benchmarks measure the engine against live in
 :mod:`lmcache_async.bench.baselines`. This module holds the small helpers they all share:

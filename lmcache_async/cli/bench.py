@@ -1,8 +1,8 @@
 """``lmcache-async bench``: its flags, and which benchmark they run.
 
 Without a mode flag it runs the load generator (:mod:`lmcache_async.bench.loadgen`);
-``--micro``, ``--tiers``, ``--sidecar``, ``--gpu``, ``--vllm-slow-tier`` and ``--routing``
-run the other benchmarks.
+``--micro``, ``--tiers``, ``--sidecar``, ``--gpu``, ``--vllm-slow-tier``, ``--routing``,
+``--shared-redis`` and ``--scale`` run the other benchmarks.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def add_bench_parser(sub: Any) -> None:
     from lmcache_async.bench.loadgen import ARRIVALS, TARGETS, LoadOptions  # noqa: PLC0415
     from lmcache_async.bench.micro import MicroOptions  # noqa: PLC0415
     from lmcache_async.bench.routing.options import RoutingOptions  # noqa: PLC0415
+    from lmcache_async.bench.scale.options import TIERS, ScaleOptions  # noqa: PLC0415
+    from lmcache_async.bench.shared_redis.options import SharedRedisOptions  # noqa: PLC0415
     from lmcache_async.bench.slow_tier.options import SlowTierOptions  # noqa: PLC0415
     from lmcache_async.bench.vllm_target import VLLM_EXECUTORS  # noqa: PLC0415
     from lmcache_async.bench.workloads import WORKLOADS  # noqa: PLC0415
@@ -33,6 +35,8 @@ def add_bench_parser(sub: Any) -> None:
     mic = MicroOptions()
     sto = SlowTierOptions()
     rto = RoutingOptions()
+    sco = ScaleOptions()
+    sro = SharedRedisOptions()
     bench = sub.add_parser(
         "bench",
         help="run the load generator (or --micro)",
@@ -77,6 +81,18 @@ def add_bench_parser(sub: Any) -> None:
         help="two vLLM servers, each with its own CPU tier, behind a KV-aware router (NVIDIA "
         "Dynamo's indexer): hit rate and time to first token of round robin, routing by "
         "vLLM's own KV events and routing by every tier's",
+    )
+    bench.add_argument(
+        "--shared-redis",
+        action="store_true",
+        help="two hosts (a sidecar and vLLM each) sharing one Redis: time to first token of "
+        "host B on prompts only host A saw (read from Redis) next to A's own warm hit",
+    )
+    bench.add_argument(
+        "--scale",
+        action="store_true",
+        help="the CPU, disk and Redis tiers at growing N chunks: open time, time to a first "
+        "RAM hit, the disk index next to a names-only walk, store/lookup/retrieve p50",
     )
     bench.add_argument(
         "--redis-url",
@@ -220,8 +236,43 @@ def add_bench_parser(sub: Any) -> None:
         "--work-dir",
         default=None,
         metavar="DIR",
-        help="where the model and the servers' and indexers' logs go (default: a temporary "
-        "directory, removed after)",
+        help="--routing: where the model and the servers' and indexers' logs go; --scale: "
+        "where the disk directories go, kept and used again by a later run (default: a "
+        "temporary directory, removed after)",
+    )
+
+    shared = bench.add_argument_group(
+        "two hosts through Redis (--shared-redis; also takes --model, --seed, --chunk-size, "
+        "--work-dir)"
+    )
+    shared.add_argument(
+        "--shared-prefixes", type=int, default=sro.prefixes, help="prompts sent in each phase"
+    )
+    shared.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=sro.prefix_tokens,
+        help="cached tokens of each prompt (whole chunks)",
+    )
+    shared.add_argument(
+        "--shared-max-tokens",
+        type=int,
+        default=sro.max_tokens,
+        help="tokens generated per request (A's warm and B's are compared)",
+    )
+
+    scale = bench.add_argument_group("tiers at growing N (--scale; also takes --work-dir, --seed)")
+    scale.add_argument(
+        "--scale-sizes",
+        default=",".join(map(str, sco.sizes)),
+        metavar="N,N,...",
+        help="chunks each tier holds, one size after the other (10k: ten thousand)",
+    )
+    scale.add_argument(
+        "--scale-tiers", default=",".join(sco.tiers), metavar="TIER,...", help=f"of {TIERS}"
+    )
+    scale.add_argument(
+        "--scale-requests", type=int, default=sco.requests, help="requests timed at each size"
     )
 
     micro = bench.add_argument_group("micro-benchmarks (--micro)")
@@ -319,6 +370,37 @@ def _run_routing_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _run_shared_redis_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``--shared-redis`` with the flags' settings.
+
+    Raises:
+        InvalidInputError: a setting is invalid, or vLLM is missing.
+        ServerError: a server or a sidecar failed.
+    """
+    import anyio  # noqa: PLC0415
+
+    from lmcache_async.bench.shared_redis import (  # noqa: PLC0415
+        SharedRedisOptions,
+        run_shared_redis_bench,
+    )
+
+    options = SharedRedisOptions(
+        prefixes=args.shared_prefixes,
+        prefix_tokens=args.shared_prefix_tokens,
+        max_tokens=args.shared_max_tokens,
+        seed=args.seed,
+        chunk_size=args.chunk_size or SharedRedisOptions().chunk_size,
+        model=args.model,
+        work_dir=args.work_dir,
+    )
+    options.validate()  # bad settings are usage errors before anything starts
+    stream = None if args.quiet else sys.stderr
+    result: dict[str, Any] = anyio.run(
+        functools.partial(run_shared_redis_bench, options, progress_stream=stream)
+    )
+    return result
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the flags choose, print its summary and write ``--json``;
     exit 1 when it ran but found errors, 2 when no sidecar answers at ``--url``.
@@ -340,6 +422,24 @@ def run_bench(args: argparse.Namespace) -> int:
         results = anyio.run(functools.partial(run_tiers_bench, redis_url=args.redis_url))
         summary = format_tiers(results)
         failed = False
+    elif args.scale:
+        import anyio  # noqa: PLC0415
+
+        from lmcache_async.bench import scale  # noqa: PLC0415
+
+        scaled = scale.ScaleOptions(
+            sizes=scale.parse_sizes(args.scale_sizes),
+            tiers=tuple(tier.strip() for tier in args.scale_tiers.split(",")),
+            requests=args.scale_requests,
+            seed=args.seed,
+            work_dir=args.work_dir,
+        )
+        scaled.validate()  # bad settings are usage errors before anything starts
+        stream = None if args.quiet else sys.stderr
+        run = functools.partial(scale.run_scale_bench, scaled, config, progress_stream=stream)
+        results = anyio.run(run)
+        summary = scale.format_scale(results)
+        failed = bool(results["problems"])
     elif args.vllm_slow_tier:
         results = _run_slow_tier_bench(args)
         from lmcache_async.bench.slow_tier import format_slow_tier  # noqa: PLC0415
@@ -359,6 +459,19 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_FAILED
         summary = format_routing(results)
+        failed = bool(results["problems"])
+    elif args.shared_redis:
+        import httpx  # noqa: PLC0415
+
+        from lmcache_async.bench.routing.server import ServerError  # noqa: PLC0415
+        from lmcache_async.bench.shared_redis import format_shared_redis  # noqa: PLC0415
+
+        try:
+            results = _run_shared_redis_bench(args)
+        except (ServerError, httpx.HTTPError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        summary = format_shared_redis(results)
         failed = bool(results["problems"])
     elif args.sidecar:
         from lmcache_async.bench.sidecar import format_sidecar, run_sidecar_bench  # noqa: PLC0415

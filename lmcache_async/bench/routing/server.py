@@ -64,6 +64,8 @@ class FirstToken(NamedTuple):
     prompt_tokens: int
     cached_tokens: int
     """Prompt tokens vLLM did not compute: hits in its prefix cache plus the connector's."""
+    token_ids: tuple[int, ...] = ()
+    """The generated tokens, when asked for (``first_token(..., token_ids=True)``)."""
 
 
 class PrefixHits(NamedTuple):
@@ -95,7 +97,8 @@ class VllmServer:
 
     ``kv_transfer``: vLLM's ``--kv-transfer-config`` (:func:`connector_config`), or None
     for no connector. ``num_blocks``: vLLM's KV cache, in blocks of ``block_size`` tokens
-    (``--num-gpu-blocks-override``).
+    (``--num-gpu-blocks-override``). ``extra_args``: more ``vllm serve`` flags, appended
+    (``--no-enable-prefix-caching``).
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class VllmServer:
         max_model_len: int = 1024,
         kv_transfer: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.model_dir = model_dir
         self.log_path = log_path
@@ -118,6 +122,7 @@ class VllmServer:
         self.max_model_len = max_model_len
         self.kv_transfer = None if kv_transfer is None else dict(kv_transfer)
         self.env = dict(env or {})
+        self.extra_args = tuple(extra_args)
         self.port = 0
         self.events_port = 0
         self._process: subprocess.Popen[bytes] | None = None
@@ -173,7 +178,7 @@ class VllmServer:
         ]
         if self.kv_transfer is not None:
             command += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
-        return command
+        return [*command, *self.extra_args]
 
     def start(self) -> VllmServer:
         """Start on fresh free ports and wait, bounded by :data:`START_TIMEOUT`, until the
@@ -245,9 +250,12 @@ class VllmServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    async def first_token(self, tokens: Sequence[int], *, max_tokens: int = 1) -> FirstToken:
+    async def first_token(
+        self, tokens: Sequence[int], *, max_tokens: int = 1, token_ids: bool = False
+    ) -> FirstToken:
         """Send one completion of ``tokens`` (streamed) and return the seconds until its
-        first token arrived and its usage; the rest is read to the end.
+        first token arrived and its usage; the rest is read to the end. ``token_ids``: also
+        return the generated tokens (vLLM's ``return_token_ids``).
 
         Raises:
             ServerError: not running, an error status or streamed error, no token or no
@@ -266,6 +274,9 @@ class VllmServer:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if token_ids:
+            body["return_token_ids"] = True
+        generated: list[int] = []
         first: float | None = None
         usage: dict[str, Any] | None = None
         async with httpx.AsyncClient(
@@ -284,6 +295,8 @@ class VllmServer:
                         raise ServerError(f"the completion failed: {chunk['error']}")
                     if first is None and chunk.get("choices"):
                         first = time.perf_counter() - began
+                    for choice in chunk.get("choices") or ():
+                        generated += choice.get("token_ids") or ()
                     usage = chunk.get("usage") or usage
         if first is None:
             raise ServerError("the completion streamed no token")
@@ -291,7 +304,10 @@ class VllmServer:
             raise ServerError("the completion streamed no usage")
         details = usage.get("prompt_tokens_details") or {}
         return FirstToken(
-            first, int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0)
+            first,
+            int(usage["prompt_tokens"]),
+            int(details.get("cached_tokens") or 0),
+            tuple(generated),
         )
 
     async def prefix_hits(self) -> PrefixHits:

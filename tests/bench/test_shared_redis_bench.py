@@ -1,0 +1,121 @@
+"""``bench --shared-redis``: its settings are checked before anything starts; the sidecar's
+metrics become per-phase counts; the report sets every phase beside A's warm hit, compares
+A's and B's tokens and names what went wrong. (A real run, two vLLM servers and two
+sidecars, takes over two minutes even at the smallest settings: it is the benchmark's.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lmcache_async.bench.shared_redis import PHASES, SharedRedisOptions, format_shared_redis
+from lmcache_async.bench.shared_redis.report import Answer, counter_deltas, summarise
+from lmcache_async.bench.shared_redis.sidecar import parse_metrics
+from lmcache_async.cli import main
+from lmcache_async.errors import InvalidInputError
+
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"prefixes": 0}, "prefixes must be an int >= 1"),
+        ({"prefix_tokens": 1000}, "multiple of chunk_size"),
+        ({"chunk_size": 48}, "multiple of block_size"),
+        ({"suffix_tokens": 64}, "below chunk_size"),
+        ({"max_tokens": True}, "max_tokens must be an int"),
+        ({"seed": 1.5}, "seed must be an int"),
+    ],
+)
+def test_bad_settings_are_refused(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidInputError, match=message):
+        SharedRedisOptions(**changes).validate()  # type: ignore[arg-type]
+
+
+def test_cli_refuses_bad_settings_before_starting_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "--shared-redis", "--shared-prefix-tokens", "1000"]) == 2
+    assert "multiple of chunk_size" in capsys.readouterr().err
+
+
+def test_the_sizes_fit_one_request_and_every_prompt() -> None:
+    """vLLM holds one prompt and its generated tokens in whole blocks; each RAM tier holds
+    every prompt (the warm-up one too) without evicting."""
+    options = SharedRedisOptions(prefixes=8, prefix_tokens=1024, suffix_tokens=8, max_tokens=8)
+    assert options.max_model_len == 1056
+    assert options.vllm_blocks * options.block_size > options.max_model_len
+    assert options.chunks == 9 * 16
+    kv = 4096
+    assert options.cpu_tier_gb(kv) * 1024**3 >= 9 * options.prompt_tokens * kv
+
+
+def test_metrics_become_counts_and_mean_latencies_by_operation() -> None:
+    text_before = (
+        "# HELP x\n"
+        "lmcache_async_promises_total 2.0\n"
+        'lmcache_async_request_latency_seconds_count{op="promise"} 4.0\n'
+        'lmcache_async_request_latency_seconds_sum{op="promise"} 0.4\n'
+    )
+    text_after = (
+        "lmcache_async_promises_total 5.0\n"
+        "lmcache_async_promoted_chunks_total 16.0\n"
+        'lmcache_async_request_latency_seconds_count{op="promise"} 6.0\n'
+        'lmcache_async_request_latency_seconds_sum{op="promise"} 0.5\n'
+        'lmcache_async_request_latency_seconds_count{op="store"} 0.0\n'
+    )
+    deltas = counter_deltas(parse_metrics(text_before), parse_metrics(text_after))
+    assert deltas["promises"] == 3
+    assert deltas["promoted_chunks"] == 16
+    assert deltas["promise_calls"] == 2
+    assert deltas["promise_mean_ms"] == pytest.approx(50.0)
+    assert "store_calls" not in deltas
+
+
+def _answers(ms: float, cached: int, tokens: tuple[int, ...] = (7, 8)) -> list[Answer]:
+    return [Answer(n, ms / 1000 * n, 1032, cached, tokens) for n in (1, 2)]
+
+
+def test_the_report_sets_every_phase_beside_a_warm() -> None:
+    options = SharedRedisOptions()
+    answers = {
+        "a-cold": _answers(200, 0),
+        "a-warm": _answers(40, 1024),
+        "b-redis": _answers(50, 1024),
+        "b-warm": _answers(40, 1024),
+    }
+    results = summarise(
+        options, answers, {"b-redis": {"promises": 2.0}}, redis_wait_s=0.1, redis_keys=144
+    )
+    assert list(results["phases"]) == list(PHASES)
+    assert results["phases"]["a-warm"]["ttft_ms"]["mean"] == pytest.approx(60.0)
+    assert results["over_a_warm"]["b-redis"] == pytest.approx(1.25)
+    assert results["over_a_warm"]["a-cold"] == pytest.approx(5.0)
+    assert results["same_tokens_a_warm_b"] is True
+    assert results["problems"] == []
+    text = format_shared_redis(results)
+    assert "B from Redis / A warm: 1.25x (goal <= 1.5x: met)" in text
+    assert "sidecar b-redis: promises 2" in text
+
+
+def test_the_report_names_misses_and_different_tokens() -> None:
+    answers = {
+        "a-cold": _answers(200, 64),
+        "a-warm": _answers(40, 1024),
+        "b-redis": _answers(200, 512, tokens=(7, 9)),
+    }
+    results = summarise(SharedRedisOptions(), answers, {}, redis_wait_s=60, redis_keys=3)
+    problems = "\n".join(results["problems"])
+    assert "b-redis: 1024 of 2048 prefix tokens hit" in problems
+    assert "a-cold: 128 tokens hit" in problems
+    assert "different tokens" in problems
+    assert "missed" in format_shared_redis(results)
+
+
+def test_without_token_ids_nothing_is_compared() -> None:
+    answers = {"a-warm": _answers(40, 1024, ()), "b-redis": _answers(50, 1024, ())}
+    results = summarise(SharedRedisOptions(), answers, {}, redis_wait_s=0, redis_keys=0)
+    assert results["same_tokens_a_warm_b"] is None
+    assert math.isnan(results["over_a_warm"].get("a-cold", math.nan))
