@@ -278,6 +278,7 @@ class IndexFill:
         self._counts["removed_temps"] = listing.removed_temps
         known, unknown = _match(state, listing.names)
         keys: list[bytes] = []
+        sizes: list[int] = []
         if state is not None:
             self._counts["dropped"] += len(state.keys) - len(known)
             keys, sizes, numbers = state.keys, state.sizes, state.numbers
@@ -291,7 +292,7 @@ class IndexFill:
                 self._call(self._merge_known, batch, state.shapes, since)
         self._read_unknown(unknown, since)
         self._call_async(self._completed)
-        self._audit(keys)
+        self._audit(keys, sizes)
         self._call_async(self._audit_done)
 
     def _read_unknown(self, names: list[str], since: int) -> None:
@@ -312,13 +313,23 @@ class IndexFill:
             )
             self._call(self._merge_found, found, since)
 
-    def _audit(self, keys: list[bytes]) -> None:
-        """Check the size of each file the manifest named; read again those that differ."""
+    def _audit(self, keys: list[bytes], sizes: list[int]) -> None:
+        """Check the size of each file the manifest named (``sizes``: what it said); read
+        again those that differ. The comparison with the manifest runs here, so the loop
+        sees only the files that changed (a put since wrote its file before indexing its
+        size, so a file the manifest describes still matches or is compared there)."""
         for start in range(0, len(keys), STAT_BATCH):
             batch = keys[start : start + STAT_BATCH]
+            said = sizes[start : start + STAT_BATCH]
             names = [record_name(key) for key in batch]
             self._check_stop()
             stats = disk_scan.stat_records(self._directory, names)
+            odd = [i for i, st in enumerate(stats) if st is None or st[0] != said[i]]
+            if not odd:
+                continue
+            batch = [batch[i] for i in odd]
+            names = [names[i] for i in odd]
+            stats = [stats[i] for i in odd]
             changed = self._call(self._compare, batch, names, stats)
             if changed:
                 self._check_stop()
