@@ -16,7 +16,14 @@ import anyio
 import pytest
 import torch
 
-from lmcache_async import CacheEngine, ConfigError, EngineConfig, InvalidInputError, KVLayout
+from lmcache_async import (
+    CacheEngine,
+    ConfigError,
+    EngineClosedError,
+    EngineConfig,
+    InvalidInputError,
+    KVLayout,
+)
 
 CHUNK = 16
 BLOCK = 16
@@ -124,6 +131,23 @@ async def test_restart_hits_what_an_earlier_engine_stored(tmp_path: Path) -> Non
             assert stats.tiers["cpu"].chunks == 7
             assert stats.pool.used_bytes > 0
         assert stats.tier_health == {"cpu": True, "disk": True}
+
+
+@pytest.mark.anyio
+async def test_an_engine_waits_for_its_disk_index_and_counts_every_file(tmp_path: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path) as engine:
+            assert await store(engine, 100) == 100
+        files = len(chunk_files(tmp_path))
+        async with engine_on(tmp_path) as engine:
+            assert await engine.wait_disk_index(audited=True)
+            assert engine.stats().tiers["disk"].chunks == files == 7
+        async with CacheEngine.open(
+            EngineConfig(chunk_size=CHUNK, max_local_cpu_size=0.01), layout(), model_name="m"
+        ) as engine:
+            assert await engine.wait_disk_index()  # no disk tier: nothing to wait for
+        with pytest.raises(EngineClosedError):
+            await engine.wait_disk_index()
 
 
 @pytest.mark.anyio

@@ -10,6 +10,7 @@ from lmcache_async.keys.tokens import Tokens
 from lmcache_async.tenancy.tenants import tag_hex
 
 from ..backends.codec import Codec
+from ..backends.disk import DiskBackend
 from ..errors import InvalidInputError
 from ..events import KVEvent
 from ..stats import EngineStats, TenantStats
@@ -85,6 +86,18 @@ class TierControls(EngineBase):
         return await self._parts.manager.flush(
             self._parts.config.store_timeout if timeout is None else timeout
         )
+
+    async def wait_disk_index(self, *, audited: bool = False) -> bool:
+        """Wait until the disk tier's index covers every file of its directory (with
+        ``audited``: and the sizes of the files its manifest named are checked); True at
+        once without a disk tier, False when the fill stopped short (the tier closed, its
+        directory unreadable). The engine serves all along: a disk chunk not indexed yet
+        is looked up in its file. Bound it with ``anyio.fail_after``."""
+        self._check_open()
+        for tier in self._parts.manager.slow_tiers:
+            if isinstance(tier, DiskBackend) and not await tier.wait_index(audited=audited):
+                return False
+        return True
 
     async def clear(self, locations: Sequence[str] | None = None) -> int:
         """Drop every cached chunk of the named tiers (default: all) and, with the CPU tier,

@@ -157,34 +157,19 @@ async def _engine_run(
             problems.append(f"disk {size}: the first lookup found {hit} of {REQUEST_TOKENS}")
         if fresh is None:
             return out
-        disk = _disk_tier(engine)
         with anyio.fail_after(INDEX_TIMEOUT):
-            complete = await disk.wait_index()
+            complete = await engine.wait_disk_index()
             out["indexed_s"] = time.perf_counter() - start
             # The audit (a stat of every file the manifest named) runs after the index is
-            # complete and takes the event loop's time while it does: the requests are
-            # timed once it is over, the steady state.
-            await disk.wait_index(audited=True)
+            # complete: the requests are timed once it is over, the steady state.
+            await engine.wait_disk_index(audited=True)
             out["audited_s"] = time.perf_counter() - start
-        if not complete or len(disk) < size:
-            problems.append(f"disk {size}: the engine's index holds {len(disk)} chunks")
+        indexed = engine.stats().tiers["disk"].chunks
+        if not complete or indexed < size:
+            problems.append(f"disk {size}: the engine's index holds {indexed} chunks")
         out["ops"], failed = await kit.measure(
             engine, fresh, run.probes, store_location=["disk"], warmup=run.options.warmup
         )
         problems += [f"disk {size}: {text}" for text in failed]
         out["stored_keys"] = await kit.keys_of(engine, fresh)
     return out
-
-
-def _disk_tier(engine: CacheEngine) -> DiskBackend:
-    """The engine's disk tier. The engine has no public way to wait for its disk index
-    (:meth:`DiskBackend.wait_index`), so the benchmark reaches into its parts, as the
-    disk tier's own engine tests do.
-
-    Raises:
-        RuntimeError: the engine's disk tier is not a :class:`DiskBackend`.
-    """
-    tier = engine._parts.manager.tier("disk")
-    if not isinstance(tier, DiskBackend):
-        raise RuntimeError(f"the engine's disk tier is a {type(tier).__name__}")
-    return tier
