@@ -44,7 +44,11 @@ from lmcache_async.memory.arena import Buffer, alignment_skip, buffer_tensor, ho
 from lmcache_async.memory.budget import AllocationBudget, current_budget, waited_in_vain
 from lmcache_async.memory.objects import MemoryObj
 from lmcache_async.memory.pages import DEFAULT_PAGE_SIZE, PAGE_ALIGNMENT, page_size_for
-from lmcache_async.memory.prefault import DEFAULT_PREFAULT_SLICE, Prefault
+from lmcache_async.memory.prefault import (
+    DEFAULT_PREFAULT_LIMIT,
+    DEFAULT_PREFAULT_SLICE,
+    Prefault,
+)
 from lmcache_async.memory.shapes import PayloadShape, PayloadShapes
 from lmcache_async.stats import PoolStats
 
@@ -224,21 +228,26 @@ class MemoryPool:
         self,
         *,
         slice_bytes: int = DEFAULT_PREFAULT_SLICE,
+        limit_bytes: int = DEFAULT_PREFAULT_LIMIT,
         on_slice: Callable[[int], None] | None = None,
     ) -> Prefault | None:
-        """Start faulting the arena's pages in on a background thread (returns at once), so
-        first writes run at the speed of later ones; :meth:`close` stops and joins it. Safe
-        while objects are written (contents are never changed: :mod:`.prefault`).
+        """Start faulting the arena's first ``limit_bytes`` in on a background thread
+        (returns at once), so first writes run at the speed of later ones; :meth:`close`
+        stops and joins it. Safe while objects are written (contents are never changed:
+        :mod:`.prefault`).
 
         Returns the worker, or None when there is nothing to do: the arena is page-locked
         (already resident), the pool is closed, or a worker was started before.
 
         Raises:
-            InvalidInputError: ``slice_bytes`` is not a positive multiple of 4096.
+            InvalidInputError: ``slice_bytes`` is not a positive multiple of 4096, or
+                ``limit_bytes`` is not a positive int.
         """
         if self.pinned or self._closed or self._prefault is not None:
             return None
-        worker = Prefault(self._arena, slice_bytes=slice_bytes, on_slice=on_slice)
+        worker = Prefault(
+            self._arena, slice_bytes=slice_bytes, limit_bytes=limit_bytes, on_slice=on_slice
+        )
         self._prefault = worker
         worker.start()
         return worker

@@ -27,11 +27,14 @@ import torch
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.logging import get_logger
 
-__all__ = ["DEFAULT_PREFAULT_SLICE", "Prefault", "advise_huge_pages"]
+__all__ = ["DEFAULT_PREFAULT_LIMIT", "DEFAULT_PREFAULT_SLICE", "Prefault", "advise_huge_pages"]
 
 log = get_logger(__name__)
 
 DEFAULT_PREFAULT_SLICE: Final = 16 * 1024 * 1024
+DEFAULT_PREFAULT_LIMIT: Final = 1024**3
+"""Bytes faulted in at most, from the start of the arena (where first allocations land):
+the first requests' worth; the rest of a larger pool faults in as it is used."""
 """Bytes faulted in per call: what :meth:`Prefault.stop` may wait for (a few ms)."""
 
 _OS_PAGE: Final = 4096
@@ -73,7 +76,7 @@ def advise_huge_pages(arena: torch.Tensor) -> bool:
 
 class Prefault:
     """A thread that faults ``arena``'s pages in, ``slice_bytes`` at a time, until it has
-    covered the arena or :meth:`stop` is called.
+    covered the arena's first ``limit_bytes`` or :meth:`stop` is called.
 
     ``on_slice(offset)`` runs on the thread before each slice (tests hold the worker there).
     The thread holds a reference to ``arena`` until it ends, so the memory stays mapped.
@@ -84,11 +87,16 @@ class Prefault:
         arena: torch.Tensor,
         *,
         slice_bytes: int = DEFAULT_PREFAULT_SLICE,
+        limit_bytes: int = DEFAULT_PREFAULT_LIMIT,
         on_slice: Callable[[int], None] | None = None,
     ) -> None:
         """Raises:
-        InvalidInputError: ``slice_bytes`` is not a positive multiple of 4096.
+        InvalidInputError: ``slice_bytes`` is not a positive multiple of 4096, or
+            ``limit_bytes`` is not a positive int.
         """
+        if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0:
+            raise InvalidInputError(f"limit_bytes must be a positive int, got {limit_bytes!r}")
+        self._limit = limit_bytes
         if isinstance(slice_bytes, bool) or not isinstance(slice_bytes, int):
             raise InvalidInputError(f"slice_bytes must be an int, got {slice_bytes!r}")
         if slice_bytes <= 0 or slice_bytes % _OS_PAGE:
@@ -137,6 +145,7 @@ class Prefault:
         if arena is None or madvise is None:
             return
         start, length = _span(arena)
+        length = min(length, self._limit)
         offset = 0
         while offset < length and not self._stopping.is_set():
             if self._on_slice is not None:

@@ -127,3 +127,24 @@ def test_a_slice_must_be_whole_os_pages() -> None:
     for bad in (0, 100, 4096 + 1, True):
         with pytest.raises(InvalidInputError, match="slice_bytes"):
             Prefault(arena, slice_bytes=bad)
+
+
+@linux_only
+def test_a_pool_larger_than_the_limit_faults_in_its_first_bytes_only() -> None:
+    pool = MemoryPool(64 * MiB, pin_memory=False)
+    try:
+        before = rss_bytes()
+        worker = pool.prefault(slice_bytes=4 * MiB, limit_bytes=16 * MiB)
+        assert worker is not None
+        assert worker.join(TIMEOUT)
+        assert worker.faulted_bytes == 16 * MiB
+        assert rss_bytes() - before < 48 * MiB  # the rest is untouched
+    finally:
+        pool.close()
+
+
+def test_a_limit_must_be_a_positive_int() -> None:
+    arena = torch.empty(4096, dtype=torch.uint8)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidInputError, match="limit_bytes"):
+            Prefault(arena, limit_bytes=bad)  # type: ignore[arg-type]
