@@ -1076,6 +1076,9 @@ class VllmRuns:
                 "chunk_size": CHUNK,
                 "instance_id": f"t{os.getpid()}{name}{len(list(self.root.iterdir()))}",
                 "socket_dir": str(self.root),
+                # A busy machine may take seconds to read a disk hit: the promise waits for
+                # all of it, so the counts below do not depend on the machine's load.
+                "prefetch_timeout": 60,
             }
             if sidecar is None:
                 config["max_local_cpu_size"] = 0.25
