@@ -1076,9 +1076,12 @@ class VllmRuns:
                 "chunk_size": CHUNK,
                 "instance_id": f"t{os.getpid()}{name}{len(list(self.root.iterdir()))}",
                 "socket_dir": str(self.root),
-                # A busy machine may take seconds to read a disk hit: the promise waits for
-                # all of it, so the counts below do not depend on the machine's load.
+                # A busy machine may take seconds to read a disk hit, and its measured
+                # speeds swing: the promise waits for the whole read, and a slow prefill
+                # makes every hit worth loading, so the counts below check the loads, not
+                # the cost model's choice under the machine's load.
                 "prefetch_timeout": 60,
+                "prefill_tokens_per_s": 1,
             }
             if sidecar is None:
                 config["max_local_cpu_size"] = 0.25
