@@ -231,17 +231,13 @@ class MemoryPool:
         limit_bytes: int = DEFAULT_PREFAULT_LIMIT,
         on_slice: Callable[[int], None] | None = None,
     ) -> Prefault | None:
-        """Start faulting the arena's first ``limit_bytes`` in on a background thread
-        (returns at once), so first writes run at the speed of later ones; :meth:`close`
-        stops and joins it. Safe while objects are written (contents are never changed:
-        :mod:`.prefault`).
-
-        Returns the worker, or None when there is nothing to do: the arena is page-locked
-        (already resident), the pool is closed, or a worker was started before.
+        """Fault the arena's first ``limit_bytes`` in on a thread (returns at once), so
+        first writes run at the speed of later ones; :meth:`close` stops and joins it.
+        Safe while objects are written (:mod:`.prefault`). Returns the worker, or None:
+        the arena is page-locked (resident), the pool closed, or a worker started before.
 
         Raises:
-            InvalidInputError: ``slice_bytes`` is not a positive multiple of 4096, or
-                ``limit_bytes`` is not a positive int.
+            InvalidInputError: a bad ``slice_bytes`` or ``limit_bytes`` (:class:`Prefault`).
         """
         if self.pinned or self._closed or self._prefault is not None:
             return None
