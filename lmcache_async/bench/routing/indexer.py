@@ -39,7 +39,7 @@ from typing import Any, Final, NamedTuple
 
 import httpx
 
-from .ports import free_port
+from .ports import free_port, log_tail
 
 __all__ = [
     "DynamoIndexer",
@@ -141,9 +141,7 @@ class DynamoIndexer:
 
     def log_tail(self, size: int = 4000) -> str:
         """The last ``size`` characters of the indexer's log (for failure messages)."""
-        if not self.log_path.exists():
-            return ""
-        return self.log_path.read_text(errors="replace")[-size:]
+        return log_tail(self.log_path, size)
 
     def _command(self) -> list[str]:
         args = [

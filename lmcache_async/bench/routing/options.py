@@ -91,16 +91,7 @@ class RoutingOptions:
             raise InvalidInputError(f"seed must be an int, got {self.seed!r}")
         if self.prefixes < 2:
             raise InvalidInputError(f"prefixes must be at least 2, got {self.prefixes}")
-        if self.chunk_size % self.block_size:
-            raise InvalidInputError(
-                f"chunk_size ({self.chunk_size}) must be a multiple of block_size "
-                f"({self.block_size})"
-            )
-        if self.prefix_tokens % self.chunk_size:
-            raise InvalidInputError(
-                f"prefix_tokens ({self.prefix_tokens}) must be a multiple of chunk_size "
-                f"({self.chunk_size}): only whole chunks are cached"
-            )
+        check_prompt_sizes(self.block_size, self.chunk_size, self.prefix_tokens)
         if self.suffix_tokens >= self.block_size:
             raise InvalidInputError(
                 f"suffix_tokens ({self.suffix_tokens}) must be below block_size "
@@ -162,6 +153,24 @@ class RoutingOptions:
             "vllm_cache_prefixes": self.vllm_prefixes,
             "cpu_tier_prefixes": self.cpu_prefixes,
         }
+
+
+def check_prompt_sizes(block_size: int, chunk_size: int, prefix_tokens: int) -> None:
+    """Prefixes of whole chunks of whole blocks.
+
+    Raises:
+        InvalidInputError: ``chunk_size`` is not a multiple of ``block_size``, or
+            ``prefix_tokens`` not a multiple of ``chunk_size``.
+    """
+    if chunk_size % block_size:
+        raise InvalidInputError(
+            f"chunk_size ({chunk_size}) must be a multiple of block_size ({block_size})"
+        )
+    if prefix_tokens % chunk_size:
+        raise InvalidInputError(
+            f"prefix_tokens ({prefix_tokens}) must be a multiple of chunk_size "
+            f"({chunk_size}): only whole chunks are cached"
+        )
 
 
 def _positive(name: str, value: object) -> None:

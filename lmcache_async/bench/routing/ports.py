@@ -1,10 +1,11 @@
-"""Free loopback TCP ports for the child processes the routing benchmark starts."""
+"""Free loopback TCP ports and log tails for the child processes the benchmarks start."""
 
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
-__all__ = ["free_port"]
+__all__ = ["free_port", "log_tail"]
 
 
 def free_port() -> int:
@@ -14,3 +15,12 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def log_tail(path: Path, size: int) -> str:
+    """The last ``size`` characters of the log at ``path`` ("" when there is none yet),
+    for failure messages."""
+    try:
+        return path.read_text(errors="replace")[-size:]
+    except OSError:
+        return ""

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
-from .ports import free_port
+from .ports import free_port, log_tail
 
 __all__ = [
     "START_TIMEOUT",
@@ -141,10 +141,7 @@ class VllmServer:
         return self._process is not None and self._process.poll() is None
 
     def log_tail(self, size: int = 6000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-size:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, size)
 
     def _command(self) -> list[str]:
         events = {

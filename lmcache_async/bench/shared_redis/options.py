@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
+from lmcache_async.bench.routing.options import check_prompt_sizes
 from lmcache_async.config import GB
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.keys.tokens import is_strict_int
@@ -72,16 +73,7 @@ class SharedRedisOptions:
                 raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
         if not is_strict_int(self.seed):
             raise InvalidInputError(f"seed must be an int, got {self.seed!r}")
-        if self.chunk_size % self.block_size:
-            raise InvalidInputError(
-                f"chunk_size ({self.chunk_size}) must be a multiple of block_size "
-                f"({self.block_size})"
-            )
-        if self.prefix_tokens % self.chunk_size:
-            raise InvalidInputError(
-                f"prefix_tokens ({self.prefix_tokens}) must be a multiple of chunk_size "
-                f"({self.chunk_size}): only whole chunks are cached"
-            )
+        check_prompt_sizes(self.block_size, self.chunk_size, self.prefix_tokens)
         if self.suffix_tokens >= self.chunk_size:
             raise InvalidInputError(
                 f"suffix_tokens ({self.suffix_tokens}) must be below chunk_size ({self.chunk_size})"

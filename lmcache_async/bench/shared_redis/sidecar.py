@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
-from lmcache_async.bench.routing.ports import free_port
+from lmcache_async.bench.routing.ports import free_port, log_tail
 from lmcache_async.bench.routing.server import ServerError
 
 __all__ = ["READY_TIMEOUT", "SidecarProcess", "parse_metrics"]
@@ -60,10 +60,7 @@ class SidecarProcess:
         self._process: subprocess.Popen[bytes] | None = None
 
     def log_tail(self, size: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-size:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, size)
 
     def _command(self) -> list[str]:
         return [
