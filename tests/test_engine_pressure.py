@@ -16,7 +16,7 @@ import anyio
 import pytest
 import torch
 
-from lmcache_async import CacheEngine, EngineConfig, KVLayout
+from lmcache_async import CacheEngine, EngineConfig, EventKind, KVLayout
 
 CHUNK = 16
 BLOCK_SIZE = 16
@@ -338,3 +338,27 @@ async def test_eviction_frees_only_what_is_needed() -> None:
                 assert s.evicted_chunks == extra
             hits = [await engine.lookup(t) for t in prompts.tokens]
             assert hits == [0] * 3 + [CHUNK] * capacity
+
+
+
+@pytest.mark.anyio
+async def test_a_store_into_a_full_tier_evicts_for_all_its_chunks_at_once() -> None:
+    """A store of k new chunks into a full tier evicts the k least recently used in one
+    pass: one removal event naming exactly the oldest prompt's chunks, nothing else."""
+    chunk_bytes = await measure_chunk_bytes()
+    prompts = Prompts(seed=17, count=3, chunks=4)
+    with anyio.fail_after(30):
+        async with engine_with_room_for(
+            8, chunk_bytes, allocation_timeout=2.0, enable_kv_events=True
+        ) as engine:
+            assert await prompts.store(engine, 0) == 4 * CHUNK
+            assert await prompts.store(engine, 1) == 4 * CHUNK
+            stored = [e for e in engine.take_events() if e.kind is EventKind.STORED]
+            assert await prompts.store(engine, 2) == 4 * CHUNK
+            events = engine.take_events()
+            assert engine.stats().evicted_chunks == 4
+            assert await engine.lookup(prompts.tokens[0]) == 0
+            assert await engine.lookup(prompts.tokens[1]) == 4 * CHUNK
+    removed = [event for event in events if event.kind is EventKind.REMOVED]
+    assert len(removed) == 1, events
+    assert removed[0].block_hashes == stored[0].block_hashes

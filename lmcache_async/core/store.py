@@ -186,6 +186,10 @@ class StoreCore:
         shape_of = layout.layer_payload_shape if txn.layers else layout.payload_shape
         objs: list[MemoryObj] = []
         chunk: list[MemoryObj] = []
+        pool.make_room(
+            per_chunk
+            * sum(pool.pages_for(shape_of(txn.spans[index].num_tokens), dtype) for index in indices)
+        )
         try:
             for index in indices:
                 shape = shape_of(txn.spans[index].num_tokens)

@@ -257,6 +257,28 @@ class MemoryPool:
         """Install (or remove, with ``None``) the hook asked to free room when needed."""
         self._evictor = evictor
 
+    def pages_for(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """How many pages a ``shape``/``dtype`` payload takes.
+
+        Raises:
+            InvalidInputError: bad shape or dtype, or a request larger than the capacity.
+        """
+        return self._check_request(shape, dtype).npages
+
+    def make_room(self, npages: int) -> None:
+        """Ask the evictor once for whatever ``npages`` more pages need beyond those free:
+        a store about to allocate k payloads evicts for all of them in one pass over the
+        LRU, not once per payload. Nothing happens while :meth:`allocate` calls wait (they
+        are served first) or while the evictor runs."""
+        shortfall = npages - self._free_pages
+        if shortfall <= 0 or self._evictor is None or self._evicting or self._waiters:
+            return
+        self._evicting = True
+        try:
+            self._evictor(shortfall * self._page_size)
+        finally:
+            self._evicting = False
+
     def allocate_nowait(self, shape: Sequence[int], dtype: torch.dtype) -> MemoryObj | None:
         """Allocate a ``shape``/``dtype`` payload now, asking the evictor if it does not fit.
 
