@@ -186,6 +186,11 @@ class Queries(EngineBase):
     async def lookup_unpin(self, lookup_id: Hashable) -> None:
         """Release the pins taken by :meth:`lookup` or :meth:`promise` for ``lookup_id``
         (no-op if none); a promise's reading under way stops."""
+        self.lookup_unpin_now(lookup_id)
+
+    def lookup_unpin_now(self, lookup_id: Hashable) -> None:
+        """:meth:`lookup_unpin`, which never waits: for a socket reader on the event loop's
+        callbacks."""
         self._check_open()
         self._parts.promises.forget(lookup_id)
         self._parts.manager.unpin(lookup_id)

@@ -267,6 +267,12 @@ async def server_state(engine: RemoteCacheEngine) -> tuple[dict[str, Any], dict[
     return stats["engine"], stats["server"]
 
 
+async def requests_sent(engine: RemoteCacheEngine) -> int:
+    """How many requests ``engine`` has sent (a STATS request itself among them)."""
+    requests: int = (await engine.stats())["client"]["requests"]
+    return requests
+
+
 # -- two client processes ---------------------------------------------------------------------
 
 
@@ -358,6 +364,33 @@ async def test_mask_and_negative_slots_bound_what_moves(sidecar: Sidecar) -> Non
     part = slots[CHUNK : 3 * CHUNK]
     assert torch.equal(payload_of(target, part), payload_of(kv, part))
     assert not payload_of(target, slots[:CHUNK]).any()  # nothing written before the mask
+
+
+@pytest.mark.anyio
+@pytest.mark.subprocess
+async def test_a_pinned_lookup_that_finds_nothing_holds_nothing(sidecar: Sidecar) -> None:
+    """A pinned lookup answered with no hit leaves nothing under its id on the sidecar (an
+    earlier lookup's pins under the id released): its unpin costs no request."""
+    num_tokens = 2 * CHUNK
+    kv, slots = kv_for(num_tokens, 78)
+    tokens = prompt(num_tokens, 5100)
+    with anyio.fail_after(60):
+        async with connect(sidecar.url, timeout=10) as engine:
+            assert await engine.store(tokens, kv_caches=kv, slot_mapping=slots) == num_tokens
+            assert await engine.lookup(tokens, lookup_id="x", pin=True) == num_tokens
+            pinned, server = await server_state(engine)
+            assert (pinned["pinned_chunks"], server["session_lookup_ids"]) == (2, 1)
+            # The same id, a prompt the sidecar lacks: the earlier pins go with it.
+            assert await engine.lookup(prompt(num_tokens, 5101), lookup_id="x", pin=True) == 0
+            emptied, server = await server_state(engine)
+            assert (emptied["pinned_chunks"], server["session_lookup_ids"]) == (0, 0)
+            before = await requests_sent(engine)
+            await engine.lookup_unpin("x")
+            after_skip = await requests_sent(engine)
+            await engine.lookup_unpin("never-used")  # not known to be empty: sent
+            after_sent = await requests_sent(engine)
+            # Each count itself is a request: one between counts means the unpin was not sent.
+            assert (after_skip - before, after_sent - after_skip) == (1, 2)
 
 
 @pytest.mark.anyio

@@ -254,6 +254,13 @@ async def test_per_peer_caps_on_requests_and_pins_answer_busy(short_dir: Path) -
                 assert server.admission.in_flight == 2
                 reply = await other.ask(MessageType.LOOKUP, {}, [frame])
                 assert reply.type is MessageType.LOOKUP  # another peer has slots of its own
+                # A lookup that finds nothing holds no id: the prompt is stored first.
+                lent = await other.ask(MessageType.STORE, {}, [frame])
+                nbytes = lent.header["chunks"][0][3]
+                done = await other.ask(
+                    MessageType.COMMIT, {"txn": lent.header["txn"]}, [bytes(nbytes)]
+                )
+                assert done.header["stored"] == CHUNK, done.header
                 for lookup_id, code in (("a", None), ("b", None), ("c", "busy"), ("a", None)):
                     header = {"pin": True, "lookup_id": lookup_id}
                     reply = await other.ask(MessageType.LOOKUP, header, [frame])

@@ -8,9 +8,10 @@ remembered ones while the request is in flight.
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.to_thread
@@ -30,12 +31,19 @@ __all__ = ["Lookups"]
 
 log = get_logger(__name__)
 
+_EMPTY_IDS: Final = 4096
+"""Lookup ids remembered as holding no pins: more than a serving engine has requests in
+flight."""
+
 
 class Lookups:
     """The lookup requests over ``conn``."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
+        # Lookup ids whose pinned lookup the sidecar answered with no hit: it holds nothing
+        # under them, so their UNPIN is not sent (a round trip saved on every miss).
+        self._empty: collections.OrderedDict[int | str, None] = collections.OrderedDict()
 
     async def digests(self, hasher: ChunkHasher, tokens: Tokens) -> list[bytes]:
         """The chunk digests of ``tokens``: remembered, hashed here when short, else in a
@@ -91,10 +99,25 @@ class Lookups:
             return 0
         try:
             reply = await conn.ask(link, msg_type, header, payloads, meanwhile=meanwhile)
-            return count(reply, "hits")
+            hits = count(reply, "hits")
         except (Unavailable, ProtocolError) as exc:
             log.debug("sidecar_request_missed", type=msg_type.name, error=str(exc))
             return None
+        if msg_type is MessageType.LOOKUP and header.get("pin") is True:
+            self._note_pins(header["lookup_id"], hits)
+        return hits
+
+    def _note_pins(self, lookup_id: int | str, hits: int) -> None:
+        """Remember whether the sidecar holds pins under ``lookup_id`` after a pinned
+        lookup that found ``hits`` tokens (the last :data:`_EMPTY_IDS` ids that hold none)."""
+        empty = self._empty
+        if hits:
+            empty.pop(lookup_id, None)
+            return
+        empty[lookup_id] = None
+        empty.move_to_end(lookup_id)
+        if len(empty) > _EMPTY_IDS:
+            empty.popitem(last=False)  # forgotten: its UNPIN is sent, which is harmless
 
     async def prefetch(
         self,
@@ -158,7 +181,10 @@ class Lookups:
         """As :meth:`RemoteCacheEngine.lookup_unpin`."""
         conn = self._conn
         conn.check_open()
-        header = {"lookup_id": check_lookup_id(lookup_id)}
+        checked = check_lookup_id(lookup_id)
+        if self._empty.pop(checked, False) is None:
+            return  # its lookup pinned nothing
+        header = {"lookup_id": checked}
         link = await conn.usable()
         if link is None:
             return

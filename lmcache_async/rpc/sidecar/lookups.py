@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmcache_async.engine import CacheEngine
 from lmcache_async.rpc.protocol import Message, tenant_of
 from lmcache_async.rpc.sidecar.fields import (
     digests_frame,
@@ -46,6 +47,16 @@ def pin_fields(
     return pin, lookup_id, None if lookup_id is None else session.scoped(lookup_id)
 
 
+def _forget_empty(
+    session: Session, engine: CacheEngine, pin: bool, lookup_id: int | str | None, hits: int
+) -> None:
+    """A pinned lookup that found nothing holds nothing: its id is forgotten here (and any
+    pins an earlier lookup took under it released), so the client owes no UNPIN for it."""
+    if pin and hits == 0 and lookup_id is not None:
+        session.lookup_ids.discard(lookup_id)
+        engine.lookup_unpin_now(session.scoped(lookup_id))
+
+
 class LookupHandlers:
     """The lookup requests, answered by the engine ``host`` holds."""
 
@@ -74,7 +85,20 @@ class LookupHandlers:
         )
         if hits is None:
             return None
+        _forget_empty(session, engine, pin, lookup_id, hits)
         return {"hits": hits}
+
+    def unpin_now(self, session: Session | None, message: Message) -> dict[str, Any] | None:
+        """An UNPIN, answered at once: releasing pins never waits."""
+        assert session is not None
+        engine = self._host.engine
+        if engine is None:
+            return None
+        lookup_id = lookup_id_field(message.header, required=True)
+        assert lookup_id is not None
+        session.lookup_ids.discard(lookup_id)
+        engine.lookup_unpin_now(session.scoped(lookup_id))
+        return {}
 
     async def on_lookup(self, session: Session | None, message: Message) -> Reply:
         assert session is not None
@@ -99,6 +123,7 @@ class LookupHandlers:
                 search_range=search_range,
                 tenant=tenant,
             )
+            _forget_empty(session, engine, pin, lookup_id, hits)
             return {"hits": hits}, ()
         tokens, hashes, offsets = key_input(message, self._max_chunks)
         if pin and lookup_id is not None:
@@ -112,6 +137,7 @@ class LookupHandlers:
             search_range=search_range,
             tenant=tenant,
         )
+        _forget_empty(session, engine, pin, lookup_id, hits)
         return {"hits": hits}, ()
 
     async def _promise(self, session: Session, message: Message) -> Reply:

@@ -134,7 +134,7 @@ class SidecarServer:
             MessageType.PING: Route(hello.on_ping, False, False, hello.ping_now),
             MessageType.LOOKUP: Route(lookups.on_lookup, True, True, lookups.now),
             MessageType.PREFETCH: Route(lookups.on_prefetch, True, True),
-            MessageType.UNPIN: Route(lookups.on_unpin, True, True),
+            MessageType.UNPIN: Route(lookups.on_unpin, True, True, lookups.unpin_now),
             MessageType.STORE: Route(data.on_store, True, True),
             MessageType.COMMIT: Route(data.on_commit, True, True),
             MessageType.RETRIEVE: Route(data.on_retrieve, True, True),
