@@ -340,7 +340,6 @@ async def test_eviction_frees_only_what_is_needed() -> None:
             assert hits == [0] * 3 + [CHUNK] * capacity
 
 
-
 @pytest.mark.anyio
 async def test_a_store_into_a_full_tier_evicts_for_all_its_chunks_at_once() -> None:
     """A store of k new chunks into a full tier evicts the k least recently used in one
