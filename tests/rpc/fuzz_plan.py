@@ -485,15 +485,16 @@ GARBAGE: Final = (
 
 
 @st.composite
-def garbage_shots(draw: st.DrawFn) -> Shot:
-    """A message broken below the fields: its type frame, its header's msgpack, its frame
-    count and sizes. Never one that decodes as a SHUTDOWN."""
+def garbage_shots(draw: st.DrawFn, how: str | None = None) -> Shot:
+    """A message broken below the fields (``how``, else drawn from :data:`GARBAGE`): its
+    type frame, its header's msgpack, its frame count and sizes. Never one that decodes as
+    a SHUTDOWN."""
     kind = draw(st.sampled_from(KINDS))
     header, payloads = draw(TEMPLATES[kind])
     header = {"v": PROTOCOL_VERSION, "id": 1, **header}
     if payloads:
         header["sizes"] = [len(p) for p in payloads]
-    how = draw(st.sampled_from(GARBAGE))
+    how = draw(st.sampled_from(GARBAGE)) if how is None else how
     type_frame = bytes((int(kind),))
     raw: dict[str, Any] | bytes | None = header
     sizes: object = OMIT
@@ -606,8 +607,11 @@ def batches(size: int) -> st.SearchStrategy[Batch]:
 def plan(seed: int, count: int, size: int) -> list[Batch]:
     """``count`` batches of ``size`` cases, drawn by Hypothesis from ``seed`` alone (no
     example database, no shrinking): the same arguments give the same plan. Hypothesis's
-    first example is its simplest (every case the same valid ERROR): it is left out."""
+    first example is its simplest (every case the same valid ERROR): it is left out. The
+    last batch also sends one message broken each way of :data:`GARBAGE`, so that every
+    way is sent whatever Hypothesis draws."""
     drawn: list[Batch] = []
+    every_way: list[Shot] = []
 
     @settings(
         database=None,
@@ -618,11 +622,13 @@ def plan(seed: int, count: int, size: int) -> list[Batch]:
         print_blob=False,
     )
     @hypothesis_seed(seed)
-    @given(batches(size))
-    def collect(batch: Batch) -> None:
+    @given(batches(size), st.tuples(*(garbage_shots(how) for how in GARBAGE)))
+    def collect(batch: Batch, garbage: tuple[Shot, ...]) -> None:
         drawn.append(batch)
+        every_way[:] = garbage
 
     collect()
     if len(drawn) <= count:
         raise RuntimeError(f"Hypothesis drew {len(drawn)} batches of the {count + 1} asked")
-    return drawn[1:]
+    last = drawn[-1]
+    return [*drawn[1:-1], Batch((*last.cases, *every_way), last.deaf)]

@@ -31,7 +31,7 @@ def test_the_plan_is_drawn_from_the_seed_alone() -> None:
     first, again, other = plan(5, 2, 40), plan(5, 2, 40), plan(6, 2, 40)
     assert first == again
     assert first != other
-    assert [len(batch.cases) for batch in first] == [40, 40]
+    assert [len(batch.cases) for batch in first] == [40, 40 + len(GARBAGE)]
 
 
 def assert_clean(summary: FuzzSummary, messages: int) -> None:
