@@ -6,13 +6,17 @@ int32 by :func:`~lmcache_async.keys.tokens.token_array`, hashed into spans, payl
 allocated from the pool, :meth:`StorageManager.put <.manager.StorageManager.put>`, the
 caller's references dropped) and counts what is left allocated. ``tracemalloc`` sees
 Python's allocations only: memory torch allocates for itself (a tensor's C++ structures)
-is not counted, which is why no chunk keeps a tensor of its own.
+is not counted, which is why no chunk keeps a tensor of its own. So a second pass, without
+``tracemalloc``, counts what the process's resident memory grew by beyond the payloads'
+pages: everything each chunk holds, whoever allocated it (Linux; None elsewhere).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
+import os
 import tracemalloc
 from typing import NamedTuple
 
@@ -43,6 +47,9 @@ class CPUTierFootprint(NamedTuple):
     """Python memory each chunk holds beyond its payload (tracemalloc)."""
     events: bool
     """Whether KV events were recorded (each store's event kept, none taken)."""
+    rss_bytes_per_chunk: float | None = None
+    """Resident memory each chunk holds beyond its payload's pages, from a pass without
+    tracemalloc (None when not measured or not on Linux)."""
 
 
 async def measure_cpu_tier(
@@ -53,11 +60,13 @@ async def measure_cpu_tier(
     chunks_per_store: int = 100,
     events: bool = True,
     seed: int = 0,
+    resident: bool = False,
 ) -> CPUTierFootprint:
     """Store ``chunks`` chunks of ``chunk_tokens`` tokens (``token_bytes`` of KV each) into
     a CPU tier that holds them all, ``chunks_per_store`` per store, and measure what each
     costs. With ``events`` the event buffer keeps every store's event (unbounded here; the
-    engine's is bounded by ``max_kv_event_bytes``).
+    engine's is bounded by ``max_kv_event_bytes``). With ``resident`` a second pass
+    measures resident memory too.
 
     Raises:
         InvalidInputError: a count or size is not positive.
@@ -66,6 +75,53 @@ async def measure_cpu_tier(
         raise InvalidInputError(
             "chunks, chunk_tokens, token_bytes and chunks_per_store must be > 0"
         )
+    fill = functools.partial(
+        _fill, chunks, chunk_tokens, token_bytes, chunks_per_store, events, seed
+    )
+    rss = None
+    if resident and _resident_bytes() is not None:
+        # First: memory the traced pass freed would be reused here unseen.
+        rss = (await fill(traced=False)).grown / chunks
+    traced = await fill(traced=True)
+    return CPUTierFootprint(
+        chunks=traced.held,
+        chunk_bytes=chunk_tokens * token_bytes,
+        pool_bytes_per_chunk=traced.pool_used / chunks,
+        overhead_bytes_per_chunk=traced.grown / chunks,
+        events=events,
+        rss_bytes_per_chunk=rss,
+    )
+
+
+class _Filled(NamedTuple):
+    held: int
+    pool_used: int
+    grown: int
+    """Bytes the fill left allocated (traced), or resident beyond the pool's used pages."""
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory, or None where ``/proc`` does not say."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+async def _fill(  # noqa: PLR0917 (measure_cpu_tier's arguments, bound by a partial)
+    chunks: int,
+    chunk_tokens: int,
+    token_bytes: int,
+    chunks_per_store: int,
+    events: bool,
+    seed: int,
+    *,
+    traced: bool,
+) -> _Filled:
+    """One pass of :func:`measure_cpu_tier`: a tier filled with ``chunks`` chunks, and what
+    it left allocated (``traced``) or resident. The stores write no payload: the pool's
+    pages stay as they were, and what grows is what the chunks hold."""
     chunk_bytes = chunk_tokens * token_bytes
     page = page_size_for(chunk_bytes)
     pool = MemoryPool(
@@ -89,22 +145,26 @@ async def measure_cpu_tier(
         for obj in held:
             obj.unref()
 
-    started = not tracemalloc.is_tracing()
+    def measure() -> int:
+        gc.collect()
+        if traced:
+            return tracemalloc.get_traced_memory()[0]
+        return _resident_bytes() or 0
+
+    started = traced and not tracemalloc.is_tracing()
     if started:
         tracemalloc.start()
     try:
         await store(1)  # the first store builds what every later one shares
         cpu.clear_nowait()
         buffer.take()
-        gc.collect()
-        before = tracemalloc.get_traced_memory()[0]
+        before = measure()
         done = 0
         while done < chunks:
             count = min(chunks_per_store, chunks - done)
             await store(count)
             done += count
-        gc.collect()
-        after = tracemalloc.get_traced_memory()[0]
+        grown = measure() - before
         used = pool.stats().used_bytes
         held_chunks = len(cpu)
     finally:
@@ -113,10 +173,4 @@ async def measure_cpu_tier(
         cpu.clear_nowait()
         await manager.aclose()
         pool.close()
-    return CPUTierFootprint(
-        chunks=held_chunks,
-        chunk_bytes=chunk_bytes,
-        pool_bytes_per_chunk=used / chunks,
-        overhead_bytes_per_chunk=(after - before) / chunks,
-        events=events,
-    )
+    return _Filled(held_chunks, used, grown)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,8 @@ async def test_a_tiny_run_measures_every_tier_at_each_size(tmp_path: Path) -> No
         assert row["held"] == row["chunks"]
         assert row["index_bytes_per_chunk"] > 0
         assert row["pool_bytes_per_chunk"] == 4096
+        if sys.platform.startswith("linux"):
+            assert row["resident_bytes_per_chunk"] > 0
     for row in results["tiers"]["disk"]["rows"]:
         n = row["chunks"]
         assert row["files"] == n and row["walk_s"] > 0

@@ -76,8 +76,10 @@ async def cpu_at_size(run: ScaleRun, size: int) -> dict[str, Any]:
         token_bytes=kit.layout.token_bytes,
         events=False,
         seed=options.seed,
+        resident=True,
     )
     row["index_bytes_per_chunk"] = footprint.overhead_bytes_per_chunk
+    row["resident_bytes_per_chunk"] = footprint.rss_bytes_per_chunk
     row["pool_bytes_per_chunk"] = footprint.pool_bytes_per_chunk
     row["loadavg"] = os.getloadavg()
     row["problems"] = problems

@@ -68,10 +68,18 @@ def _growth(section: Mapping[str, Any]) -> str:
     return f"p50 growth exponent {sizes[0]} -> {sizes[-1]} chunks (0: flat, 1: linear): {parts}"
 
 
+def _bytes(value: float | None) -> str:
+    """Bytes per chunk, or ``-`` where they were not measured."""
+    return "-" if value is None else format_finite(value, ".0f")
+
+
 def _cpu(section: Mapping[str, Any]) -> list[str]:
     rows = section["rows"]
     table = format_table(
-        ["chunks", "open ms", "1st hit ms", "fill chunk/s", *_OP_HEADERS, "index B/chunk", "load"],
+        [
+            *("chunks", "open ms", "1st hit ms", "fill chunk/s", *_OP_HEADERS),
+            *("index B/chunk", "resident B/chunk", "load"),
+        ],
         [
             [
                 str(row["chunks"]),
@@ -80,12 +88,17 @@ def _cpu(section: Mapping[str, Any]) -> list[str]:
                 format_finite(row["fill_chunks_per_s"], ".0f"),
                 *_ops(row),
                 format_finite(row["index_bytes_per_chunk"], ".0f"),
+                _bytes(row.get("resident_bytes_per_chunk")),
                 _load(row),
             ]
             for row in rows
         ],
     )
-    return ["CPU tier (RAM): engine open, first RAM hit, requests of 1024 tokens", table]
+    return [
+        "CPU tier (RAM): engine open, first RAM hit, requests of 1024 tokens; bytes a chunk "
+        "holds beyond its payload (Python's allocations; resident memory, torch's too)",
+        table,
+    ]
 
 
 def _disk(section: Mapping[str, Any]) -> list[str]:
