@@ -29,7 +29,6 @@ pageable arena in on a thread of :mod:`lmcache_async.memory.prefault`.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -42,6 +41,7 @@ from lmcache_async.errors import AllocationTimeoutError, EngineClosedError, Inva
 from lmcache_async.logging import get_logger
 from lmcache_async.memory.arena import Buffer, alignment_skip, buffer_tensor, host_arena
 from lmcache_async.memory.budget import AllocationBudget, current_budget, waited_in_vain
+from lmcache_async.memory.free_runs import FreeRuns
 from lmcache_async.memory.objects import MemoryObj
 from lmcache_async.memory.pages import DEFAULT_PAGE_SIZE, PAGE_ALIGNMENT, page_size_for
 from lmcache_async.memory.prefault import (
@@ -148,9 +148,7 @@ class MemoryPool:
         self._evicting = False
         self._closed = False
         # Free runs of pages, sorted by start page; never adjacent (they are coalesced).
-        self._free_starts: list[int] = [0]
-        self._free_lens: list[int] = [num_pages]
-        self._free_pages = num_pages
+        self._free = FreeRuns(num_pages)
         self._num_objects = 0
         self._pinned = 0
         self._waiters: deque[_Waiter] = deque()
@@ -270,7 +268,7 @@ class MemoryPool:
         a store about to allocate k payloads evicts for all of them in one pass over the
         LRU, not once per payload. Nothing happens while :meth:`allocate` calls wait (they
         are served first) or while the evictor runs."""
-        shortfall = npages - self._free_pages
+        shortfall = npages - self._free.free
         if shortfall <= 0 or self._evictor is None or self._evicting or self._waiters:
             return
         self._evicting = True
@@ -354,7 +352,7 @@ class MemoryPool:
             "allocation_timeout",
             nbytes=request.nbytes,
             timeout=timeout,
-            free_bytes=self._free_pages * self._page_size,
+            free_bytes=self._free.free * self._page_size,
             waiters=len(self._waiters),
         )
         raise AllocationTimeoutError(
@@ -389,7 +387,7 @@ class MemoryPool:
     def stats(self) -> PoolStats:
         """Return a snapshot of occupancy (O(number of free runs))."""
         capacity = self.capacity_bytes
-        free = self._free_pages * self._page_size
+        free = self._free.free * self._page_size
         return PoolStats(
             capacity_bytes=capacity,
             used_bytes=capacity - free,
@@ -397,7 +395,7 @@ class MemoryPool:
             num_objects=self._num_objects,
             pinned_objects=self._pinned,
             waiters=len(self._waiters),
-            largest_free_bytes=self._largest_free_pages() * self._page_size,
+            largest_free_bytes=self._free.largest() * self._page_size,
             pinned_bytes=self.pinned_bytes,
         )
 
@@ -438,63 +436,24 @@ class MemoryPool:
 
     def _take(self, npages: int) -> int | None:
         """Carve ``npages`` contiguous pages, asking the evictor while it frees something."""
-        page = self._carve(npages)
+        page = self._free.carve(npages)
         if page is not None or self._evictor is None or self._evicting:
             return page
         self._evicting = True
         try:
             while True:
-                shortfall = (npages - self._largest_free_pages()) * self._page_size
-                before = self._free_pages
+                shortfall = (npages - self._free.largest()) * self._page_size
+                before = self._free.free
                 self._evictor(shortfall)
-                page = self._carve(npages)
-                if page is not None or self._free_pages <= before:
+                page = self._free.carve(npages)
+                if page is not None or self._free.free <= before:
                     return page
         finally:
             self._evicting = False
 
-    def _carve(self, npages: int) -> int | None:
-        """First fit: take ``npages`` from the lowest free run that holds them."""
-        lens = self._free_lens
-        for i, run in enumerate(lens):
-            if run >= npages:
-                start = self._free_starts[i]
-                if run == npages:
-                    del self._free_starts[i]
-                    del lens[i]
-                else:
-                    self._free_starts[i] = start + npages
-                    lens[i] = run - npages
-                self._free_pages -= npages
-                return start
-        return None
-
-    def _give_back(self, page: int, npages: int) -> None:
-        """Return a run to the free list, merging it with adjacent free runs."""
-        starts, lens = self._free_starts, self._free_lens
-        i = bisect.bisect_left(starts, page)
-        merge_prev = i > 0 and starts[i - 1] + lens[i - 1] == page
-        merge_next = i < len(starts) and page + npages == starts[i]
-        if merge_prev and merge_next:
-            lens[i - 1] += npages + lens[i]
-            del starts[i]
-            del lens[i]
-        elif merge_prev:
-            lens[i - 1] += npages
-        elif merge_next:
-            starts[i] = page
-            lens[i] += npages
-        else:
-            starts.insert(i, page)
-            lens.insert(i, npages)
-        self._free_pages += npages
-
-    def _largest_free_pages(self) -> int:
-        return max(self._free_lens, default=0)
-
     def _release(self, obj: MemoryObj) -> None:
         """Called by :meth:`MemoryObj.unref` when the last reference is dropped."""
-        self._give_back(obj._page, obj.npages)
+        self._free.give_back(obj._page, obj.npages)
         self._num_objects -= 1
         if obj._pin > 0:
             self._pinned -= 1
