@@ -25,7 +25,10 @@ Each job lives in its own module so that importing this package stays cheap:
   KV-aware router (NVIDIA Dynamo's indexer): hit rate and time to first token of round
   robin, routing by vLLM's own KV events and routing by every tier's;
 - :mod:`lmcache_async.bench.shared_redis` — two hosts (a sidecar and ``vllm serve`` each)
-  sharing one Redis: a prompt only the other host saw, next to that host's warm hit.
+  sharing one Redis: a prompt only the other host saw, next to that host's warm hit;
+- :mod:`lmcache_async.bench.trace` — a production trace (Mooncake's JSONL) replayed against
+  an embedded engine, a sidecar or vLLM: the hit rate served next to an unbounded cache's
+  and a block LRU's of the same capacity, and a capacity sweep.
 
 The plain-torch copies the micro and GPU benchmarks measure the engine against live in
 :mod:`lmcache_async.bench.baselines`. This module holds the small helpers they all share:

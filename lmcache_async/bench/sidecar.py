@@ -57,6 +57,7 @@ __all__ = [
     "SidecarBenchOptions",
     "format_sidecar",
     "run_sidecar_bench",
+    "sidecar_process",
 ]
 
 TARGETS: Final[Mapping[str, float]] = {"throughput_ratio": 0.9, "lookup_p50_ms": 0.5}
@@ -344,11 +345,12 @@ def _start_sidecar(
 
 
 @contextlib.asynccontextmanager
-async def _sidecar(
+async def sidecar_process(
     config: EngineConfig, directory: str, curve: CurveFiles | None = None
 ) -> AsyncIterator[str]:
-    """A sidecar process (see :func:`_start_sidecar`); yields its URL and stops it
-    (SIGTERM, then SIGKILL) on exit."""
+    """A sidecar process: ``lmcache-async serve`` with ``config`` on an ipc socket in
+    ``directory`` (with ``curve``: on loopback tcp, serving that allow-list), its log in
+    ``directory``; yields its URL and stops it (SIGTERM, then SIGKILL) on exit."""
     url, process = _start_sidecar(config, directory, curve)
     try:
         yield url
@@ -420,7 +422,7 @@ async def run_sidecar_bench(
     cfg = base.replace(local_cpu=True, max_local_cpu_size=cache_bytes / GB, local_disk=None)
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="lmc-bench-") as directory:
-        async with _sidecar(cfg, directory) as url:
+        async with sidecar_process(cfg, directory) as url:
             await _wait_ready(url, work.layout, options)
             # In-process first, while the sidecar idles; then the same work through it.
             async with CacheEngine.open(cfg, work.layout, model_name=_MODEL) as local:
@@ -470,7 +472,7 @@ async def _measure_curve(
 ) -> dict[str, Any]:
     """The work through a sidecar under CURVE with an allow-list (loopback tcp)."""
     files = make_curve_files(os.path.join(directory, "curve"))
-    async with _sidecar(config, directory, files) as url:
+    async with sidecar_process(config, directory, files) as url:
         await _wait_ready(url, work.layout, options, files)
         async with RemoteCacheEngine.connect(
             url, work.layout, model_name=_MODEL, timeout=options.request_timeout, **_keys(files)

@@ -208,9 +208,12 @@ class VllmRunner:
         self.start = 0.0
         self.stopping = False
 
-    async def request(self, slot: int, prompt: Prompt, arrived: float) -> None:
+    async def request(
+        self, slot: int, prompt: Prompt, arrived: float, *, max_tokens: int | None = None
+    ) -> None:
         """Run one request; failures are counted, never raised. Its times count from
-        ``arrived`` (a request that waited for a free slot waited for its first token)."""
+        ``arrived`` (a request that waited for a free slot waited for its first token).
+        ``max_tokens``: tokens to generate (None: the target's setting)."""
         tally = self.tally
         tally.requests += 1
         tally.prompt_tokens += prompt.num_tokens
@@ -220,7 +223,8 @@ class VllmRunner:
         loaded = 0
         failed = False
         try:
-            result = await self.target.generate(request_id, prompt.tokens.tolist())
+            tokens = prompt.tokens.tolist()
+            result = await self.target.generate(request_id, tokens, max_tokens=max_tokens)
             waited = began - arrived
             timing["ttft"] = waited + result.ttft
             timing["request"] = waited + result.total

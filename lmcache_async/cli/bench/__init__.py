@@ -1,8 +1,9 @@
 """``lmcache-async bench``: its flags, and which benchmark they run.
 
 Without a mode flag it runs the load generator (:mod:`lmcache_async.bench.loadgen`);
-``--micro``, ``--tiers``, ``--sidecar``, ``--gpu``, ``--vllm-slow-tier``, ``--routing``,
-``--shared-redis`` and ``--scale`` run the other benchmarks.
+``--trace`` (and ``--trace-generate``), ``--micro``, ``--tiers``, ``--sidecar``, ``--gpu``,
+``--vllm-slow-tier``, ``--routing``, ``--shared-redis`` and ``--scale`` run the other
+benchmarks.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 __all__ = ["add_bench_parser"]
@@ -32,6 +33,7 @@ def add_bench_parser(sub: Any) -> None:
     _add_vllm_flags(bench.add_argument_group("vLLM target (--target vllm)"), emb)
     _add_vllm_bench_flags(bench)
     _add_tier_bench_flags(bench)
+    _add_trace_flags(bench)
 
 
 def _add_mode_flags(bench: Any) -> None:
@@ -132,7 +134,12 @@ def _add_load_flags(load: Any, emb: Any) -> None:
     )
     load.add_argument("--model-name", default=emb.model_name, help="the cache namespace")
     load.add_argument("--duration", type=float, default=emb.duration, metavar="SECONDS")
-    load.add_argument("--concurrency", type=int, default=emb.concurrency, help="in flight")
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help=f"in flight (default: {emb.concurrency}; with --trace: 1)",
+    )
     load.add_argument(
         "--rate",
         type=float,
@@ -246,8 +253,9 @@ def _add_vllm_bench_flags(bench: Any) -> None:
         default=None,
         metavar="DIR",
         help="--routing: where the model and the servers' and indexers' logs go; --scale: "
-        "where the disk directories go, kept and used again by a later run (default: a "
-        "temporary directory, removed after)",
+        "where the disk directories go, kept and used again by a later run; --trace: where "
+        "the disk tier's directory goes, removed after (default: a temporary directory, "
+        "removed after)",
     )
 
     shared = bench.add_argument_group(
@@ -302,4 +310,96 @@ def _add_tier_bench_flags(bench: Any) -> None:
         "--device",
         default="auto",
         help="auto (CUDA when available, else the CPU path), cuda, cuda:N or cpu",
+    )
+
+
+def _tokens(text: str) -> int:
+    """A token count as ``--trace-cpu-tokens`` takes it: ``3000000``, ``3M``, ``512k``."""
+    from lmcache_async.bench.trace import parse_capacities  # noqa: PLC0415
+    from lmcache_async.errors import InvalidInputError  # noqa: PLC0415
+
+    try:
+        (tokens,) = parse_capacities(text)
+    except (InvalidInputError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"a number of tokens (3M, 512k), got {text!r}") from exc
+    return tokens
+
+
+def _add_trace_flags(bench: Any) -> None:
+    """The trace replay's settings (``--trace``) and its synthetic trace (``--trace-generate``)."""
+    from lmcache_async.bench.trace import DEFAULT_BLOCK_SIZE  # noqa: PLC0415
+
+    bench.add_argument(
+        "--trace",
+        metavar="FILE.jsonl",
+        default=None,
+        help="replay a trace in Mooncake's JSONL format (timestamp, input_length, "
+        "output_length, hash_ids) against --target, beside its unbounded and block-LRU hit rates",
+    )
+    bench.add_argument(
+        "--trace-generate",
+        metavar="PATH.jsonl",
+        default=None,
+        help="write a synthetic trace (shared system prompts, multi-turn sessions, one-off "
+        "prompts) to PATH, then replay it if --trace names it too",
+    )
+    trace = bench.add_argument_group(
+        "trace replay (--trace; also takes --target, --url, --concurrency, --seed, the model "
+        "shape, --verify-every, --max-tokens, --cache-gb, --work-dir, --plot)"
+    )
+    trace.add_argument(
+        "--trace-block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="tokens per hash id, and the engine's chunk size",
+    )
+    trace.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    trace.add_argument(
+        "--speed",
+        type=float,
+        default=None,
+        metavar="X",
+        help="send each request at its timestamp, X times real time (default: closed loop)",
+    )
+    trace.add_argument(
+        "--trace-cpu-tokens",
+        type=_tokens,
+        default=None,
+        metavar="N",
+        help="a CPU tier of N tokens (default: --cache-gb or the config's; with a disk tier, "
+        "room for the prompts in flight and one more)",
+    )
+    trace.add_argument(
+        "--trace-disk-tokens",
+        type=_tokens,
+        default=None,
+        metavar="N",
+        help="a disk tier of N tokens behind the CPU tier, written through; the LRU bound is "
+        "at its capacity",
+    )
+    trace.add_argument(
+        "--capacities",
+        default=None,
+        metavar="TOKENS,...",
+        help="sweep the CPU tier's (with a disk tier: the disk tier's) capacity, e.g. "
+        "0.5M,1M,3M,10M: the block LRU's hit rate and the bytes of each",
+    )
+    trace.add_argument(
+        "--sweep-replay",
+        action="store_true",
+        help="--capacities: replay the trace at each capacity too (slow: one replay each)",
+    )
+    trace.add_argument(
+        "--trace-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="token ids below N (default: 32000, or the model's vocabulary for --target vllm)",
+    )
+    trace.add_argument(
+        "--trace-requests",
+        type=int,
+        default=3000,
+        metavar="N",
+        help="--trace-generate: requests in the synthetic trace",
     )

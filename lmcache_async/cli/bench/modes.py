@@ -28,6 +28,7 @@ __all__ = [
     "sidecar",
     "slow_tier",
     "tiers",
+    "trace",
 ]
 
 
@@ -259,7 +260,7 @@ def load(args: argparse.Namespace, config: EngineConfig) -> Outcome | int:
         model_name=args.model_name,
         seed=args.seed,
         duration=args.duration,
-        concurrency=args.concurrency,
+        concurrency=LoadOptions().concurrency if args.concurrency is None else args.concurrency,
         rate=args.rate,
         arrival=args.arrival,
         users=args.users,
@@ -299,3 +300,87 @@ def load(args: argparse.Namespace, config: EngineConfig) -> Outcome | int:
     if args.plot:
         write_plot(results, args.plot)
     return Outcome(results, format_summary(results), failed)
+
+
+def trace(args: argparse.Namespace, config: EngineConfig) -> Outcome | int:
+    """``--trace``: a production trace replayed against a target, beside its bounds;
+    ``--trace-generate``: a synthetic trace written first (and alone, without ``--trace``).
+
+    Raises:
+        InvalidInputError: a setting is invalid, or a line of the trace is bad.
+        OSError: the trace cannot be read or written.
+    """
+    from lmcache_async.bench.loadgen import check_plotting  # noqa: PLC0415
+    from lmcache_async.bench.trace import (  # noqa: PLC0415
+        TraceOptions,
+        format_trace,
+        generate_trace,
+        parse_capacities,
+        run_trace,
+        write_sweep_plot,
+    )
+    from lmcache_async.errors import (  # noqa: PLC0415
+        InvalidInputError,
+        ProtocolError,
+        TierUnavailableError,
+    )
+
+    block_size = args.trace_block_size
+    if args.trace_generate:
+        path, requests = args.trace_generate, args.trace_requests
+        ids = generate_trace(path, requests=requests, seed=args.seed, block_size=block_size)
+        wrote = f"wrote {path}: {requests} requests, {ids} hash ids of {block_size} tokens"
+        if not args.trace:
+            generated = {"path": path, "requests": requests, "hash_ids": ids}
+            return Outcome({"generated": generated}, wrote, failed=False)
+        if not args.quiet:
+            print(wrote, file=sys.stderr)
+    if args.chunk_size is not None and args.chunk_size != block_size:
+        raise InvalidInputError(
+            f"--chunk-size {args.chunk_size} differs from --trace-block-size {block_size}: the "
+            "engine's chunk is the trace's block"
+        )
+    options = TraceOptions(
+        path=args.trace,
+        block_size=block_size,
+        limit=args.limit,
+        target=args.target,
+        url=args.url,
+        model_name=args.model_name,
+        seed=args.seed,
+        concurrency=1 if args.concurrency is None else args.concurrency,
+        speed=args.speed,
+        cpu_tokens=args.trace_cpu_tokens,
+        disk_tokens=args.trace_disk_tokens,
+        capacities=parse_capacities(args.capacities) if args.capacities else (),
+        sweep_replay=args.sweep_replay,
+        vocab_size=args.trace_vocab,
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_size=args.head_size,
+        dtype=args.dtype,
+        kv_block_size=args.block_size,
+        verify_every=args.verify_every,
+        progress=not args.quiet,
+        work_dir=args.work_dir,
+        model=args.model,
+        max_tokens=args.max_tokens,
+        kv_cache_gb=args.kv_cache_gb,
+        vllm_dtype=args.vllm_dtype,
+        vllm_executor=args.vllm_executor,
+        connector=not args.no_connector,
+    )
+    options.validate()  # bad settings are usage errors before anything starts
+    if args.plot:
+        check_plotting()
+        if not options.capacities:
+            raise InvalidInputError("--plot with --trace draws a capacity sweep: give --capacities")
+    try:
+        results = run_trace(options, config, progress_stream=_progress(args))
+    except (TierUnavailableError, ProtocolError) as exc:  # no usable sidecar
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.plot:
+        write_sweep_plot(results, args.plot)
+    failed = bool(results["errors_total"] or results["verify_failures"])
+    return Outcome(results, format_trace(results), failed)

@@ -36,6 +36,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _run_mode(args: argparse.Namespace, config: EngineConfig) -> Outcome | int:
     """The outcome of the benchmark the flags choose, or the exit status it failed with."""
+    if args.trace or args.trace_generate:
+        return modes.trace(args, config)
     if args.tiers:
         return modes.tiers(args)
     if args.scale:
