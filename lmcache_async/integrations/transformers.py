@@ -308,18 +308,26 @@ async def retrieve_dynamic_cache(
     if num_tokens == 0 or limit == 0:
         return None, 0
     lookup_id = f"hf-{req_id}" if req_id is not None else f"hf-{secrets.token_hex(8)}"
-    hit = await engine.lookup(tokens, lookup_id=lookup_id, pin=True)
-    if hit <= 0:
-        await engine.lookup_unpin(lookup_id)
-        return None, 0
-    # Retrieve exactly the chunks the lookup found (cutting inside a chunk changes its key).
-    prefix = tokens[:hit]
-    num_blocks = math.ceil(hit / layout.block_size)
-    kv_caches = layout.allocate_kv_caches(num_blocks, device=device, random=False)
-    slots = torch.arange(hit, dtype=torch.int64)
-    mask = await engine.retrieve(
-        prefix, kv_caches=kv_caches, slot_mapping=slots, req_id=req_id, lookup_id=lookup_id
-    )
+    try:
+        hit = await engine.lookup(tokens, lookup_id=lookup_id, pin=True)
+        if hit <= 0:
+            await engine.lookup_unpin(lookup_id)
+            return None, 0
+        # Retrieve exactly the chunks the lookup found (cutting inside a chunk changes its
+        # key).
+        prefix = tokens[:hit]
+        num_blocks = math.ceil(hit / layout.block_size)
+        kv_caches = layout.allocate_kv_caches(num_blocks, device=device, random=False)
+        slots = torch.arange(hit, dtype=torch.int64)
+        mask = await engine.retrieve(
+            prefix, kv_caches=kv_caches, slot_mapping=slots, req_id=req_id, lookup_id=lookup_id
+        )
+    except BaseException:
+        # Cancelled (or failed) between the lookup and its retrieve: the pins go now, not
+        # at pin_timeout.
+        with anyio.CancelScope(shield=True):
+            await engine.lookup_unpin(lookup_id)
+        raise
     missing = (~mask).nonzero()
     loaded = int(missing[0, 0]) if missing.numel() else int(mask.numel())
     if loaded < hit:

@@ -170,6 +170,39 @@ async def test_store_then_retrieve_gives_the_whole_chunks_back(
         assert torch.equal(got_values, values[:, :, : 2 * CHUNK])
 
 
+class StallingRetrieve:
+    """The engine, whose retrieve waits until cancelled."""
+
+    def __init__(self, engine: CacheEngine) -> None:
+        self.engine = engine
+        self.retrieving = anyio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    async def retrieve(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.retrieving.set()
+        await anyio.sleep_forever()
+        raise AssertionError("not reached")
+
+
+@pytest.mark.anyio
+async def test_a_retrieve_cancelled_after_its_lookup_leaves_nothing_pinned(
+    engine: CacheEngine, layout: KVLayout
+) -> None:
+    tokens = tokens_of(2 * CHUNK, seed=7)
+    stalling = StallingRetrieve(engine)
+    with anyio.fail_after(30):
+        await store_dynamic_cache(engine, tokens, random_cache(2 * CHUNK, seed=7), layout)
+        async with anyio.create_task_group() as group:
+            group.start_soon(retrieve_dynamic_cache, stalling, tokens, layout)
+            await stalling.retrieving.wait()
+            assert engine.stats().pinned_chunks == 2  # the lookup pinned the hit
+            group.cancel_scope.cancel()
+    stats = engine.stats()
+    assert (stats.pinned_chunks, stats.active_lookup_ids) == (0, 0)
+
+
 @pytest.mark.anyio
 async def test_retrieve_misses_and_limits(engine: CacheEngine, layout: KVLayout) -> None:
     with anyio.fail_after(30):
