@@ -27,7 +27,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py lmcache_async/keys/_na
 # A test install must run against the C code as it is: LMCACHE_ASYNC_REQUIRE_NATIVE makes a
 # compile error fail the install instead of leaving an older build in place (setup.py).
 $(VENV)/.installed-dev: $(VENV)/.installed
-	LMCACHE_ASYNC_REQUIRE_NATIVE=1 $(BIN)/pip install --quiet -e '.[dev,bench,redis,vllm,router]'
+	LMCACHE_ASYNC_REQUIRE_NATIVE=1 $(BIN)/pip install --quiet -e '.[dev,bench,redis,vllm,router,examples]'
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -c "import torch, vllm; assert torch.__version__ == '$(TORCH_VERSION)+cpu', torch.__version__"
 	touch $@
@@ -55,8 +55,8 @@ test-fast: dev
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: dev
-	$(BIN)/ruff check lmcache_async tests
-	$(BIN)/ruff format --check lmcache_async tests
+	$(BIN)/ruff check lmcache_async tests examples
+	$(BIN)/ruff format --check lmcache_async tests examples
 	$(BIN)/mypy
 
 clean:
