@@ -67,14 +67,7 @@ async def run_load_async(
         )
         wall = await timed_run(options, workload, runner, in_flight, tally=tally, stream=stream)
         stats = await target.stats()
-        # A failed or timed-out request is a miss to the caller, but it failed: count
-        # them here. A call made while the sidecar was unreachable is a plain miss.
-        for name in ("failed_requests", "timed_out_requests"):
-            if stats.get(name):
-                tally.errors[f"engine:{name}"] += int(stats[name])
-        client = stats.get("client") or {}
-        if client.get("timeouts"):
-            tally.errors["sidecar:timeouts"] += int(client["timeouts"])
+        tally.count_engine_errors(stats)
         finish = await target.finish()
         chunk_size = target.chunk_size
     return load_results(

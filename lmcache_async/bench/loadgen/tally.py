@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmcache_async.bench.loadgen.options import OPERATIONS
 
@@ -51,3 +53,14 @@ class Tally:
         rate = self.lookup_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         errors = sum(self.errors.values()) + self.verify_failures
         return f"requests={self.requests} hit={rate:.1%} errors={errors}"
+
+    def count_engine_errors(self, stats: Mapping[str, Any]) -> None:
+        """Count the failures the target's ``stats`` report: a failed or timed-out request
+        is a miss to its caller, but it failed (a call made while a sidecar was unreachable
+        is a plain miss)."""
+        for name in ("failed_requests", "timed_out_requests"):
+            if stats.get(name):
+                self.errors[f"engine:{name}"] += int(stats[name])
+        client = stats.get("client") or {}
+        if client.get("timeouts"):
+            self.errors["sidecar:timeouts"] += int(client["timeouts"])

@@ -205,13 +205,7 @@ async def _replay_cache(
         )
         wall = await job.replay(cache_step(runner), tally)
         stats = await target.stats()
-    # A failed or timed-out request is a miss to the caller, but it failed: count them.
-    for name in ("failed_requests", "timed_out_requests"):
-        if stats.get(name):
-            tally.errors[f"engine:{name}"] += int(stats[name])
-    client = stats.get("client") or {}
-    if client.get("timeouts"):
-        tally.errors["sidecar:timeouts"] += int(client["timeouts"])
+    tally.count_engine_errors(stats)
     started_own = options.target == "embedded" or options.url is None
     return Replayed(
         tally=tally,
