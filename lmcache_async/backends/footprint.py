@@ -6,14 +6,15 @@ int32 by :func:`~lmcache_async.keys.tokens.token_array`, hashed into spans, payl
 allocated from the pool, :meth:`StorageManager.put <.manager.StorageManager.put>`, the
 caller's references dropped) and counts what is left allocated. ``tracemalloc`` sees
 Python's allocations only: memory torch allocates for itself (a tensor's C++ structures)
-is not counted, which is why no chunk keeps a tensor of its own. So a second pass, without
-``tracemalloc``, counts what the process's resident memory grew by beyond the payloads'
-pages: everything each chunk holds, whoever allocated it (Linux; None elsewhere).
+is not counted, which is why no chunk keeps a tensor of its own. So
+:func:`measure_resident` counts what the process's resident memory grows by instead:
+everything each chunk holds, whoever allocated it (Linux; None elsewhere). Memory a
+process freed earlier is reused unseen, so that figure means something in a fresh process
+only (``bench --scale`` runs it in one).
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import math
 import os
@@ -31,7 +32,7 @@ from ..events import EventBuffer
 from .cpu import CPUBackend
 from .manager import StorageManager
 
-__all__ = ["CPUTierFootprint", "measure_cpu_tier"]
+__all__ = ["CPUTierFootprint", "measure_cpu_tier", "measure_resident"]
 
 
 class CPUTierFootprint(NamedTuple):
@@ -47,9 +48,13 @@ class CPUTierFootprint(NamedTuple):
     """Python memory each chunk holds beyond its payload (tracemalloc)."""
     events: bool
     """Whether KV events were recorded (each store's event kept, none taken)."""
-    rss_bytes_per_chunk: float | None = None
-    """Resident memory each chunk holds beyond its payload's pages, from a pass without
-    tracemalloc (None when not measured or not on Linux)."""
+
+
+def _check_counts(chunks: int, chunk_tokens: int, token_bytes: int, per_store: int) -> None:
+    if min(chunks, chunk_tokens, token_bytes, per_store) <= 0:
+        raise InvalidInputError(
+            "chunks, chunk_tokens, token_bytes and chunks_per_store must be > 0"
+        )
 
 
 async def measure_cpu_tier(
@@ -60,37 +65,51 @@ async def measure_cpu_tier(
     chunks_per_store: int = 100,
     events: bool = True,
     seed: int = 0,
-    resident: bool = False,
 ) -> CPUTierFootprint:
     """Store ``chunks`` chunks of ``chunk_tokens`` tokens (``token_bytes`` of KV each) into
     a CPU tier that holds them all, ``chunks_per_store`` per store, and measure what each
     costs. With ``events`` the event buffer keeps every store's event (unbounded here; the
-    engine's is bounded by ``max_kv_event_bytes``). With ``resident`` a second pass
-    measures resident memory too.
+    engine's is bounded by ``max_kv_event_bytes``).
 
     Raises:
         InvalidInputError: a count or size is not positive.
     """
-    if min(chunks, chunk_tokens, token_bytes, chunks_per_store) <= 0:
-        raise InvalidInputError(
-            "chunks, chunk_tokens, token_bytes and chunks_per_store must be > 0"
-        )
-    fill = functools.partial(
-        _fill, chunks, chunk_tokens, token_bytes, chunks_per_store, events, seed
+    _check_counts(chunks, chunk_tokens, token_bytes, chunks_per_store)
+    traced = await _fill(
+        chunks, chunk_tokens, token_bytes, chunks_per_store, events, seed, traced=True
     )
-    rss = None
-    if resident and _resident_bytes() is not None:
-        # First: memory the traced pass freed would be reused here unseen.
-        rss = (await fill(traced=False)).grown / chunks
-    traced = await fill(traced=True)
     return CPUTierFootprint(
         chunks=traced.held,
         chunk_bytes=chunk_tokens * token_bytes,
         pool_bytes_per_chunk=traced.pool_used / chunks,
         overhead_bytes_per_chunk=traced.grown / chunks,
         events=events,
-        rss_bytes_per_chunk=rss,
     )
+
+
+async def measure_resident(
+    chunks: int,
+    *,
+    chunk_tokens: int = 256,
+    token_bytes: int = 16,
+    chunks_per_store: int = 100,
+    events: bool = False,
+    seed: int = 0,
+) -> float | None:
+    """Bytes of resident memory each chunk holds beyond its payload, filled as
+    :func:`measure_cpu_tier` fills the tier; None where ``/proc`` does not say. Meaningful
+    in a fresh process (see the module doc).
+
+    Raises:
+        InvalidInputError: a count or size is not positive.
+    """
+    _check_counts(chunks, chunk_tokens, token_bytes, chunks_per_store)
+    if _resident_bytes() is None:
+        return None
+    filled = await _fill(
+        chunks, chunk_tokens, token_bytes, chunks_per_store, events, seed, traced=False
+    )
+    return filled.grown / chunks
 
 
 class _Filled(NamedTuple):
@@ -109,7 +128,7 @@ def _resident_bytes() -> int | None:
         return None
 
 
-async def _fill(  # noqa: PLR0917 (measure_cpu_tier's arguments, bound by a partial)
+async def _fill(  # noqa: PLR0917 (the arguments of the two measures, passed on)
     chunks: int,
     chunk_tokens: int,
     token_bytes: int,

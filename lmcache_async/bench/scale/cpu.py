@@ -13,6 +13,7 @@ from lmcache_async.backends.footprint import measure_cpu_tier
 from lmcache_async.bench.scale.fill import FillProgress
 from lmcache_async.bench.scale.options import CHUNK_TOKENS, FILL_PROMPT_CHUNKS, REQUEST_TOKENS
 from lmcache_async.bench.scale.requests import MODEL_NAME, ScaleRun, prompt_stream, scale_config
+from lmcache_async.bench.scale.resident import resident_in_child
 from lmcache_async.memory.pool import page_size_for
 
 __all__ = ["cpu_at_size"]
@@ -76,10 +77,11 @@ async def cpu_at_size(run: ScaleRun, size: int) -> dict[str, Any]:
         token_bytes=kit.layout.token_bytes,
         events=False,
         seed=options.seed,
-        resident=True,
     )
     row["index_bytes_per_chunk"] = footprint.overhead_bytes_per_chunk
-    row["resident_bytes_per_chunk"] = footprint.rss_bytes_per_chunk
+    row["resident_bytes_per_chunk"] = await resident_in_child(
+        size, chunk_tokens=CHUNK_TOKENS, token_bytes=kit.layout.token_bytes
+    )
     row["pool_bytes_per_chunk"] = footprint.pool_bytes_per_chunk
     row["loadavg"] = os.getloadavg()
     row["problems"] = problems
