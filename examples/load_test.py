@@ -20,7 +20,6 @@ import argparse
 import math
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,9 +27,9 @@ from contextlib import AsyncExitStack
 
 import anyio
 import torch
-from anyio.streams.buffered import BufferedByteReceiveStream
 
-from lmcache_async import KVLayout, LMCacheAsyncError, RemoteCacheEngine
+from lmcache_async import EngineConfig, KVLayout, LMCacheAsyncError, RemoteCacheEngine
+from lmcache_async.bench.sidecar import sidecar_process
 
 LAYOUT = KVLayout.vllm_flash_attn(
     num_layers=2, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16
@@ -78,29 +77,6 @@ async def request(engine: RemoteCacheEngine, tokens: torch.Tensor, rid: int, tal
         tally.hits, tally.exact = tally.hits + 1, tally.exact + exact
 
 
-async def start_sidecar(stack: AsyncExitStack) -> str:
-    """``lmcache-async serve`` (run as its module) in a child process, until ``stack`` ends."""
-    url = f"ipc://{stack.enter_context(tempfile.TemporaryDirectory())}/sidecar.sock"
-    command = [sys.executable, "-m", "lmcache_async.cli", "--log-level", "WARNING", "serve"]
-    command += ["--listen", url, "--max-local-cpu-size", "0.5"]
-    sidecar = await anyio.open_process(command, stdout=subprocess.PIPE, stderr=None)
-
-    async def stop() -> None:
-        sidecar.terminate()
-        with anyio.move_on_after(20):
-            await sidecar.wait()
-        if sidecar.returncode is None:
-            sidecar.kill()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-            await sidecar.aclose()
-
-    stack.push_async_callback(stop)
-    assert sidecar.stdout is not None
-    with anyio.fail_after(60):  # its first line says it listens
-        await BufferedByteReceiveStream(sidecar.stdout).receive_until(b"\n", 4096)
-    return url
-
-
 def percentiles(seconds: list[float]) -> str:
     p = statistics.quantiles(seconds, n=100)
     return f"p50 {p[49] * 1e3:.2f} ms, p90 {p[89] * 1e3:.2f} ms, p99 {p[98] * 1e3:.2f} ms"
@@ -116,8 +92,12 @@ async def run(args: argparse.Namespace) -> int:
     prefixes = [tokens(args.prefix) for _ in range(args.prefixes)]
     limiter = anyio.CapacityLimiter(args.max_in_flight)
     async with AsyncExitStack() as stack:
-        url = args.url or await start_sidecar(stack)
-        connect = RemoteCacheEngine.connect(url, LAYOUT, model_name="load-test")
+        url = args.url
+        if url is None:  # a sidecar of our own: `lmcache-async serve`, stopped at the end
+            directory = stack.enter_context(tempfile.TemporaryDirectory())
+            config = EngineConfig(max_local_cpu_size=0.5)
+            url = await stack.enter_async_context(sidecar_process(config, directory))
+        connect = RemoteCacheEngine.connect(url, LAYOUT, model_name="load-test", timeout=60)
         engine = await stack.enter_async_context(connect)
         print(f"sidecar: {url}")
         print(
