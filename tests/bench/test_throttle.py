@@ -122,7 +122,9 @@ def test_reached_is_when_the_piece_that_made_the_total_was_sent(no_leaks: None) 
     assert began <= half <= whole <= received
     assert proxy.reached(size + 1) is None
     upstream = proxy.reached(10, "upstream")
-    assert upstream is not None and began <= upstream <= received
+    # The server had the upstream bytes at its last_byte_at; the client's download may
+    # have ended before the proxy forwarded them (its threads run when they are scheduled).
+    assert upstream is not None and began <= upstream <= server.last_byte_at
     assert proxy.reached(11, "upstream") is None
 
 
