@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -44,6 +45,21 @@ class Outcome:
 def _progress(args: argparse.Namespace) -> TextIO | None:
     """Where a benchmark shows its progress: stderr, or nowhere under ``--quiet``."""
     return None if args.quiet else sys.stderr
+
+
+def _with_servers(
+    run: Callable[[], Awaitable[dict[str, Any]]],
+    summary: Callable[[dict[str, Any]], str],
+    failures: tuple[type[BaseException], ...],
+) -> Outcome | int:
+    """Run a benchmark that starts servers: one that fails to start or answer (one of
+    ``failures``) is said on stderr and exits 1."""
+    try:
+        results = anyio.run(run)
+    except failures as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return Outcome(results, summary(results), bool(results["problems"]))
 
 
 def tiers(args: argparse.Namespace) -> Outcome:
@@ -131,12 +147,7 @@ def routing(args: argparse.Namespace) -> Outcome | int:
     )
     options.validate()  # bad settings are usage errors before anything starts
     run = functools.partial(run_routing_bench, options, progress_stream=_progress(args))
-    try:
-        results = anyio.run(run)
-    except (ServerError, IndexerError, httpx.HTTPError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    return Outcome(results, format_routing(results), bool(results["problems"]))
+    return _with_servers(run, format_routing, (ServerError, IndexerError, httpx.HTTPError))
 
 
 def shared_redis(args: argparse.Namespace) -> Outcome | int:
@@ -165,12 +176,7 @@ def shared_redis(args: argparse.Namespace) -> Outcome | int:
     )
     options.validate()  # bad settings are usage errors before anything starts
     run = functools.partial(run_shared_redis_bench, options, progress_stream=_progress(args))
-    try:
-        results = anyio.run(run)
-    except (ServerError, httpx.HTTPError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    return Outcome(results, format_shared_redis(results), bool(results["problems"]))
+    return _with_servers(run, format_shared_redis, (ServerError, httpx.HTTPError))
 
 
 def sidecar(args: argparse.Namespace, config: EngineConfig) -> Outcome:
