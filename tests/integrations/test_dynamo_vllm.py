@@ -6,6 +6,8 @@ stream decodes with vLLM's own ``KVEventBatch`` and the sequence numbers have no
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -30,6 +32,9 @@ CHUNK = 64
 MODEL = "tiny"
 TIMEOUT = 120.0
 START_TIMEOUT = 400.0
+PROBE_WAIT = 10.0
+"""Seconds a probe may take to show in the index before a fresh one is sent."""
+VOCAB = 1024
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +51,21 @@ def matches(
         return await indexer.match(tokens, 1) == wanted
 
     return check
+
+
+async def until_subscribed(server: VllmServer, index: DynamoIndexer, raw: zmq.Socket) -> None:
+    """Send fresh two-block probes until one is indexed in every tier and ``raw`` received
+    a frame: both subscriptions are live. A ZMQ subscriber misses what was published before
+    it joined, and a probe sent again is a prefix hit that publishes nothing, so each probe
+    is new."""
+    for attempt in itertools.count():
+        rng = random.Random(f"probe-{attempt}")
+        probe = [rng.randrange(VOCAB) for _ in range(2 * BLOCK)]
+        await server.first_token(probe)
+        with anyio.move_on_after(PROBE_WAIT):
+            await poll_until(matches(index, probe, TierMatch(*[len(probe)] * 4)))
+            if raw.poll(0):
+                return
 
 
 async def test_vllms_stream_carries_our_host_blocks_beside_its_own(
@@ -75,13 +95,8 @@ async def test_vllms_stream_carries_our_host_blocks_beside_its_own(
         workers = {1: server.events_endpoint}
         with DynamoIndexer(tmp_path, block_size=BLOCK, model_name=MODEL, workers=workers) as index:
             index.start()
-            # Both subscriptions are live once a prompt sent now is indexed and received.
-            probe = list(range(10, 10 + 2 * BLOCK))
             with anyio.fail_after(TIMEOUT):
-                await server.first_token(probe)
-                await poll_until(matches(index, probe, TierMatch(64, 64, 64, 64)))
-                while not raw.poll(0):
-                    await server.first_token(probe)
+                await until_subscribed(server, index, raw)
             while raw.poll(0):
                 raw.recv_multipart()
             prompt = [(7 * i + 3) % 1000 for i in range(10 * BLOCK)]  # 5 chunks, 10 blocks
