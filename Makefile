@@ -64,9 +64,12 @@ clean:
 	find lmcache_async -name "*.so" -delete
 
 # Wheels for scripts/gpu_check.sh on a GPU machine without network (CPython 3.12, x86_64,
-# CUDA torch already there): the dependencies it lacks, pinned to this venv's versions.
+# CUDA torch already there): the dependencies it lacks, pinned to this venv's versions, with
+# what they need in turn (cryptography needs cffi, which needs pycparser). The image's own
+# numpy, aiofiles, pyyaml, pytest and hypothesis are used as they are.
 GPU_WHEELS ?= pyzmq==27.3.0 structlog==26.1.0 blake3==1.0.11 zstandard==0.25.0 lz4==4.4.5 \
-	pytest-timeout==2.4.0 anyio==4.16.0 msgpack==1.2.4 xxhash==4.1.0 prometheus_client==0.26.0
+	pytest-timeout==2.4.0 anyio==4.16.0 msgpack==1.2.4 xxhash==4.1.0 prometheus_client==0.26.0 \
+	cryptography==51.0.1 cffi==2.1.1 pycparser==3.12
 gpu-wheels:
 	rm -rf .whl
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \

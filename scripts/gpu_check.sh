@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: find a python with CUDA torch, install the wheels carried in
 # .whl/ (make gpu-wheels), print every dependency's version and check it and its import
-# against pyproject.toml, run the CUDA tests, then the GPU benchmark. Everything lands in
-# $OUT: gpu_check.log (all it printed), gpu_tests.xml (the tests' junit summary) and
-# gpu_bench.json (the benchmark's figures). Every python step runs unbuffered and with
-# faulthandler, so a step killed at its limit keeps its output and a hang dumps its stacks.
+# against pyproject.toml, run the CUDA tests, then the GPU benchmark, and end with a short
+# table of the benchmark's figures against their same-run baselines and the tests' counts
+# (scripts/gpu_summary.py). Everything lands in $OUT: gpu_check.log (all it printed),
+# gpu_tests.xml (the tests' junit summary) and gpu_bench.json (the benchmark's figures). Every
+# python step runs unbuffered and with faulthandler, so a step killed at its limit keeps its
+# output and a hang dumps its stacks.
 # With the defaults it ends within about 7 minutes (mostly far sooner).
 #
 # Environment:
@@ -287,6 +289,13 @@ logged timeout -s ABRT -k "$GRACE" "$BENCH_TIMEOUT" "$PY" "${PY_FLAGS[@]}" -m lm
     --log-level INFO bench --gpu --device "$BENCH_DEVICE" --layers 32 --kv-heads 8 --head-size 128 \
     --dtype bfloat16 --block-size 16 --tokens "$BENCH_TOKENS" --repeat 5 --json "$BENCH_JSON" ||
     bench_status=$?
+
+# -- the summary ------------------------------------------------------------------------------
+# D2H and H2D against their baselines, the plain memcpy, the share of a layerwise retrieve
+# hidden and the tests' counts, read back from the two files; it never changes the outcome.
+say "summary of ${BENCH_JSON##*/} and ${TESTS_XML##*/}:"
+logged "$PY" "${PY_FLAGS[@]}" scripts/gpu_summary.py "$BENCH_JSON" "$TESTS_XML" ||
+    say "no summary: scripts/gpu_summary.py failed (see above)"
 
 describe() {
     case $1 in

@@ -7,14 +7,16 @@ PYTHONFAULTHANDLER as it saw them), then answers the call the script made as ``C
 says: whether its torch is a CUDA build, whether pip is there, whether the device probe
 finds a device, the junit summary its pytest writes (``tests`` of which ``skipped``, or
 none when ``junit`` is false) and the exit statuses of its pytest and benchmark. The
-script's own count of the tests that ran (its ``xml.etree`` code) is run for real. A call
-it does not know exits with status 99 and names it.
+script's own count of the tests that ran (its ``xml.etree`` code) and its summary
+(scripts/gpu_summary.py) are run for real. A call it does not know exits with status 99 and
+names it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -61,6 +63,10 @@ def answer(config: dict[str, Any], rest: list[str]) -> NoReturn:
             junit = next(a.split("=", 1)[1] for a in rest if a.startswith("--junitxml="))
             Path(junit).write_text(JUNIT.format(tests=tests, skipped=skipped))
         done(config["pytest_exit"], f"fake pytest: {tests - skipped} passed, {skipped} skipped")
+    if rest[:1] == ["scripts/gpu_summary.py"]:
+        sys.argv = rest
+        runpy.run_path(rest[0], run_name="__main__")
+        done()
     if rest[:2] == ["-m", "lmcache_async.cli"]:
         Path(rest[rest.index("--json") + 1]).write_text("{}")
         done(config["bench_exit"])

@@ -288,6 +288,7 @@ def test_every_python_call_is_unbuffered_with_faulthandler(tmp_path: Path, pip: 
         ["-m", "pytest"],
         ["-c"],  # the count of the tests that ran
         ["-m", "lmcache_async.cli"],
+        ["scripts/gpu_summary.py"],
     ]
     assert len(calls) == len(steps), calls
     for call, step in zip(calls, steps, strict=True):
@@ -446,6 +447,13 @@ def test_past_the_device_check_the_summary_and_figures_land_in_out(tmp_path: Pat
     assert figures["layerwise"]["verified_bit_exact"] is True
     assert figures["staged"]["verified_bit_exact"] is True
     assert log.count("gpu_bench_part_done") == 3
+    # The summary's table, read back from the two files, ends the log before the verdict.
+    summary = log.split("gpu_check: summary of gpu_bench.json and gpu_tests.xml:\n", 1)[1]
+    for figure in ("D2H store", "H2D retrieve", "plain pinned memcpy", "layerwise hidden"):
+        assert re.search(rf"^{figure} .* n/a \(cpu\)$|^{figure} .*\(the link\)$", summary, re.M)
+    assert re.search(
+        rf"^CUDA tests +0 passed, 0 failed, {suite.get('tests')} skipped$", summary, re.M
+    )
     last = proc.stdout.rstrip().splitlines()[-1]
     assert last.startswith("gpu_check: CUDA tests: no CUDA test ran; bench: passed;"), last
     assert set(calls.read_text().splitlines()) == {"1 1|-u -X faulthandler"}
@@ -480,4 +488,6 @@ def test_the_check_passes_only_when_a_cuda_test_ran(
         assert said in ran[0]
     last = output.rstrip().splitlines()[-1]
     assert last.startswith(f"gpu_check: CUDA tests: {tests_said}; bench: passed;"), last
+    # The summary ran on the fake's files: an empty JSON has no figures.
+    assert re.search(r"^D2H store / H2D retrieve +not run$", log, re.M), log
     assert (tmp_path / "out" / "gpu_bench.json").read_text() == "{}"
