@@ -13,8 +13,8 @@ from lmcache_async.bench import parse_dtype
 
 __all__ = ["CPU_NOTE", "DEVICES", "TARGETS", "WARMUP", "GpuOptions"]
 
-TARGETS: Final[Mapping[str, float]] = {"copy_ratio": 0.8, "hidden_fraction": 0.7}
-"""On a GPU: store and retrieve at least 0.8x the plain pinned copy of the same bytes, and a
+TARGETS: Final[Mapping[str, float]] = {"copy_ratio": 0.9, "hidden_fraction": 0.7}
+"""On a GPU: store and retrieve at least 0.9x the plain pinned copy of the same bytes, and a
 layerwise retrieve that hides at least 70% of its transfer time behind the compute."""
 
 DEVICES: Final = ("auto", "cuda", "cpu")
