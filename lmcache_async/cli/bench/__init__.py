@@ -2,8 +2,8 @@
 
 Without a mode flag it runs the load generator (:mod:`lmcache_async.bench.loadgen`);
 ``--trace`` (and ``--trace-generate``), ``--micro``, ``--tiers``, ``--sidecar``, ``--gpu``,
-``--vllm-slow-tier``, ``--routing``, ``--shared-redis`` and ``--scale`` run the other
-benchmarks.
+``--vllm-slow-tier``, ``--routing``, ``--shared-redis``, ``--scale`` and ``--redis`` run
+the other benchmarks.
 """
 
 from __future__ import annotations

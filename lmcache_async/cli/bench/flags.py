@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lmcache_async.cli.bench.redis_flags import add_redis_flags
+
 __all__ = ["add_bench_parser"]
 
 
@@ -34,6 +36,7 @@ def add_bench_parser(sub: Any) -> None:
     _add_vllm_bench_flags(bench)
     _add_tier_bench_flags(bench)
     _add_trace_flags(bench)
+    add_redis_flags(bench)
 
 
 def _add_mode_flags(bench: Any) -> None:
@@ -88,9 +91,16 @@ def _add_mode_flags(bench: Any) -> None:
         "RAM hit, the disk index next to a names-only walk, store/lookup/retrieve p50",
     )
     bench.add_argument(
+        "--redis",
+        action="store_true",
+        help="8 x 3 MiB chunks only in Redis: the store and the retrieve embedded and through "
+        "a sidecar next to a plain socket's SETs and GETs; a fresh engine's first store next "
+        "to its steady state, pool prefault on and off",
+    )
+    bench.add_argument(
         "--redis-url",
         default=None,
-        help="--tiers, --vllm-slow-tier: this Redis (default: start a redis-server)",
+        help="--tiers, --vllm-slow-tier, --redis: this Redis (default: start a redis-server)",
     )
 
 

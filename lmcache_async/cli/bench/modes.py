@@ -23,6 +23,7 @@ __all__ = [
     "gpu",
     "load",
     "micro",
+    "redis",
     "routing",
     "scale",
     "shared_redis",
@@ -68,6 +69,33 @@ def tiers(args: argparse.Namespace) -> Outcome:
 
     results = anyio.run(functools.partial(run_tiers_bench, redis_url=args.redis_url))
     return Outcome(results, format_tiers(results), failed=False)
+
+
+def redis(args: argparse.Namespace, config: EngineConfig) -> Outcome:
+    """``--redis``: a request's chunks only in Redis, embedded and through a sidecar, next
+    to a plain socket; a fresh engine's first store next to its steady state.
+
+    Raises:
+        InvalidInputError: a setting is invalid, or no redis-server to start.
+    """
+    from lmcache_async.bench.redis import (  # noqa: PLC0415
+        RedisBenchOptions,
+        format_redis,
+        run_redis_bench,
+    )
+
+    chunk_tokens = args.chunk_size
+    options = RedisBenchOptions(
+        chunks=args.redis_chunks,
+        chunk_tokens=RedisBenchOptions().chunk_tokens if chunk_tokens is None else chunk_tokens,
+        rounds=args.redis_rounds,
+        seed=args.seed,
+        redis_url=args.redis_url,
+    )
+    options.validate()  # bad settings are usage errors before anything starts
+    run = functools.partial(run_redis_bench, options, config, progress_stream=_progress(args))
+    results = anyio.run(run)
+    return Outcome(results, format_redis(results), bool(results["problems"]))
 
 
 def scale(args: argparse.Namespace, config: EngineConfig) -> Outcome:

@@ -40,6 +40,8 @@ def _run_mode(args: argparse.Namespace, config: EngineConfig) -> Outcome | int:
         return modes.trace(args, config)
     if args.tiers:
         return modes.tiers(args)
+    if args.redis:
+        return modes.redis(args, config)
     if args.scale:
         return modes.scale(args, config)
     if args.vllm_slow_tier:
