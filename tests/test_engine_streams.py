@@ -180,8 +180,11 @@ async def test_layer_by_layer_copies_after_the_point_on_the_stream_named(
     # of its layer); a load's layers all follow the point of the call.
     assert len({points for _, _, points in stores}) == NUM_LAYERS
     assert len({points for _, _, points in retrieves}) == 1
-    # Each layer's step waits for its copy: the caller's stream is handed none of them.
-    assert consumed_by(store_log, "caller") == consumed_by(load_log, "caller") == []
+    # A store step hands the caller nothing; a load's layer is handed to the caller's
+    # stream on the device (it waits for that layer's event), never by a host wait.
+    assert consumed_by(store_log, "caller") == []
+    load_stream = retrieves[0][1]
+    assert consumed_by(load_log, "caller") == [load_stream] * NUM_LAYERS
     loaded = loads[-1]
     assert isinstance(loaded, torch.Tensor) and loaded.tolist() == [True] * N
     assert_loaded_exactly(scene, before, loaded)

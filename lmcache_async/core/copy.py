@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from lmcache_async.transfer.cuda import CallerStream, Direction, Transfers
+from lmcache_async.transfer.pipelined import gather_pipelined, scatter_pipelined
 from lmcache_async.transfer.plan import TransferPlan
 from lmcache_async.transfer.staged import StagedPlan
 
@@ -39,11 +40,26 @@ async def gather(
     """Copy each job's tokens out of the engine's KV memory into its payload; returns
     when the copies are complete (a CPU copy, once started, is not interrupted). On CUDA
     the copies read the KV as it is at ``caller``'s point on its stream (None: the
-    current stream, now), through the direction's staging buffer: a kernel per layer and
-    part for the whole batch, one host copy per run of adjacent payloads."""
+    current stream, now), staged and double-buffered
+    (:func:`~lmcache_async.transfer.pipelined.gather_pipelined`): a kernel per layer and
+    part for each of a few passes, one host copy per run of adjacent payloads, a pass's
+    gather overlapping the previous pass's copy. Where ``transfers`` offers no staging
+    buffer, the plan's own copies run (on CUDA on the direction's stream); where it offers
+    one for CPU caches, the batch is staged on the spot (:class:`StagedPlan`)."""
     staging = transfers.staging(plan.device, Direction.STORE)
+    if plan.device.type == "cuda" and staging is not None:
+        staged = StagedPlan.from_plan(plan)
+        await transfers.run_staged(
+            functools.partial(gather_pipelined, staged),
+            jobs,
+            device=plan.device,
+            direction=Direction.STORE,
+            timeout=timeout,
+            caller=caller,
+        )
+        return
     work = plan.gather_chunks
-    if staging is not None:
+    if staging is not None:  # a Transfers that stages the CPU's copies too
         work = functools.partial(StagedPlan.from_plan(plan).gather_chunks, staging=staging)
     await transfers.run(
         work,
@@ -68,11 +84,23 @@ async def scatter(
     """Copy each job's payload into the engine's KV memory (tokens with a negative slot
     are not written); returns when the copies are complete. On CUDA they come after
     ``caller``'s point on its stream (None: the current stream, now), and what the caller
-    queues on that stream next comes after them; through a staging buffer as
-    :func:`gather`."""
+    queues on that stream next comes after them; staged and double-buffered as
+    :func:`gather` (a pass's host copy overlapping the previous pass's scatter), or as
+    :func:`gather` says without staging buffers."""
     staging = transfers.staging(plan.device, Direction.LOAD)
+    if plan.device.type == "cuda" and staging is not None:
+        staged = StagedPlan.from_plan(plan)
+        await transfers.run_staged(
+            functools.partial(scatter_pipelined, staged),
+            jobs,
+            device=plan.device,
+            direction=Direction.LOAD,
+            timeout=timeout,
+            caller=caller,
+        )
+        return
     work = plan.scatter_chunks
-    if staging is not None:
+    if staging is not None:  # a Transfers that stages the CPU's copies too
         work = functools.partial(StagedPlan.from_plan(plan).scatter_chunks, staging=staging)
     await transfers.run(
         work,

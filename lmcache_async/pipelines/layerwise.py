@@ -9,23 +9,32 @@ has to special-case them:
 
 * **store** (``await anext(it)`` once after each layer's compute, once more at the end):
   step 0 hashes the request, takes the chunks already cached, allocates the payloads of the
-  others and starts layer 0's gather; step *i* starts layer *i*'s gather (on CUDA it is
-  queued behind layer *i*'s compute) and finishes layer *i-1*'s; step ``num_layers``
-  finishes the last layer, puts every chunk (all its layers present) into the cache and
-  yields the number of tokens stored. The earlier steps yield ``None``.
+  others (each layer's payloads of consecutive chunks one after the other in the pool) and
+  starts layer 0's gather; step *i* starts layer *i*'s gather (on CUDA it is queued behind
+  layer *i*'s compute and not waited for: it crosses the link while the caller computes
+  the next layers); step ``num_layers`` waits for every layer's copy, puts every chunk
+  (all its layers present) into the cache and yields the number of tokens stored. The
+  earlier steps yield ``None``.
 * **retrieve** (``await anext(it)`` once before layer 0's compute, then once before each
-  layer's compute): step 0 looks up the chunks whose every layer is cached and takes
-  references on them; step *i + 1* returns once layer *i* has been written into the
-  engine's KV memory (on CUDA layer *i + 1* is already queued behind it). The last step
-  yields the bool mask (CPU) of the tokens loaded; the earlier ones yield ``None``.
+  layer's compute): step 0 looks up the chunks whose every layer is cached, takes
+  references on them and (on CUDA) queues layer 0's copy; step *i + 1* makes layer *i*
+  the caller's: on the CPU it returns once layer *i* has been written into the engine's
+  KV memory; on CUDA it makes the caller's stream wait for layer *i*'s copy on the device
+  (``wait_event``), queues layer *i + 1*'s and returns without waiting on the host, so the
+  caller's compute of layer *i* is queued while layer *i + 1* crosses the link. The last
+  step waits for every copy and yields the bool mask (CPU) of the tokens loaded; the
+  earlier ones yield ``None``.
 
 On the CPU a step runs its copy then and there (inline when small, in copy threads when
-large, as :class:`~lmcache_async.transfer.cuda.Transfers` decides), so no copy runs ahead of the
-step that asks for it. On CUDA one copy runs ahead on the direction's stream, ordered
-against the caller's stream (:mod:`lmcache_async.transfer.cuda_streams`): a store step's copy comes
-after what the caller queued there before the step (that layer's compute); a load's
-layer comes after the request's point on it, and is the caller's once the step that waited
-for it returns (what the caller queues then runs after the copy has completed).
+large, as :class:`~lmcache_async.transfer.cuda.Transfers` decides), so no copy runs ahead
+of the step that asks for it. On CUDA the copies run ahead on the direction's stream,
+ordered against the caller's stream (:mod:`lmcache_async.transfer.cuda_streams`): a store
+step's copy comes after what the caller queued there before the step (that layer's
+compute); a load's layer comes after the request's point on it, and the caller's stream
+after the layer from the step that hands it over. Each layer moves staged
+(:mod:`lmcache_async.transfer.layer_staged`): one kernel, and one host copy per run of
+payloads adjacent in the pool. Completion still reaches the event loop through the copy
+stream's events: a load's payloads go back to the pool as each layer completes.
 
 Closing an iterator early (``aclose()``, leaving an ``async for``, cancelling the task that
 drives it) waits for copies already queued and returns every byte of host memory and every
@@ -35,7 +44,6 @@ is a miss for the other way, never wrong bytes.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +53,9 @@ import torch
 from lmcache_async.keys.chunks import ChunkSpan
 from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import MemoryObj
-from lmcache_async.transfer.cuda import CallerStream, Direction, Transfers, wait_out
+from lmcache_async.transfer.cuda import Direction, Transfers
+from lmcache_async.transfer.layer_copies import LayerCopies
+from lmcache_async.transfer.layer_staged import StagedLayers
 
 from ..backends.manager import StorageManager
 from ..core import LoadCore, StoreCore, StoreTxn
@@ -74,86 +84,6 @@ RetrieveLayers = AsyncGenerator[torch.Tensor | None, None]
 _Job = tuple[int, int, torch.Tensor]
 
 
-class _Copies:
-    """The layer copies of one request: run at once on the CPU, queued ahead on CUDA.
-
-    On CUDA :meth:`start` queues the copy on the direction's stream (a task that awaits its
-    completion event) and returns; :meth:`finish` awaits it. On the CPU :meth:`start` runs
-    the copy and :meth:`finish` has nothing left to do. ``caller`` is the request's point
-    on the caller's stream (None on the CPU); a store's step marks a new one.
-    """
-
-    def __init__(
-        self,
-        transfers: Transfers,
-        device: torch.device,
-        direction: Direction,
-        timeout: float,
-        caller: CallerStream | None,
-    ) -> None:
-        self._transfers = transfers
-        self._device = device
-        self._direction = direction
-        self._timeout = timeout
-        self._caller = caller
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-
-    @property
-    def ahead(self) -> bool:
-        """Whether a copy may run ahead of the step that needs it (CUDA streams)."""
-        return self._device.type == "cuda"
-
-    async def start(
-        self, layer: int, work: Callable[[list[_Job]], None], jobs: list[_Job], nbytes: int
-    ) -> None:
-        caller = self._caller
-        if caller is not None:
-            # A store's layer: now, after the caller's compute of it. A load's: the
-            # request's point; the step that waits for the layer hands it over.
-            store = self._direction is Direction.STORE
-            caller = caller.mark() if store else caller.handed_over()
-        copy = self._transfers.run(
-            work,
-            jobs,
-            device=self._device,
-            direction=self._direction,
-            nbytes=nbytes,
-            timeout=self._timeout,
-            caller=caller,
-        )
-        if not self.ahead:
-            await copy
-            return
-        self._tasks[layer] = asyncio.ensure_future(copy)
-        # One loop turn: the task queues its copy on the stream before this step returns.
-        await asyncio.sleep(0)
-
-    async def finish(self, layer: int) -> None:
-        """Wait for layer ``layer``'s copy; re-raises its failure."""
-        task = self._tasks.get(layer)
-        if task is None:
-            return
-        # Shielded: cancelling the caller must not cancel the wait for a copy still on the
-        # device; drain() waits for it before the memory is released.
-        await asyncio.shield(task)
-        del self._tasks[layer]
-
-    async def drain(self) -> None:
-        """Wait for every copy still queued, ignoring failures (used when closing).
-
-        Not interrupted by cancellation: the memory the copies touch is released next.
-        The cancellation is re-raised once they are done.
-        """
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        try:
-            await wait_out(tasks)
-        finally:
-            for task in tasks:
-                if task.done() and not task.cancelled():
-                    task.exception()  # retrieved: a failure while closing is not news
-
-
 @dataclass(eq=False, slots=True)
 class _Payloads:
     """Per-layer payloads of the chunks a request copies: ``objs[layer][i]`` belongs to
@@ -180,6 +110,63 @@ class _Payloads:
             self.release_layer(layer)
         release(self.held)
         self.held.clear()
+
+
+def _layer_major(
+    spans: Sequence[ChunkSpan], objs: Sequence[MemoryObj], num_layers: int
+) -> list[list[MemoryObj]]:
+    """Deal the payloads a store reserved (chunk-major: ``objs[i * num_layers + layer]``
+    was allocated for chunk ``i``) out layer-major among chunks of one length, which take
+    payloads of one shape: ``result[layer][i]`` is then the ``layer * n + j``-th of their
+    allocations (chunk ``i`` the ``j``-th of ``n``). Allocations made one after the other
+    lie back to back in the pool, so each layer's payloads of consecutive chunks usually
+    do too, and a layer crosses the link in one copy
+    (:mod:`lmcache_async.transfer.layer_staged`)."""
+    groups: dict[int, list[int]] = {}
+    for i, span in enumerate(spans):
+        groups.setdefault(span.end - span.start, []).append(i)
+    dealt: dict[tuple[int, int], MemoryObj] = {}
+    for positions in groups.values():
+        taken = [objs[i * num_layers + layer] for i in positions for layer in range(num_layers)]
+        count = len(positions)
+        for layer in range(num_layers):
+            for j, i in enumerate(positions):
+                dealt[layer, i] = taken[layer * count + j]
+    return [[dealt[layer, i] for i in range(len(spans))] for layer in range(num_layers)]
+
+
+class _LayerWork:
+    """Each layer's copy of one request: the plan's per-layer copies on the CPU (the C row
+    copies); on CUDA staged (:class:`~lmcache_async.transfer.layer_staged.StagedLayers`,
+    built on the first layer), one kernel and one host copy per run of adjacent payloads
+    per layer."""
+
+    def __init__(
+        self, transfers: Transfers, request: Request, payloads: _Payloads, direction: Direction
+    ) -> None:
+        self._transfers = transfers
+        self._request = request
+        self._payloads = payloads
+        self._direction = direction
+        self._staged: StagedLayers | None = None
+
+    def __call__(self, layer: int) -> Callable[[list[_Job]], None]:
+        """Layer ``layer``'s copy, a function of the layer's jobs.
+
+        Raises:
+            InvalidInputError: a chunk's range is out of the request (CUDA).
+            EngineClosedError: the transfers were closed (CUDA).
+        """
+        plan, store = self._request.plan, self._direction is Direction.STORE
+        staging = self._transfers.staging(self._request.device, self._direction)
+        if staging is None:
+            per_layer = plan.gather_layer_chunks if store else plan.scatter_layer_chunks
+            return functools.partial(per_layer, layer)
+        if self._staged is None:
+            ranges = [(span.start, span.end) for span in self._payloads.spans]
+            self._staged = StagedLayers(plan, ranges)
+        staged = self._staged.gather if store else self._staged.scatter
+        return functools.partial(staged, layer, staging=staging)
 
 
 class LayerwisePipeline:
@@ -251,7 +238,7 @@ class LayerwisePipeline:
         core = self._store
         num_layers = self.num_layers
         payloads = _Payloads()
-        copies = _Copies(
+        copies = LayerCopies(
             self._transfers,
             request.device,
             Direction.STORE,
@@ -259,22 +246,24 @@ class LayerwisePipeline:
             request.caller_stream,
         )
         txn: StoreTxn | None = None
+        work = _LayerWork(self._transfers, request, payloads, Direction.STORE)
+
+        async def start(layer: int) -> None:
+            jobs, nbytes = payloads.jobs(layer)
+            await copies.start(layer, work(layer), jobs, nbytes)
+
         try:
             if accepted:
                 txn = await self._begin_store(request, limit, payloads)
             ok = txn is not None
-            gather = request.plan.gather_layer_chunks
             for layer in range(num_layers):
+                # On CUDA queued behind the caller's compute of this layer, not waited
+                # for: it crosses the link while the caller computes the next layers.
                 if ok and payloads.spans:
-                    jobs, nbytes = payloads.jobs(layer)
-                    ok = await self._guard(
-                        request, copies.start(layer, functools.partial(gather, layer), jobs, nbytes)
-                    )
-                    if ok and layer:
-                        ok = await self._guard(request, copies.finish(layer - 1))
+                    ok = await self._guard(request, start(layer))
                 yield None
             if ok and payloads.spans:
-                ok = await self._guard(request, copies.finish(num_layers - 1))
+                ok = await self._guard(request, copies.finish())
             stored = 0
             if txn is not None:
                 if ok and payloads.spans:
@@ -312,7 +301,7 @@ class LayerwisePipeline:
             self._fail(request, "layerwise_allocate_failed")
             return None
         payloads.spans = [txn.spans[index] for index in txn.todo[: len(objs) // num_layers]]
-        payloads.objs = [objs[layer::num_layers] for layer in range(num_layers)]
+        payloads.objs = _layer_major(payloads.spans, objs, num_layers)
         return txn
 
     async def _commit(self, request: Request, txn: StoreTxn, payloads: _Payloads) -> bool:
@@ -341,36 +330,45 @@ class LayerwisePipeline:
         num_layers = self.num_layers
         mask = torch.zeros(request.num_tokens, dtype=torch.bool)
         payloads = _Payloads()
-        copies = _Copies(
+        copies = LayerCopies(
             self._transfers,
             request.device,
             Direction.LOAD,
             self._retrieve_timeout,
             request.caller_stream,
         )
-        scatter = request.plan.scatter_layer_chunks
+        work = _LayerWork(self._transfers, request, payloads, Direction.LOAD)
         loaded = 0
+
+        async def start(layer: int) -> None:
+            jobs, nbytes = payloads.jobs(layer)
+            done = functools.partial(payloads.release_layer, layer)
+            await copies.start(layer, work(layer), jobs, nbytes, done)
+
+        async def hand_over(layer: int) -> None:
+            copies.hand_over(layer)
+
         try:
             ok = await self._load.begin(lookup_id) and await self._begin_retrieve(request, payloads)
-
-            async def start(layer: int) -> None:
-                jobs, nbytes = payloads.jobs(layer)
-                await copies.start(layer, functools.partial(scatter, layer), jobs, nbytes)
-
             if ok and copies.ahead:
                 ok = await self._guard(request, start(0))
             yield None
             for layer in range(num_layers):
-                if ok and copies.ahead:
-                    if layer + 1 < num_layers:
+                if copies.ahead:
+                    # The caller's stream waits for layer i on the device (every layer
+                    # queued is handed over, even after a failure: the caller's next
+                    # kernels must not race its copy), layer i + 1 is queued, and the
+                    # step returns without waiting for either on the host.
+                    handed = await self._guard(request, hand_over(layer))
+                    ok = ok and handed
+                    if ok and layer + 1 < num_layers:
                         ok = await self._guard(request, start(layer + 1))
-                    ok = ok and await self._guard(request, copies.finish(layer))
                 elif ok:
                     ok = await self._guard(request, start(layer))
-                if ok:
-                    payloads.release_layer(layer)
                 if layer + 1 < num_layers:
                     yield None
+            if ok and copies.ahead:
+                ok = await self._guard(request, copies.finish())
             if ok:
                 self._mark(request, payloads.spans, mask)
                 if self._remove_after_retrieve:

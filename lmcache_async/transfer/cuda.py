@@ -3,7 +3,11 @@
 On CUDA a copy is queued on its own stream (one for loads, one for stores) after the point
 of the caller's stream it must follow (:mod:`.cuda_streams`), an event is recorded behind
 it, and the caller awaits that event through :class:`~.cuda_bridge.EventBridge`, so the
-event loop never blocks on the GPU. Copies to or from host memory that is not pinned are
+event loop never blocks on the GPU. A staged batch (:meth:`Transfers.run_staged`) also
+gets a second stream and two staging buffers (:class:`~.pipelined.Lanes`), its kernels and
+host copies overlapping; :meth:`Transfers.queue` queues a copy and hands back its event
+(:class:`Queued`) for callers that order the caller's stream themselves (layerwise loads)
+and await completion later. Copies to or from host memory that is not pinned are
 synchronous whatever ``non_blocking`` says: they are queued from a copy thread instead of
 the loop. On the CPU the bridge is not used: small copies run inline on the loop (a thread
 hop costs more than they do) and large ones on a small pool of copy threads.
@@ -23,12 +27,22 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from lmcache_async.errors import EngineClosedError
+from lmcache_async.errors import EngineClosedError, InvalidInputError
 from lmcache_async.transfer.cuda_bridge import EventBridge, wait_out
 from lmcache_async.transfer.cuda_streams import CallerStream, caller_stream
+from lmcache_async.transfer.pipelined import Lanes
 from lmcache_async.transfer.staging import StagingBuffer
 
-__all__ = ["CallerStream", "Direction", "EventBridge", "Transfers", "caller_stream", "wait_out"]
+__all__ = [
+    "CallerStream",
+    "Direction",
+    "EventBridge",
+    "Lanes",
+    "Queued",
+    "Transfers",
+    "caller_stream",
+    "wait_out",
+]
 
 J = TypeVar("J")
 
@@ -102,6 +116,34 @@ class _Countdown:
             raise cancelled
 
 
+class Queued:
+    """A copy queued on a CUDA stream: ``event`` is recorded behind it (a load's caller
+    stream may be made to wait for it: ``CallerStream.consume``), :meth:`wait` awaits its
+    completion on the event loop."""
+
+    __slots__ = ("_bridge", "_timeout", "event")
+
+    def __init__(self, event: Any, bridge: EventBridge, timeout: float) -> None:
+        self.event = event
+        self._bridge = bridge
+        self._timeout = timeout
+
+    async def wait(self) -> None:
+        """Return once the copy has completed, whatever happens to this task meanwhile
+        (a cancellation is raised after it): its memory may be handed back then.
+
+        Raises:
+            TimeoutError: it took longer than the timeout it was queued with.
+            EngineClosedError: the transfers were closed (raised once it completed).
+        """
+        try:
+            await self._bridge.wait(self.event, timeout=self._timeout)
+        except EngineClosedError:
+            # Closed under this copy: its memory still goes back only once it completed.
+            await _wait_alone(self.event, self._timeout)
+            raise
+
+
 class Transfers:
     """Runs gathers/scatters where they belong for the device of the KV caches.
 
@@ -123,7 +165,7 @@ class Transfers:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._streams: dict[tuple[torch.device, Direction], Any] = {}
         self._bridges: dict[tuple[torch.device, Direction], EventBridge] = {}
-        self._staging: dict[tuple[torch.device, Direction], StagingBuffer] = {}
+        self._lanes: dict[tuple[torch.device, Direction], Lanes] = {}
         self._closed = False
 
     @property
@@ -165,23 +207,88 @@ class Transfers:
         else:
             await self._run_threads(work, jobs, split=split)
 
+    async def run_staged(
+        self,
+        work: Callable[[list[J], Lanes], None],
+        jobs: list[J],
+        *,
+        device: torch.device,
+        direction: Direction,
+        timeout: float,
+        caller: CallerStream | None = None,
+    ) -> None:
+        """Run ``work(jobs, lanes)`` on a CUDA ``device`` with the direction's
+        :class:`~.pipelined.Lanes` (``lanes.home`` current; ``work`` joins what it queues
+        on ``lanes.side`` back into ``home``) and return when it has completed; ordered
+        against ``caller`` as :meth:`run`.
+
+        Raises:
+            InvalidInputError: ``device`` is not a CUDA device.
+            TimeoutError: it did not complete within ``timeout`` seconds.
+            EngineClosedError: after :meth:`close`.
+        """
+        if device.type != "cuda":
+            raise InvalidInputError(f"device: expected a CUDA device, got {device}")
+        lanes = self.lanes(device, direction)
+        queued = await self._queued(
+            functools.partial(work, jobs, lanes), device, direction, timeout, caller
+        )
+        await queued.wait()
+
+    async def queue(
+        self,
+        work: Callable[[list[J]], None],
+        jobs: list[J],
+        *,
+        device: torch.device,
+        direction: Direction,
+        timeout: float,
+        caller: CallerStream | None = None,
+    ) -> Queued:
+        """Queue ``work(jobs)`` on the direction's stream of a CUDA ``device``, after
+        ``caller``'s point (None: the current stream, now), and return without waiting
+        for it: the caller awaits :meth:`Queued.wait` before handing its memory back. A
+        load's caller stream is made to wait for it as :meth:`run` does, unless ``caller``
+        was :meth:`~CallerStream.handed_over` (the caller then orders its stream itself,
+        with ``Queued.event``).
+
+        Raises:
+            InvalidInputError: ``device`` is not a CUDA device.
+            EngineClosedError: after :meth:`close`.
+        """
+        if device.type != "cuda":
+            raise InvalidInputError(f"device: expected a CUDA device, got {device}")
+        return await self._queued(functools.partial(work, jobs), device, direction, timeout, caller)
+
     def staging(self, device: torch.device, direction: Direction) -> StagingBuffer | None:
-        """The staging buffer of the direction's copies on a CUDA ``device`` (made on first
-        use, freed by :meth:`close`): a request's chunks go through it with a kernel per
-        layer and part (:mod:`lmcache_async.transfer.staged`). None on the CPU.
+        """The first staging buffer of the direction's copies on a CUDA ``device`` (made
+        on first use, freed by :meth:`close`), used on the direction's stream
+        (:mod:`lmcache_async.transfer.staged`). None on the CPU.
 
         Raises:
             EngineClosedError: after :meth:`close`.
         """
         if device.type != "cuda":
             return None
+        return self.lanes(device, direction).slots[0]
+
+    def lanes(self, device: torch.device, direction: Direction) -> Lanes:
+        """The direction's streams and staging buffers on a CUDA ``device`` (made on first
+        use; the buffers are freed by :meth:`close`).
+
+        Raises:
+            EngineClosedError: after :meth:`close`.
+        """
         if self._closed:
             raise EngineClosedError("transfers are closed")
         key = (device, direction)
-        buffer = self._staging.get(key)
-        if buffer is None:
-            buffer = self._staging[key] = StagingBuffer(device)
-        return buffer
+        lanes = self._lanes.get(key)
+        if lanes is None:
+            home, _ = self._stream(device, direction)
+            side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            slots = (StagingBuffer(device), StagingBuffer(device))
+            lanes = self._lanes[key] = Lanes(home, side, slots)
+        return lanes
 
     def _executor_now(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
@@ -216,6 +323,25 @@ class Transfers:
         timeout: float,
         caller: CallerStream | None,
     ) -> None:
+        queued = await self._queued(fn, device, direction, timeout, caller)
+        await queued.wait()
+
+    async def _queued(
+        self,
+        fn: Callable[[], None],
+        device: torch.device,
+        direction: Direction,
+        timeout: float,
+        caller: CallerStream | None,
+    ) -> Queued:
+        """Queue ``fn`` on the direction's stream: on the loop when the host memory is
+        pinned, else from a copy thread (a copy of unpinned memory blocks its thread).
+
+        Raises:
+            EngineClosedError: after :meth:`close`.
+        """
+        if self._closed:
+            raise EngineClosedError("transfers are closed")
         stream, bridge = self._stream(device, direction)
         if caller is None:
             caller = caller_stream(device)
@@ -227,12 +353,7 @@ class Transfers:
             queued: list[Any] = []
             await self._run_threads(lambda _: queued.append(queue()), [None])
             event = queued[0]
-        try:
-            await bridge.wait(event, timeout=timeout)
-        except EngineClosedError:
-            # Closed under this copy: its memory still goes back only once it completed.
-            await _wait_alone(event, timeout)
-            raise
+        return Queued(event, bridge, timeout)
 
     def _stream(self, device: torch.device, direction: Direction) -> tuple[Any, EventBridge]:
         """The direction's copy stream on ``device`` and its bridge, made on first use.
@@ -260,9 +381,9 @@ class Transfers:
         for bridge in list(self._bridges.values()):
             bridge.close()
         self._bridges.clear()
-        for buffer in self._staging.values():
-            buffer.close()  # after the copies: their bridges waited for them
-        self._staging.clear()
+        for lanes in self._lanes.values():
+            lanes.close()  # after the copies: their bridges waited for them
+        self._lanes.clear()
         self._streams.clear()
 
 

@@ -44,7 +44,7 @@ from lmcache_async.transfer.plan import (
 )
 from lmcache_async.transfer.staging import StagingBuffer
 
-__all__ = ["Job", "StagedPlan", "host_runs"]
+__all__ = ["Job", "Pass", "StagedPlan", "host_runs"]
 
 Job = tuple[int, int, torch.Tensor]
 """``(start, end, payload)``: tokens ``[start, end)`` and their contiguous chunk payload."""
@@ -120,7 +120,7 @@ class _Range:
 
 
 @dataclass(frozen=True, slots=True)
-class _Pass:
+class Pass:
     """Jobs moved through the staging buffer at once: their groups and host ranges."""
 
     jobs: Sequence[Job]
@@ -206,7 +206,12 @@ class StagedPlan:
         Raises:
             InvalidInputError: as :meth:`gather_chunks` does for a malformed job.
         """
-        return sum(len(batch.ranges) for batch in self._passes(jobs, staging))
+        return sum(len(batch.ranges) for batch in self.passes(jobs, staging))
+
+    def refuse_negatives(self, jobs: Sequence[Job]) -> None:
+        """InvalidInputError if a job's range holds a token whose slot is negative (a
+        gather cannot read it)."""
+        refuse_negatives(self._negative, jobs)
 
     # -- the transfers ------------------------------------------------------------------
 
@@ -242,11 +247,11 @@ class StagedPlan:
         self,
         jobs: Sequence[Job],
         staging: StagingBuffer,
-        run_pass: Callable[[_Pass, torch.Tensor], None],
+        run_pass: Callable[[Pass, torch.Tensor], None],
     ) -> None:
         """Lay the jobs out in passes through ``staging`` and run each; on a failure wait
         for what was queued before raising."""
-        passes = self._passes(jobs, staging)
+        passes = self.passes(jobs, staging)
         if not passes:
             return
         with staging.use(max(p.nbytes for p in passes)) as buffer:
@@ -260,7 +265,12 @@ class StagedPlan:
     def _settle(self, exc: BaseException) -> None:
         settle(self._device, exc)
 
-    def _gather_pass(self, batch: _Pass, buffer: torch.Tensor) -> None:
+    def _gather_pass(self, batch: Pass, buffer: torch.Tensor) -> None:
+        self.gather_kernels(batch, buffer)
+        self.copy_out(batch, buffer)
+
+    def gather_kernels(self, batch: Pass, buffer: torch.Tensor) -> None:
+        """The pass's rows into ``buffer``: one indexing kernel per layer, part and length."""
         typed = buffer[: batch.nbytes].view(self._dtype)
         index = [self._group_index(batch.jobs, group) for group in batch.groups]
         for layer in range(self.num_layers):
@@ -272,12 +282,26 @@ class StagedPlan:
                         torch.index_select(src, 0, rows[p].reshape(-1), out=out[0])
                     else:
                         _index_out(src, [rows[p]], out=out)
+
+    @staticmethod
+    def copy_out(batch: Pass, buffer: torch.Tensor) -> None:
+        """The pass's payloads out of ``buffer``: one copy per host range."""
         for r in batch.ranges:
             r.host.copy_(buffer[r.begin : r.end], non_blocking=True)
 
-    def _scatter_pass(self, batch: _Pass, buffer: torch.Tensor) -> None:
+    @staticmethod
+    def copy_in(batch: Pass, buffer: torch.Tensor) -> None:
+        """The pass's payloads into ``buffer``: one copy per host range."""
         for r in batch.ranges:
             buffer[r.begin : r.end].copy_(r.host, non_blocking=True)
+
+    def _scatter_pass(self, batch: Pass, buffer: torch.Tensor) -> None:
+        self.copy_in(batch, buffer)
+        self.scatter_kernels(batch, buffer)
+
+    def scatter_kernels(self, batch: Pass, buffer: torch.Tensor) -> None:
+        """The pass's rows out of ``buffer`` into engine memory: one indexing kernel per
+        layer, part and length (two with negative slots)."""
         typed = buffer[: batch.nbytes].view(self._dtype)
         index = [self._group_index(batch.jobs, group) for group in batch.groups]
         groups = zip(batch.groups, index, strict=True)
@@ -344,9 +368,12 @@ class StagedPlan:
     def _negatives_in(self, start: int, end: int) -> list[int]:
         return negatives_in(self._negative, start, end)
 
-    def _passes(self, jobs: Sequence[Job], staging: StagingBuffer) -> list[_Pass]:
+    def passes(
+        self, jobs: Sequence[Job], staging: StagingBuffer, bound: int | None = None
+    ) -> list[Pass]:
         """Check the jobs and lay them out in the staging buffer, in passes of at most
-        ``staging.max_bytes`` (a larger payload is a pass of its own).
+        ``bound`` bytes (default ``staging.max_bytes``; a larger payload is a pass of its
+        own).
 
         Raises:
             InvalidInputError: a malformed job, or ``staging`` on another device.
@@ -357,11 +384,12 @@ class StagedPlan:
             )
         kept = [job for job in jobs if self._checked(job)]
         granule = staging.host_granule
-        passes: list[_Pass] = []
+        limit = staging.max_bytes if bound is None else bound
+        passes: list[Pass] = []
         first, used = 0, 0
         for i, (_, _, payload) in enumerate(kept):
             nbytes = payload.numel() * payload.element_size()
-            if i > first and used + nbytes > staging.max_bytes:
+            if i > first and used + nbytes > limit:
                 passes.append(self._layout(kept[first:i], granule))
                 first, used = i, 0
             used += _padded(nbytes, granule)
@@ -393,7 +421,7 @@ class StagedPlan:
             )
         return end > start
 
-    def _layout(self, jobs: Sequence[Job], granule: int | None) -> _Pass:
+    def _layout(self, jobs: Sequence[Job], granule: int | None) -> Pass:
         """Where ``jobs``' payloads go in the staging buffer: one after the other, each
         taking its granule-rounded size, so that a host range is one range of the buffer
         and the jobs of one length sit at one stride."""
@@ -421,4 +449,4 @@ class StagedPlan:
             end = offsets[run[-1]] + last.numel() * itemsize
             ranges.append(_Range(_span(payloads[run[0]], end - begin), begin, end))
         nbytes = offsets[-1] + payloads[-1].numel() * itemsize
-        return _Pass(jobs, groups, ranges, nbytes)
+        return Pass(jobs, groups, ranges, nbytes)

@@ -6,9 +6,11 @@ reverse. :class:`StagingBuffer` is that buffer, kept from one batch to the next:
 to the largest batch it has carried (up to a bound; larger batches go through in several
 passes) and is freed by :meth:`StagingBuffer.close`.
 
-One buffer serves one copy stream at a time. Its owner keeps one per device and copy
-stream (the engine's :class:`~lmcache_async.transfer.cuda.Transfers` has a store and a load stream
-per device), so that a store and a load never wait on each other for it. Callers that
+One buffer serves one copy stream at a time. Its owner keeps two per device and direction
+(the engine's :class:`~lmcache_async.transfer.cuda.Transfers` has a store and a load stream per
+device, each with a second stream: :class:`~lmcache_async.transfer.pipelined.Lanes`), so that a
+store and a load never wait on each other for one; a batch that also uses a buffer on the
+second stream makes the first wait for that work before its use ends. Callers that
 share one anyway are safe: :meth:`StagingBuffer.use` holds a lock while a batch is queued,
 and a use on another CUDA stream than the last one first waits for the last one's work
 (an event) and tells the caching allocator about the new stream (``record_stream``), so

@@ -23,8 +23,8 @@ import torch
 from lmcache_async import CacheEngine, EngineConfig, InvalidInputError, KVLayout
 from lmcache_async.errors import EngineClosedError
 from lmcache_async.memory.pool import page_size_for
-from lmcache_async.pipelines.layerwise import _Copies
 from lmcache_async.transfer.cuda import Direction
+from lmcache_async.transfer.layer_copies import LayerCopies
 from lmcache_async.transfer.plan import TransferPlan
 
 NUM_LAYERS = 3
@@ -387,41 +387,9 @@ async def anext_last(iterator: Any) -> Any:
     return (await run_all(iterator))[-1]
 
 
-@pytest.mark.anyio
-async def test_copies_queued_one_layer_ahead_stay_exact_and_in_order(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The CUDA schedule (the next layer queued while the step returns), run on the CPU."""
-    from lmcache_async.pipelines import layerwise
-
-    monkeypatch.setattr(layerwise._Copies, "ahead", property(lambda self: True))
-    scene = Scene("flashinfer", torch.float16, 3 * CHUNK + 2, seed=24)
-    copied: list[int] = []
-    original = TransferPlan.scatter_layer_chunks
-
-    def recording(self: TransferPlan, layer: int, jobs: Any) -> None:
-        original(self, layer, jobs)
-        copied.append(layer)
-
-    async with open_engine(scene.layout) as engine:
-        assert await anext_last(scene.store(engine)) == len(scene.tokens)
-        monkeypatch.setattr(TransferPlan, "scatter_layer_chunks", recording)
-        before = [t.clone() for t in scene.target]
-        it = scene.retrieve(engine)
-        await anext(it)
-        assert copied == [0]  # queued before layer 0 is asked for
-        for layer in range(NUM_LAYERS):
-            result = await anext(it)
-            assert copied == list(range(min(layer + 2, NUM_LAYERS)))
-        assert result is not None and result.all()
-        scene.assert_target(before, result)
-        used = pool_use(engine)
-        it = scene.retrieve(engine)
-        await anext(it)
-        await anext(it)
-        await it.aclose()
-        assert pool_use(engine) == used
-        assert await engine.clear() == 4 * NUM_LAYERS
+# The CUDA schedule (the next layer queued while the step returns, the caller's stream
+# ordered on the device) runs over CPU memory with stand-in streams in
+# tests/transfer/test_layerwise_cuda.py.
 
 
 # ---------------------------------------------------------------------------- lookups, mixing
@@ -737,11 +705,13 @@ async def test_a_failed_gather_stores_nothing(monkeypatch: pytest.MonkeyPatch) -
 
 class Point:
     """Stands in for a CallerStream: each mark() is a new point, listed in ``marks``;
-    handed_over() is the same point, ``of`` it, whose stream waits for no copy."""
+    handed_over() is the same point, ``of`` it, whose stream waits for no copy; consume()
+    lists the events its stream was made to wait for."""
 
     def __init__(self, marks: list[Point], of: Point | None = None) -> None:
         self.marks = marks
         self.of = of
+        self.consumed: list[Any] = []
 
     def mark(self) -> Point:
         point = Point(self.marks)
@@ -751,6 +721,19 @@ class Point:
     def handed_over(self) -> Point:
         return Point(self.marks, of=self)
 
+    def consume(self, event: Any) -> None:
+        self.consumed.append(event)
+
+
+class Queued:
+    """Stands in for a queued copy: its event, and a completion awaited on the loop."""
+
+    def __init__(self, event: str) -> None:
+        self.event = event
+
+    async def wait(self) -> None:
+        return None
+
 
 class RecordingTransfers:
     """Stands in for Transfers: records the caller point each copy is ordered against."""
@@ -758,8 +741,9 @@ class RecordingTransfers:
     def __init__(self) -> None:
         self.callers: list[Any] = []
 
-    async def run(self, work: Any, jobs: Any, *, caller: Any = None, **kwargs: Any) -> None:
+    async def queue(self, work: Any, jobs: Any, *, caller: Any = None, **kwargs: Any) -> Queued:
         self.callers.append(caller)
+        return Queued(f"layer{len(self.callers) - 1}")
 
 
 @pytest.mark.anyio
@@ -767,20 +751,25 @@ class RecordingTransfers:
 async def test_layer_copies_on_cuda_follow_the_callers_stream(direction: Direction) -> None:
     """A store step's copy follows a point marked at the step (after the caller queued
     that layer's compute); every layer of a load follows the request's own point, and
-    the caller's stream is not made to wait for it (the step that waited hands it over:
-    a wait queued with layer i + 1's copy would hold back the caller's layer i)."""
+    the caller's stream is made to wait for it only when the layer is handed over (a
+    wait queued with layer i + 1's copy would hold back the caller's layer i)."""
     marks: list[Point] = []
     point = Point(marks)
     transfers = RecordingTransfers()
-    copies = _Copies(transfers, torch.device("cuda", 0), direction, 5, point)  # type: ignore[arg-type]
+    copies = LayerCopies(transfers, torch.device("cuda", 0), direction, 5, point)  # type: ignore[arg-type]
     with anyio.fail_after(TIMEOUT):
         for layer in range(NUM_LAYERS):
             await copies.start(layer, lambda jobs: None, [], 0)
-            await copies.finish(layer)
+            if direction is Direction.LOAD:  # not before its step hands it over
+                assert point.consumed == [f"layer{i}" for i in range(layer)]
+            copies.hand_over(layer)
+        await copies.finish()
     if direction is Direction.STORE:
         assert len(marks) == NUM_LAYERS and transfers.callers == marks
+        assert point.consumed == []
     else:
         assert marks == [] and [caller.of for caller in transfers.callers] == [point] * NUM_LAYERS
+        assert point.consumed == [f"layer{i}" for i in range(NUM_LAYERS)]
 
 
 # ---------------------------------------------------------------------------- CUDA

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
 import torch
 
-from lmcache_async.errors import EngineClosedError
+from lmcache_async.errors import EngineClosedError, InvalidInputError
 from lmcache_async.transfer.cuda import Direction, EventBridge, Transfers, caller_stream
 from tests.fake_cuda import CUDA, FakeCuda, install
 
@@ -408,3 +409,71 @@ async def test_a_cuda_copy_closed_under_waits_for_its_event_then_raises(
     assert cuda.log[-1] == ("record", done, copy_stream_of(cuda))
     assert cuda.synced == [done]  # waited for, on a bridge of its own
     assert not [t for t in threading.enumerate() if t.name.startswith("cuda-bridge")]
+
+
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+async def test_a_staged_cuda_copy_runs_on_the_lanes_of_its_direction(
+    monkeypatch: pytest.MonkeyPatch, direction: Direction
+) -> None:
+    """run_staged hands the work the direction's lanes: home is the stream the copy is
+    ordered on and its completion recorded on; side is a second stream; two buffers."""
+    cuda = install(monkeypatch)
+    transfers = Transfers(inline_bytes=0, host_pinned=True)
+    seen: list[Any] = []
+
+    def work(jobs: list[int], lanes: Any) -> None:
+        seen.append((lanes, cuda.current_stream().name))
+
+    try:
+        with anyio.fail_after(5):
+            await transfers.run_staged(
+                work, [1], device=CUDA, direction=direction, timeout=5, caller=caller_stream(CUDA)
+            )
+        lanes = transfers.lanes(CUDA, direction)
+        assert seen == [(lanes, lanes.home.name)]
+        assert lanes.side is not lanes.home and lanes.slots[0] is not lanes.slots[1]
+        assert transfers.staging(CUDA, direction) is lanes.slots[0]
+        assert (
+            transfers.lanes(
+                CUDA, Direction.LOAD if direction is Direction.STORE else Direction.STORE
+            )
+            is not lanes
+        )
+        done = next(e[1] for e in cuda.log if e[0] == "record" and e[2] == lanes.home.name)
+        assert cuda.synced == [done]
+        assert (cuda.log[-1] == ("wait", "default", done)) is (direction is Direction.LOAD)
+    finally:
+        transfers.close()
+    assert all(slot.closed for slot in lanes.slots)
+
+
+async def test_a_queued_copy_returns_before_it_completes_and_leaves_the_order_to_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """queue() returns the copy's event without waiting on the host; a handed-over caller's
+    stream is not made to wait (the caller consumes the event itself, later)."""
+    cuda = install(monkeypatch)
+    transfers = Transfers(inline_bytes=0, host_pinned=True)
+    caller = caller_stream(CUDA)
+    assert caller is not None
+    try:
+        with cuda.held(), anyio.fail_after(5):
+            queued = await transfers.queue(
+                cuda.work,
+                [1],
+                device=CUDA,
+                direction=Direction.LOAD,
+                timeout=5,
+                caller=caller.handed_over(),
+            )
+            assert cuda.synced == []
+            assert not [e for e in cuda.log if e[:2] == ("wait", "default")]
+            caller.consume(queued.event)
+            assert cuda.log[-1] == ("wait", "default", queued.event.name)
+        with anyio.fail_after(5):
+            await queued.wait()
+        assert cuda.synced == [queued.event.name]
+        with pytest.raises(InvalidInputError, match="expected a CUDA device"):
+            await transfers.queue(cuda.work, [1], device=CPU, direction=Direction.LOAD, timeout=5)
+    finally:
+        transfers.close()
