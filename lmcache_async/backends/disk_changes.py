@@ -178,7 +178,7 @@ class DiskChanges:
         try:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(write)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: an entry the format cannot hold
             log.warning(
                 "disk_manifest_write_failed", path=str(manifest.snapshot_path), error=str(exc)
             )

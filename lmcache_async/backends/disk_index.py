@@ -32,6 +32,7 @@ from typing import Final
 import anyio
 import anyio.to_thread
 
+from lmcache_async.logging import get_logger
 from lmcache_async.tenancy.tenants import TAG_BYTES, TenantLimits, tag_hex
 
 from ..errors import IntegrityError
@@ -41,6 +42,8 @@ from .lru import held_prefix_count
 from .tenant_ledger import TenantLedger
 
 __all__ = ["DiskEntry", "DiskIndex", "ShapeTable"]
+
+log = get_logger(__name__)
 
 DiskEntry = int
 """An index entry: ``size << 40 | shape number << 20 | stamp`` (see the module doc)."""
@@ -356,12 +359,13 @@ class DiskIndex:
         used: bool = False,
     ) -> int:
         """Index files the fill (or a lookup while it runs) found, as the most recent so
-        far: ``keys[i]`` (all distinct) has a file of ``sizes[i]`` bytes and the shape
-        ``shapes[numbers[i]]``. Skipped: keys indexed (a put was first: its entry is the
-        newer), dropped since the fill began, or of a tenant erased since ``since`` (the
-        ledger's :attr:`~.tenant_ledger.TenantLedger.erasures` when the files were listed)
-        or being erased. ``used``: the files were looked up (most recent when the fill
-        ends). Returns how many were indexed.
+        far: ``keys[i]`` has a file of ``sizes[i]`` bytes and the shape
+        ``shapes[numbers[i]]`` (a lookup's batch may name a key twice: counted once).
+        Skipped: keys indexed (a put was first: its entry is the newer), dropped since the
+        fill began, or of a tenant erased since ``since`` (the ledger's
+        :attr:`~.tenant_ledger.TenantLedger.erasures` when the files were listed) or being
+        erased. ``used``: the files were looked up (most recent when the fill ends).
+        Returns how many were indexed.
 
         Entries found by the fill carry no stamp (each key is found at most once per
         fill), so equal ones share one int.
@@ -371,6 +375,8 @@ class DiskIndex:
         ledger = self.ledger
         fill = self._fill
         dropped = fill.dropped if fill is not None else set()
+        if used and len(set(keys)) < len(keys):  # a get may name a key twice: once here
+            keys, sizes, numbers = _first_of_each(keys, sizes, numbers)
         if (
             since != ledger.erasures
             or self._erasing
@@ -385,7 +391,8 @@ class DiskIndex:
             keys = [keys[i] for i in rows]
             sizes = [sizes[i] for i in rows]
             numbers = [numbers[i] for i in rows]
-        if len(set(sizes)) == 1 == len(set(numbers)):  # full chunks, stored as they are
+        before = len(entries)
+        if keys and _uniform(sizes) and _uniform(numbers):  # full chunks, stored as they are
             value = sizes[0] << _SIZE_SHIFT | base[numbers[0]]
             value = self._shared.setdefault(value, value)
             entries.update(zip(keys, itertools.repeat(value)))
@@ -394,12 +401,23 @@ class DiskIndex:
             shared = self._shared if len(self._shared) < _SHARED_VALUES else {}
             values = [shared.setdefault(value, value) for value in raw]
             entries.update(zip(keys, values, strict=True))
-        self.bytes += sum(sizes)
-        ledger.add_many(keys, sizes)
+        if len(entries) - before != len(keys):
+            self._recount()  # the fill's batch named a key twice: never expected
+        else:
+            self.bytes += sum(sizes)
+            ledger.add_many(keys, sizes)
         if used and fill is not None:
             for key in keys:
                 self._used(key)
-        return len(keys)
+        return len(entries) - before
+
+    def _recount(self) -> None:
+        """Rebuild the bytes and the ledger's accounts from the entries (each exact)."""
+        log.warning("disk_index_key_found_twice", chunks=len(self._entries))
+        sizes = [entry >> _SIZE_SHIFT for entry in self._entries.values()]
+        self.bytes = sum(sizes)
+        self.ledger.clear()
+        self.ledger.add_many(list(self._entries), sizes)
 
     def _erased(self, key: bytes, since: int) -> bool:
         return key[:TAG_BYTES] in self._erasing or self.ledger.erased_since(key, since)
@@ -470,3 +488,16 @@ class DiskIndex:
             distinct = len(set(map(id, entries.values())))
             total += len(entries) * sys.getsizeof(key) + distinct * sys.getsizeof(entry)
         return total
+
+
+def _first_of_each(
+    keys: Sequence[bytes], sizes: Sequence[int], numbers: Sequence[int]
+) -> tuple[list[bytes], list[int], list[int]]:
+    """The columns without the repeats of a key (the first of each kept)."""
+    rows = sorted({key: i for i, key in reversed(list(enumerate(keys)))}.values())
+    return [keys[i] for i in rows], [sizes[i] for i in rows], [numbers[i] for i in rows]
+
+
+def _uniform(values: Sequence[int]) -> bool:
+    """Whether ``values`` (not empty) are all equal: compared mostly by identity, no set."""
+    return values.count(values[0]) == len(values)

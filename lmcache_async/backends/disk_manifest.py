@@ -5,7 +5,8 @@ id: engines of other models may share the directory), at its top level:
 
 * ``manifest-<id>.snap``, a snapshot: every indexed key, least recently used first, with
   its file's size and its payload's shape (a table of the distinct shapes, a number per
-  key). Written whole (temporary file and rename; synced when the tier syncs its records)
+  key), as fixed-width columns (:mod:`.disk_snapshot`: read with a few ``numpy`` calls).
+  Written whole (temporary file and rename; synced when the tier syncs its records)
   at a clean close, after a fill that had to read many headers, and when the log has
   grown as long as the snapshot.
 * ``manifest-<id>.log``, the changes since: one record per write (the files written) and
@@ -17,8 +18,9 @@ id: engines of other models may share the directory), at its top level:
 The manifest is a hint, never the truth: an open trusts an entry only if the directory
 still holds a file of that name (:mod:`.disk_fill` checks each size later, and every read
 checks the record itself). A manifest that is missing, corrupt, truncated, of another
-version, or written for another layout or key is ignored with a warning (the index is
-then built from the headers) and replaced. A lost or stale log costs header reads only.
+version (version 1, msgpack columns, included: such a snapshot is not read), or written
+for another layout or key is ignored with a warning (the index is then built from the
+headers) and replaced. A lost or stale log costs header reads only.
 All file work runs in worker threads, under the manifest's lock.
 """
 
@@ -29,7 +31,6 @@ import os
 import struct
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -37,11 +38,13 @@ import msgpack
 import xxhash
 
 from .disk_file import record_name, write_atomic
+from .disk_snapshot import ManifestState, decode_snapshot, encode_snapshot
 from .record import RecordSpec
 
 __all__ = ["MANIFEST_VERSION", "Manifest", "ManifestState", "manifest_identity", "names_sum"]
 
-MANIFEST_VERSION: Final = 1
+MANIFEST_VERSION: Final = 2
+"""2: the snapshot in fixed-width columns (1: msgpack, ignored when found)."""
 _SNAP_MAGIC: Final = b"LMCASNAP"
 _LOG_MAGIC: Final = b"LMCAMLOG"
 _PREFIX: Final = struct.Struct("<8sHxxIQ")  # magic, version, body length, xxh3-64 of body
@@ -69,24 +72,6 @@ def manifest_identity(spec: RecordSpec) -> str:
     cipher = spec.cipher
     seal = "clear" if cipher is None else f"{cipher.name}:{cipher.key_id.hex()}"
     return f"{spec.fingerprint}|{seal}"
-
-
-@dataclass(slots=True)
-class ManifestState:
-    """What a manifest says the directory held, least recently used first: ``keys[i]``'s
-    file has ``sizes[i]`` bytes and the shape ``shapes[numbers[i]]``."""
-
-    keys: list[bytes] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    numbers: list[int] = field(default_factory=list)
-    shapes: list[tuple[int, ...]] = field(default_factory=list)
-    snapshot_id: bytes = b""
-    names_sum: int = 0
-    """:func:`names_sum` of the keys' file names."""
-    log_length: int = 0
-    """Bytes of the log that continue this snapshot (0: no such log)."""
-    log_keys: int = 0
-    """Keys named by those log records."""
 
 
 class Manifest:
@@ -120,7 +105,7 @@ class Manifest:
             return None, f"unreadable: {exc}"
         try:
             state = self._parse_snapshot(data)
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+        except ValueError as exc:
             return None, str(exc) or type(exc).__name__
         if state is None:
             return None, "written for another layout or key"
@@ -129,24 +114,9 @@ class Manifest:
 
     def _parse_snapshot(self, data: bytes) -> ManifestState | None:
         body = _checked_body(data, _SNAP_MAGIC)
-        fields: Any = msgpack.unpackb(body, raw=False)
-        if fields["id"] != self.identity:
-            return None
-        keys, sizes, numbers = fields["keys"], fields["sizes"], fields["numbers"]
-        shapes = [tuple(int(dim) for dim in shape) for shape in fields["shapes"]]
-        if not len(keys) == len(sizes) == len(numbers):
-            raise ValueError("manifest columns differ in length")
-        if not set(map(type, keys)) <= {bytes}:
-            raise ValueError("manifest keys are not bytes")
-        if len(set(keys)) != len(keys):
-            raise ValueError("manifest names a key twice")
-        if numbers and not 0 <= min(numbers) <= max(numbers) < len(shapes):
-            raise ValueError("manifest shape numbers out of range")
-        if sizes and min(sizes) < 0:
-            raise ValueError("manifest sizes are negative")
-        return ManifestState(
-            keys, sizes, numbers, shapes, bytes(fields["snapshot"]), int(fields["names_sum"])
-        )
+        if _PREFIX.size + len(body) != len(data):
+            raise ValueError("manifest has bytes after its body")
+        return decode_snapshot(body, self.identity)
 
     def _replay(self, state: ManifestState) -> None:
         """Apply the log records that continue ``state``'s snapshot (none if the log is
@@ -292,17 +262,15 @@ class Manifest:
         shapes: Sequence[tuple[int, ...]],
     ) -> None:
         snapshot_id = os.urandom(8)
-        body = msgpack.packb(
-            {
-                "id": self.identity,
-                "snapshot": snapshot_id,
-                "names_sum": names_sum(map(record_name, keys)),
-                "shapes": [list(shape) for shape in shapes],
-                "keys": [bytes(key) for key in keys],
-                "sizes": list(sizes),
-                "numbers": list(numbers),
-            },
-            use_bin_type=True,
+        total = names_sum(map(record_name, keys))
+        body = encode_snapshot(
+            self.identity,
+            snapshot_id,
+            total,
+            keys=keys,
+            sizes=sizes,
+            numbers=numbers,
+            shapes=shapes,
         )
         write_atomic(self.snapshot_path, _framed(_SNAP_MAGIC, body), b"", self._fsync)
         self._new_log(snapshot_id)
@@ -338,8 +306,8 @@ def _framed(magic: bytes, body: bytes) -> bytes:
     return _PREFIX.pack(magic, MANIFEST_VERSION, len(body), xxhash.xxh3_64_intdigest(body)) + body
 
 
-def _checked_body(data: bytes, magic: bytes) -> bytes:
-    """The body of a framed file, checked.
+def _checked_body(data: bytes, magic: bytes) -> memoryview:
+    """The body of a framed file, checked (a view of ``data``: no copy).
 
     Raises:
         ValueError: bad magic, another version, truncated, checksum mismatch.
@@ -351,7 +319,7 @@ def _checked_body(data: bytes, magic: bytes) -> bytes:
         raise ValueError("not a manifest (bad magic number)")
     if version != MANIFEST_VERSION:
         raise ValueError(f"manifest version {version}, expected {MANIFEST_VERSION}")
-    body = data[_PREFIX.size : _PREFIX.size + length]
+    body = memoryview(data)[_PREFIX.size : _PREFIX.size + length]
     if len(body) != length:
         raise ValueError("manifest is truncated")
     if xxhash.xxh3_64_intdigest(body) != checksum:

@@ -1,5 +1,6 @@
 """The disk tier's index: small entries (interned shapes, shared ints), what a read may
-settle, the fill's merges (skips, order), trimming to the capacity."""
+settle, the fill's merges (skips, order, a key named twice counted once), trimming to the
+capacity."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import tracemalloc
 from collections.abc import Callable
 
 import pytest
+from structlog.testing import capture_logs
 
 from lmcache_async.backends.disk_file import ReadStatus
 from lmcache_async.backends.disk_index import DiskIndex
@@ -117,3 +119,35 @@ def test_trim_evicts_the_oldest_beyond_the_capacity() -> None:
     assert index.trim() == [key(0), key(1)]
     assert (len(index), index.bytes, index.evictions) == (3, 3 * SIZE, 2)
     assert index.trim() == []
+
+
+def test_a_lookup_naming_a_key_twice_indexes_and_counts_it_once() -> None:
+    index = DiskIndex(1 << 30)
+    index.begin_fill()
+    since = index.ledger.erasures
+    keys = [key(1), key(2), key(1)]  # a get of the same chunk twice while the index fills
+    assert index.merge(keys, [SIZE, SIZE, SIZE + 1], [0] * 3, [SHAPE], since=since, used=True) == 2
+    assert index.bytes == 2 * SIZE and index.size_of(index.get(key(1)) or 0) == SIZE
+    assert index.ledger.usage()[TAG.hex()].chunks == 2
+    assert index.ledger.usage()[TAG.hex()].bytes == 2 * SIZE
+
+
+def test_a_key_the_fill_names_twice_is_counted_once() -> None:
+    """Never expected (the manifest's keys are checked distinct, a listing names each file
+    once): should a fill's batch name a key twice, the accounts are rebuilt from the
+    entries."""
+    index = DiskIndex(1 << 30)
+    index.begin_fill()
+    other = tenant_tag("other")
+    index.merge([key(1)], [SIZE], [0], [SHAPE], since=0)
+    keys = [key(2), key(3, other), key(2)]
+    with capture_logs() as logs:
+        assert index.merge(keys, [SIZE, SIZE, SIZE + 5], [0] * 3, [SHAPE], since=0) == 2
+    assert [e["event"] for e in logs] == ["disk_index_key_found_twice"]
+    assert list(index) == [key(1), key(2), key(3, other)]  # 2 in its first place
+    assert index.size_of(index.get(key(2)) or 0) == SIZE + 5  # as last named
+    assert index.bytes == 3 * SIZE + 5
+    usage = index.ledger.usage()
+    assert (usage[TAG.hex()].chunks, usage[TAG.hex()].bytes) == (2, 2 * SIZE + 5)
+    assert (usage[other.hex()].chunks, usage[other.hex()].bytes) == (1, SIZE)
+    index.end_fill()

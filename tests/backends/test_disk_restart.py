@@ -572,3 +572,30 @@ async def test_a_ram_hit_is_answered_while_the_disk_index_fills(
                 gate.release.set()
                 assert await disk.wait_index()
                 await retrieve(engine, 64, 64, seed=1)
+
+
+@pytest.mark.anyio
+async def test_a_get_naming_a_chunk_twice_while_filling_counts_it_once(
+    root: Path, pool: MemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The get reads the file of a chunk not indexed yet twice (once per request slot):
+    the index holds it once and its bytes once, and the fill then finds what remains."""
+    await anyio.to_thread.run_sync(write_records, root, range(8))
+    with anyio.fail_after(TIMEOUT), gated(monkeypatch, "list_records") as gate:
+        disk = await open_filling(root, pool)
+        try:
+            await gate.reached()
+            got = await disk.get([key(3), key(3)])
+            try:
+                assert all(obj is not None and torch.equal(raw(obj), expected(3)) for obj in got)
+            finally:
+                for obj in got:
+                    if obj is not None:
+                        obj.unref()
+            assert len(disk) == 1 and disk.stats().bytes == file_bytes(root) // 8
+            gate.release.set()
+            assert await disk.wait_index(audited=True)
+            assert len(disk) == 8
+            await assert_index_matches_files(disk, root)
+        finally:
+            await disk.aclose()
