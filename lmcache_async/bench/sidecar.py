@@ -58,6 +58,7 @@ __all__ = [
     "format_sidecar",
     "run_sidecar_bench",
     "sidecar_process",
+    "wait_sidecar_ready",
 ]
 
 TARGETS: Final[Mapping[str, float]] = {"throughput_ratio": 0.9, "lookup_p50_ms": 0.5}
@@ -365,23 +366,36 @@ def _keys(curve: CurveFiles | None) -> dict[str, Any]:
     return {"server_public_key": curve.server_public_key, "client_certificate": curve.client_secret}
 
 
-async def _wait_ready(
-    url: str, layout: KVLayout, options: SidecarBenchOptions, curve: CurveFiles | None = None
+async def wait_sidecar_ready(
+    url: str,
+    layout: KVLayout,
+    *,
+    model_name: str,
+    timeout: float,
+    curve: CurveFiles | None = None,
 ) -> None:
-    """Retry the handshake until the sidecar at ``url`` answers.
+    """Retry the handshake until the sidecar at ``url`` answers (it imports torch first).
 
     Raises:
-        TimeoutError: not within ``startup_timeout``.
+        TimeoutError: not within ``timeout`` seconds.
     """
-    with anyio.fail_after(options.startup_timeout):
+    with anyio.fail_after(timeout):
         while True:
             try:
                 async with RemoteCacheEngine.connect(
-                    url, layout, model_name=_MODEL, timeout=1.0, **_keys(curve)
+                    url, layout, model_name=model_name, timeout=1.0, **_keys(curve)
                 ):
                     return
             except TierUnavailableError:
                 continue  # each attempt waited for an answer: retry at once
+
+
+async def _wait_ready(
+    url: str, layout: KVLayout, options: SidecarBenchOptions, curve: CurveFiles | None = None
+) -> None:
+    await wait_sidecar_ready(
+        url, layout, model_name=_MODEL, timeout=options.startup_timeout, curve=curve
+    )
 
 
 def _entry(nbytes: int, sidecar: list[float], inprocess: list[float]) -> dict[str, Any]:

@@ -46,31 +46,7 @@ async def gather(
     gather overlapping the previous pass's copy. Where ``transfers`` offers no staging
     buffer, the plan's own copies run (on CUDA on the direction's stream); where it offers
     one for CPU caches, the batch is staged on the spot (:class:`StagedPlan`)."""
-    staging = transfers.staging(plan.device, Direction.STORE)
-    if plan.device.type == "cuda" and staging is not None:
-        staged = StagedPlan.from_plan(plan)
-        await transfers.run_staged(
-            functools.partial(gather_pipelined, staged),
-            jobs,
-            device=plan.device,
-            direction=Direction.STORE,
-            timeout=timeout,
-            caller=caller,
-        )
-        return
-    work = plan.gather_chunks
-    if staging is not None:  # a Transfers that stages the CPU's copies too
-        work = functools.partial(StagedPlan.from_plan(plan).gather_chunks, staging=staging)
-    await transfers.run(
-        work,
-        jobs,
-        device=plan.device,
-        direction=Direction.STORE,
-        nbytes=_nbytes(jobs),
-        timeout=timeout,
-        caller=caller,
-        split=not plan.threads_inside,
-    )
+    await _copy(transfers, plan, jobs, Direction.STORE, timeout=timeout, caller=caller)
 
 
 async def scatter(
@@ -87,26 +63,44 @@ async def scatter(
     queues on that stream next comes after them; staged and double-buffered as
     :func:`gather` (a pass's host copy overlapping the previous pass's scatter), or as
     :func:`gather` says without staging buffers."""
-    staging = transfers.staging(plan.device, Direction.LOAD)
+    await _copy(transfers, plan, jobs, Direction.LOAD, timeout=timeout, caller=caller)
+
+
+async def _copy(
+    transfers: Transfers,
+    plan: TransferPlan,
+    jobs: list[Job],
+    direction: Direction,
+    *,
+    timeout: float,
+    caller: CallerStream | None,
+) -> None:
+    """A store's gather or a load's scatter, staged and double-buffered on CUDA, the
+    plan's own copies (staged on the spot where ``transfers`` offers a CPU staging
+    buffer) elsewhere."""
+    store = direction is Direction.STORE
+    staging = transfers.staging(plan.device, direction)
     if plan.device.type == "cuda" and staging is not None:
-        staged = StagedPlan.from_plan(plan)
+        pipelined = gather_pipelined if store else scatter_pipelined
         await transfers.run_staged(
-            functools.partial(scatter_pipelined, staged),
+            functools.partial(pipelined, StagedPlan.from_plan(plan)),
             jobs,
             device=plan.device,
-            direction=Direction.LOAD,
+            direction=direction,
             timeout=timeout,
             caller=caller,
         )
         return
-    work = plan.scatter_chunks
+    work = plan.gather_chunks if store else plan.scatter_chunks
     if staging is not None:  # a Transfers that stages the CPU's copies too
-        work = functools.partial(StagedPlan.from_plan(plan).scatter_chunks, staging=staging)
+        staged = StagedPlan.from_plan(plan)
+        method = staged.gather_chunks if store else staged.scatter_chunks
+        work = functools.partial(method, staging=staging)
     await transfers.run(
         work,
         jobs,
         device=plan.device,
-        direction=Direction.LOAD,
+        direction=direction,
         nbytes=_nbytes(jobs),
         timeout=timeout,
         caller=caller,

@@ -40,9 +40,8 @@ from lmcache_async import CacheEngine, EngineConfig, KVCacheClient, RemoteCacheE
 from lmcache_async.bench.baselines import slots_over
 from lmcache_async.bench.redis.options import MODEL_NAME, RedisBenchOptions
 from lmcache_async.bench.redis.plain import PlainRedis
-from lmcache_async.bench.sidecar import sidecar_process
+from lmcache_async.bench.sidecar import sidecar_process, wait_sidecar_ready
 from lmcache_async.config import GB
-from lmcache_async.errors import TierUnavailableError
 from lmcache_async.layouts import KVLayout
 
 __all__ = ["READS", "WRITES", "measure_wire", "wire_config"]
@@ -228,7 +227,9 @@ async def measure_wire(
             CacheEngine.open(config, layout, model_name=MODEL_NAME)
         )
         sidecar_url = await stack.enter_async_context(sidecar_process(config, directory))
-        await _wait_ready(sidecar_url, options)
+        await wait_sidecar_ready(
+            sidecar_url, options.layout(), model_name=MODEL_NAME, timeout=options.startup_timeout
+        )
         remote = await stack.enter_async_context(
             RemoteCacheEngine.connect(
                 sidecar_url, layout, model_name=MODEL_NAME, timeout=options.timeout
@@ -260,23 +261,6 @@ async def measure_wire(
 def _say(progress: TextIO | None, text: str) -> None:
     if progress is not None:
         print(f"bench: redis {text}", file=progress, flush=True)
-
-
-async def _wait_ready(url: str, options: RedisBenchOptions) -> None:
-    """Retry the handshake until the sidecar at ``url`` answers (it imports torch first).
-
-    Raises:
-        TimeoutError: not within ``startup_timeout``.
-    """
-    with anyio.fail_after(options.startup_timeout):
-        while True:
-            try:
-                async with RemoteCacheEngine.connect(
-                    url, options.layout(), model_name=MODEL_NAME, timeout=1.0
-                ):
-                    return
-            except TierUnavailableError:
-                continue  # each attempt waited for an answer: retry at once
 
 
 async def _make_work(options: RedisBenchOptions, engine: CacheEngine, plain: PlainRedis) -> _Work:
