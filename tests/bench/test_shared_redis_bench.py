@@ -6,14 +6,16 @@ sidecars, takes over two minutes even at the smallest settings: it is the benchm
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 from lmcache_async.bench.shared_redis import PHASES, SharedRedisOptions, format_shared_redis
 from lmcache_async.bench.shared_redis.report import Answer, counter_deltas, summarise
-from lmcache_async.bench.shared_redis.sidecar import parse_metrics
+from lmcache_async.bench.shared_redis.sidecar import SidecarProcess, _ping, parse_metrics
 from lmcache_async.cli import main
 from lmcache_async.errors import InvalidInputError
+from tests.servers import RedisServer
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
 
@@ -119,3 +121,20 @@ def test_without_token_ids_nothing_is_compared() -> None:
     results = summarise(SharedRedisOptions(), answers, {}, redis_wait_s=0, redis_keys=0)
     assert results["same_tokens_a_warm_b"] is None
     assert math.isnan(results["over_a_warm"].get("a-cold", math.nan))
+
+
+@pytest.mark.subprocess
+def test_a_sidecar_started_for_the_bench_answers_its_ping(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The readiness check of a real ``lmcache-async serve`` (a fresh socket per try)
+    passes once it listens, and fails for a socket nobody serves."""
+    sidecar = SidecarProcess(
+        tmp_path, "sidecar", redis_url=redis_server.url, cpu_gb=0.01, chunk_size=64
+    )
+    sidecar.start()
+    try:
+        assert _ping(sidecar.url)
+        assert not _ping(f"ipc://{tmp_path / 'nobody.sock'}")
+    finally:
+        sidecar.stop()

@@ -155,9 +155,11 @@ def _ping(url: str) -> bool:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IMMEDIATE, 1)
     try:
         sock.connect(url)
+        # Queued until the connection is up (not IMMEDIATE: a fresh socket's first send
+        # would find no peer yet and every attempt would fail); dropped at close if the
+        # sidecar is not there.
         sock.send_multipart(encode(MessageType.PING, None, request_id=1), flags=zmq.NOBLOCK)
         if not sock.poll(int(_PING_TIMEOUT * 1000)):
             return False
