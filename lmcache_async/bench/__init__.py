@@ -53,6 +53,7 @@ from lmcache_async.errors import InvalidInputError
 
 __all__ = [
     "DTYPES",
+    "EVERY_TIER_WAITED",
     "Progress",
     "format_finite",
     "format_table",
@@ -69,6 +70,19 @@ DTYPES: Final[Mapping[str, torch.dtype]] = {
     "float32": torch.float32,
 }
 """KV dtypes the benchmarks accept, by name."""
+
+EVERY_TIER_WAITED: Final[Mapping[str, Any]] = {
+    "store_location": None,
+    "retrieve_locations": None,
+    "wait_for_slow_tiers": True,
+    "store_threshold": 1,
+    "use_layerwise": False,
+    "remove_after_retrieve": False,
+    "tenant_quotas": None,
+}
+"""Engine settings under which a measured store reaches every tier, and returns once each
+holds its chunks, and a retrieve leaves them there, whatever the user's configuration
+says (``EngineConfig.replace(**EVERY_TIER_WAITED, ...)``)."""
 
 
 def parse_dtype(name: str) -> torch.dtype:

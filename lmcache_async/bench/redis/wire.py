@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from lmcache_async import CacheEngine, EngineConfig, KVCacheClient, RemoteCacheEngine
+from lmcache_async.bench import EVERY_TIER_WAITED
 from lmcache_async.bench.baselines import slots_over
 from lmcache_async.bench.redis.options import MODEL_NAME, RedisBenchOptions
 from lmcache_async.bench.redis.plain import PlainRedis
@@ -78,13 +79,7 @@ def wire_config(base: EngineConfig, url: str, options: RedisBenchOptions) -> Eng
         local_disk=None,
         remote_url=url,
         remote_timeout=max(base.remote_timeout, _MIN_REMOTE_TIMEOUT),
-        store_location=None,
-        retrieve_locations=None,
-        wait_for_slow_tiers=True,
-        store_threshold=1,
-        use_layerwise=False,
-        remove_after_retrieve=False,
-        tenant_quotas=None,
+        **EVERY_TIER_WAITED,
     )
 
 

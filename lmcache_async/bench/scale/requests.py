@@ -13,7 +13,7 @@ import torch
 
 from lmcache_async import CacheEngine, EngineConfig
 from lmcache_async.backends.record import RecordSpec
-from lmcache_async.bench import percentiles
+from lmcache_async.bench import EVERY_TIER_WAITED, percentiles
 from lmcache_async.bench.baselines import slots_over
 from lmcache_async.bench.scale.options import (
     CHUNK_TOKENS,
@@ -70,13 +70,7 @@ def scale_config(
         local_disk=local_disk,
         max_local_disk_size=max(disk_bytes, 1 << 20) / GB,
         remote_url=remote_url,
-        store_location=None,
-        retrieve_locations=None,
-        wait_for_slow_tiers=True,
-        store_threshold=1,
-        use_layerwise=False,
-        remove_after_retrieve=False,
-        tenant_quotas=None,
+        **EVERY_TIER_WAITED,
     )
 
 
