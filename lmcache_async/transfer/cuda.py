@@ -230,10 +230,9 @@ class Transfers:
         if device.type != "cuda":
             raise InvalidInputError(f"device: expected a CUDA device, got {device}")
         lanes = self.lanes(device, direction)
-        queued = await self._queued(
+        await self._run_cuda(
             functools.partial(work, jobs, lanes), device, direction, timeout, caller
         )
-        await queued.wait()
 
     async def queue(
         self,
