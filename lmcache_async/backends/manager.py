@@ -188,6 +188,16 @@ class StorageManager(LookupPins, HeldWrites, Removals):
     def _cpu_writable(self, locations: tuple[str, ...]) -> bool:
         return self._hot_cache and not self._frozen and self._cpu.name in locations
 
+    def puts_at_once(self, locations: Sequence[str] | None) -> bool:
+        """Whether a :meth:`put` into ``locations`` (None: the configured ones) counts
+        every chunk it is given as kept without waiting for any tier: the CPU tier takes
+        them, and no slow-tier write is waited for. Only an erasure of their tenant before
+        the put comes can then keep fewer."""
+        targets = self._tiers.store_to if locations is None else tuple(locations)
+        if not self._cpu_writable(targets):
+            return False
+        return not self._wait_for_slow or not any(t.name in targets for t in self._tiers.slow)
+
     def _readable(self, locations: Sequence[str] | None) -> list[StorageBackend]:
         """Slow tiers a read may use now: named, enabled, healthy, and not frozen."""
         if self._frozen or not self._tiers.slow:

@@ -67,6 +67,15 @@ class LookupPins:
         self._pins.add(lookup_id, held, dict(zip(keys, held, strict=False)), charges)
         return count
 
+    def lend_pins(self, lookup_id: Hashable) -> tuple[list[MemoryObj], float]:
+        """The CPU-tier payloads a lookup pinned for ``lookup_id``, in prefix order, each
+        referenced once more for the caller, and the seconds before those pins expire;
+        nothing for an id that pins none or pins a prefetch's payloads."""
+        pins = self._pins.get(lookup_id)
+        if pins is None or pins.by_key:
+            return [], 0.0
+        return [obj.ref() for obj in pins.objs], self._pins.time_left(lookup_id)
+
     def holds_pins(self, lookup_id: Hashable) -> bool:
         """Whether chunks are pinned for ``lookup_id``."""
         return self._pins.get(lookup_id) is not None

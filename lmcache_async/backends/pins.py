@@ -77,6 +77,11 @@ class PinSets:
     def get(self, lookup_id: Hashable) -> PinSet | None:
         return self._sets.get(lookup_id)
 
+    def time_left(self, lookup_id: Hashable) -> float:
+        """Seconds before the set of ``lookup_id`` expires (0 when there is none)."""
+        pins = self._sets.get(lookup_id)
+        return 0.0 if pins is None else max(0.0, pins.deadline - self._clock())
+
     def release(self, lookup_id: Hashable) -> int:
         """Unpin and unreference the set of ``lookup_id``; returns how many chunks it held."""
         pins = self._sets.pop(lookup_id, None)

@@ -105,6 +105,22 @@ class LoadCore:
         """Return the references :meth:`reserve` gave."""
         release(objs)
 
+    def lend(self, lookup_id: Hashable) -> tuple[list[MemoryObj], float]:
+        """The payloads a lookup pinned for ``lookup_id`` (the CPU tier's leading run),
+        each referenced for the caller (give them back with :meth:`release`), and the
+        seconds left before the pins expire: a caller on the same host copies out of them
+        with no load request (:meth:`finish_lent` ends it). Nothing when the engine is
+        unhealthy or the id pins none."""
+        if not self._healthy():
+            return [], 0.0
+        return self._manager.lend_pins(lookup_id)
+
+    def finish_lent(self, lookup_id: Hashable, loaded_tokens: int) -> None:
+        """End a load served from :meth:`lend`'s payloads: counted as a load request, the
+        lookup's pins dropped, the tokens loaded counted."""
+        self._counters.retrieve_requests += 1
+        self.finish(lookup_id, loaded_tokens)
+
     def finish(self, lookup_id: Hashable | None, loaded_tokens: int) -> None:
         """End a load: drop the pins held for ``lookup_id`` and count the tokens loaded."""
         if lookup_id is not None:

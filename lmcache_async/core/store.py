@@ -68,15 +68,20 @@ class StoreTxn:
 
     def stored_tokens(self) -> int:
         """Tokens covered by the leading run of chunks that are cached."""
-        if not self.spans:
-            return 0
-        first = self.spans[0].start
-        end = first
-        for span, ok in zip(self.spans, self.stored, strict=False):
-            if not ok:
-                break
-            end = span.end
-        return end - first
+        return _leading_tokens(self.spans, self.stored)
+
+
+def _leading_tokens(spans: Sequence[ChunkSpan], stored: Sequence[bool]) -> int:
+    """Tokens covered by the leading run of ``spans`` whose ``stored`` is True."""
+    if not spans:
+        return 0
+    first = spans[0].start
+    end = first
+    for span, ok in zip(spans, stored, strict=False):
+        if not ok:
+            break
+        end = span.end
+    return end - first
 
 
 def release(objs: Sequence[MemoryObj]) -> None:
@@ -285,6 +290,18 @@ class StoreCore:
             return kept
         finally:
             release(objs)
+
+    def promised(self, txn: StoreTxn, indices: Sequence[int]) -> int | None:
+        """The tokens :meth:`finish` will count once the chunks at ``indices`` are
+        committed, when the commit cannot keep fewer (:meth:`StorageManager.puts_at_once`;
+        an erasure of the tenant in between aside); None when it may (it waits for a
+        slow tier, or no tier takes the chunks at once)."""
+        if txn.layers or not self._manager.puts_at_once(txn.locations):
+            return None
+        stored = list(txn.stored)
+        for index in indices:
+            stored[index] = True
+        return _leading_tokens(txn.spans, stored)
 
     def abort(self, txn: StoreTxn, objs: Sequence[MemoryObj] = ()) -> int:
         """End a store without writing ``objs`` (reserved, maybe filled): every byte of

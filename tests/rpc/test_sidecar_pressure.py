@@ -120,8 +120,13 @@ async def test_a_long_load_comes_in_parts_with_its_pins_held_to_the_last(
             before = await state(engine)
             assert before["pinned_chunks"] == 8 and before["session_lookup_ids"] == 1
             target = LAYOUT.allocate_kv_caches(8, random=False)
+            # Tiers named: the RETRIEVE's way, not the copy from what the lookup lent.
             mask = await engine.retrieve(
-                tokens, kv_caches=target, slot_mapping=slots, lookup_id="a"
+                tokens,
+                kv_caches=target,
+                slot_mapping=slots,
+                lookup_id="a",
+                retrieve_locations=["cpu"],
             )
             after = await state(engine)
     assert bool(mask.all())

@@ -57,6 +57,9 @@ class LoadOptions:
     """Start no more than this many requests (0: as many as ``duration`` allows)."""
     sidecar_timeout: float = SIDECAR_TIMEOUT
     """Target ``sidecar``: the client's timeout of one request."""
+    store_ahead: bool = True
+    """Target ``sidecar``: a request's pinned lookup sends its STORE ahead (a request
+    stores its prompt after its lookup: :mod:`lmcache_async.rpc.client.ahead`)."""
     concurrency: int = 4
     rate: float = 0.0
     """Requests per second; 0: as fast as ``concurrency`` allows (closed loop)."""

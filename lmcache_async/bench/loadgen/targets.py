@@ -71,7 +71,11 @@ async def open_target(
         return
     url = str(options.url)
     async with RemoteCacheEngine.connect(
-        url, layout, model_name=options.model_name, timeout=options.sidecar_timeout
+        url,
+        layout,
+        model_name=options.model_name,
+        timeout=options.sidecar_timeout,
+        store_ahead=options.store_ahead,
     ) as remote:
         chunk_size = remote.chunk_size
         if chunk_size is None:  # connect() has said hello, so this is a broken server

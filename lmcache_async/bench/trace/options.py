@@ -100,6 +100,8 @@ class TraceOptions:
     """Where the disk tier's directory goes (None: a temporary directory)."""
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     sidecar_timeout: float = 30.0
+    store_ahead: bool = True
+    """Target ``sidecar``: as :attr:`LoadOptions.store_ahead`."""
     model: str | None = None
     max_tokens: int = 1
     """Target ``vllm``: the cap on each request's ``output_length``."""
@@ -183,6 +185,7 @@ class TraceOptions:
             model_name=self.model_name,
             seed=self.seed,
             sidecar_timeout=self.sidecar_timeout,
+            store_ahead=self.store_ahead,
             concurrency=self.concurrency,
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,

@@ -175,6 +175,12 @@ def _add_load_flags(load: Any, emb: Any) -> None:
         metavar="N",
         help="check every N-th retrieve bit for bit (0: never)",
     )
+    load.add_argument(
+        "--no-store-ahead",
+        dest="store_ahead",
+        action="store_false",
+        help="--target sidecar: no STORE sent with each pinned lookup (store_ahead off)",
+    )
 
 
 def _add_vllm_flags(vllm: Any, emb: Any) -> None:

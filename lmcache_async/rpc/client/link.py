@@ -11,6 +11,7 @@ import itertools
 import math
 import struct
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
@@ -26,13 +27,41 @@ from lmcache_async.rpc.curve import CurveClientKeys
 from lmcache_async.rpc.protocol import Message, MessageLimits, MessageType, decode, encode
 from lmcache_async.rpc.transport import LoopSocket
 
-__all__ = ["Link"]
+__all__ = ["Link", "Sent"]
 
 log = get_logger(__name__)
 
 _RECONNECT_IVL_MS: Final = 100
 _ZERO_COPY_BYTES: Final = 4 << 20
 _EVENT_BYTES: Final = 6
+
+
+@dataclass(eq=False, slots=True)
+class Sent:
+    """A request sent ahead of the wait for its reply (:meth:`Link.send_ahead`)."""
+
+    msg_type: MessageType
+    request_id: int
+    future: asyncio.Future[Message | None]
+    answered: bool = False
+    """Its reply was taken (:meth:`Link.reply`) or given back."""
+
+
+def _checked(msg_type: MessageType, reply: Message | None) -> Message:
+    """``reply`` as the answer to a ``msg_type`` request.
+
+    Raises:
+        Unavailable: no reply (the link was closed), or an error reply saying so.
+        InvalidInputError, ProtocolError: an error reply saying so, or a reply of
+            another type.
+    """
+    if reply is None:
+        raise Unavailable(f"{msg_type.name}: the link was closed")
+    if reply.type is MessageType.ERROR:
+        raise_error(msg_type, reply)
+    if reply.type is not msg_type:
+        raise ProtocolError(f"a {reply.type.name} reply to a {msg_type.name} request")
+    return reply
 
 
 class Link:
@@ -130,7 +159,7 @@ class Link:
         txn = reply.header["txn"]
         if reply.type is MessageType.STORE:
             frames = encode(MessageType.COMMIT, {"txn": txn, "abort": True})
-        elif reply.type is MessageType.RETRIEVE:
+        elif reply.type in (MessageType.RETRIEVE, MessageType.LOOKUP):  # a lookup's lend
             frames = encode(MessageType.RELEASE, {"txn": txn, "loaded": 0})
         else:
             return
@@ -183,13 +212,66 @@ class Link:
         finally:
             self._pending.pop(request_id, None)
             self._deadlines.pop(request_id, None)
-        if reply is None:
-            raise Unavailable(f"{msg_type.name}: the link was closed")
-        if reply.type is MessageType.ERROR:
-            raise_error(msg_type, reply)
-        if reply.type is not msg_type:
-            raise ProtocolError(f"a {reply.type.name} reply to a {msg_type.name} request")
-        return reply
+        return _checked(msg_type, reply)
+
+    def send_ahead(
+        self,
+        msg_type: MessageType,
+        header: dict[str, Any],
+        payloads: Sequence[object] = (),
+        *,
+        timeout: float,
+    ) -> Sent | None:
+        """Send a request now and wait for its reply later (:meth:`reply`), at most
+        ``timeout`` seconds from now; None when the link is down or its socket cannot
+        take the request at once. One that is never waited for is :meth:`forget`-ten."""
+        if self.dead:
+            return None
+        request_id = next(self._ids)
+        frames = encode(msg_type, header, payloads, request_id=request_id)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Message | None] = loop.create_future()
+        try:
+            if not self._socket.send_nowait(frames, copy=_copy_frames(frames)):
+                return None
+        except zmq.ZMQError:
+            return None
+        self._pending[request_id] = future
+        deadline = loop.time() + timeout
+        self._deadlines[request_id] = deadline
+        if deadline < self._timer_at:
+            self._arm(loop, deadline)
+        return Sent(msg_type, request_id, future)
+
+    async def reply(self, sent: Sent) -> Message:
+        """The reply to a request :meth:`send_ahead` sent.
+
+        Raises:
+            Unavailable, InvalidInputError, ProtocolError: as :meth:`request`.
+        """
+        try:
+            reply = await sent.future
+        except TimeoutError:
+            self.forget(sent)
+            raise Unavailable(f"no reply to {sent.msg_type.name} in time") from None
+        except BaseException:
+            self.forget(sent)  # a reply that comes later is given back
+            raise
+        sent.answered = True  # taken here: not given back
+        self.forget(sent)
+        return _checked(sent.msg_type, reply)
+
+    def forget(self, sent: Sent) -> None:
+        """Stop waiting for a request :meth:`send_ahead` sent: its reply, come or to come,
+        is dropped and its transaction given back."""
+        self._pending.pop(sent.request_id, None)
+        self._deadlines.pop(sent.request_id, None)
+        future = sent.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            reply = future.result()
+            if reply is not None and "txn" in reply.header and not sent.answered:
+                self._give_back(reply)
+        sent.answered = True
 
     def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
         if self._timer is not None:

@@ -23,11 +23,12 @@ from lmcache_async.keys.chunks import ChunkHasher, DigestGuess
 from lmcache_async.keys.tokens import Tokens
 from lmcache_async.logging import get_logger
 from lmcache_async.rpc.client.connection import Connection
+from lmcache_async.rpc.client.lends import Lends
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, count, key_fields
 from lmcache_async.rpc.protocol import MessageType, put_tenant
 
-__all__ = ["Lookups"]
+__all__ = ["Lookups", "chunk_digests"]
 
 log = get_logger(__name__)
 
@@ -36,38 +37,51 @@ _EMPTY_IDS: Final = 4096
 flight."""
 
 
-class Lookups:
-    """The lookup requests over ``conn``."""
+async def chunk_digests(hasher: ChunkHasher, tokens: Tokens) -> list[bytes]:
+    """The chunk digests of ``tokens``: remembered, hashed here when short, else in a
+    worker thread. Raises InvalidInputError for bad tokens."""
+    probe = hasher.probe(tokens)
+    if probe.digests is not None:
+        return probe.digests
+    if len(tokens) < DEFAULT_INLINE_HASH_TOKENS:
+        return hasher.digests(tokens, probe=probe)
+    return await anyio.to_thread.run_sync(functools.partial(hasher.digests, tokens, probe=probe))
 
-    def __init__(self, conn: Connection) -> None:
+
+class Lookups:
+    """The lookup requests over ``conn``; what pinned lookups lend is kept in ``lends``."""
+
+    def __init__(self, conn: Connection, lends: Lends) -> None:
         self._conn = conn
+        self._lends = lends
         # Lookup ids whose pinned lookup the sidecar answered with no hit: it holds nothing
         # under them, so their UNPIN is not sent (a round trip saved on every miss).
         self._empty: collections.OrderedDict[int | str, None] = collections.OrderedDict()
 
     async def digests(self, hasher: ChunkHasher, tokens: Tokens) -> list[bytes]:
-        """The chunk digests of ``tokens``: remembered, hashed here when short, else in a
-        worker thread. Raises InvalidInputError for bad tokens."""
-        probe = hasher.probe(tokens)
-        if probe.digests is not None:
-            return probe.digests
-        if len(tokens) < DEFAULT_INLINE_HASH_TOKENS:
-            return hasher.digests(tokens, probe=probe)
-        return await anyio.to_thread.run_sync(
-            functools.partial(hasher.digests, tokens, probe=probe)
-        )
+        """The chunk digests of ``tokens`` (:func:`chunk_digests`)."""
+        return await chunk_digests(hasher, tokens)
 
-    async def guessed(self, guess: DigestGuess, options: dict[str, Any]) -> int | None:
+    async def guessed(
+        self,
+        guess: DigestGuess,
+        options: dict[str, Any],
+        *,
+        also: Callable[[], object] | None = None,
+    ) -> int | None:
         """A lookup sent with the digests the memo guesses for the prompt, its tokens
         compared with the remembered ones while the request is in flight: off the round
         trip, which would otherwise wait for reading the whole prompt twice. The hits,
         0 when the sidecar cannot be reached, or None when the guess was wrong (the
         tokens changed in place): then the caller asks again with the right digests,
-        and its pins replace any this lookup made."""
+        and its pins replace any this lookup made. ``also`` runs once the request is sent,
+        before the comparison."""
         confirmed = False
 
         def confirm() -> None:
             nonlocal confirmed
+            if also is not None:
+                also()
             confirmed = guess.confirm()
 
         header = {"digests_of": guess.num_tokens, **options}
@@ -97,14 +111,23 @@ class Lookups:
             return None
         if num_tokens == 0:
             return 0
+        pinned = msg_type is MessageType.LOOKUP and header.get("pin") is True
+        if pinned and link.segment is not None and "digests_of" in header:
+            header["lend"] = True  # the hit's offsets, for the retrieve that follows
+            header["timeout"] = conn.timeout
         try:
             reply = await conn.ask(link, msg_type, header, payloads, meanwhile=meanwhile)
             hits = count(reply, "hits")
         except (Unavailable, ProtocolError) as exc:
             log.debug("sidecar_request_missed", type=msg_type.name, error=str(exc))
             return None
-        if msg_type is MessageType.LOOKUP and header.get("pin") is True:
+        if pinned:
             self._note_pins(header["lookup_id"], hits)
+            if header.get("lend"):
+                digests = payloads[0] if payloads and isinstance(payloads[0], bytes) else b""
+                await self._lends.keep(
+                    link, header["lookup_id"], reply, digests, header.get("tenant")
+                )
         return hits
 
     def _note_pins(self, lookup_id: int | str, hits: int) -> None:
@@ -184,6 +207,10 @@ class Lookups:
         checked = check_lookup_id(lookup_id)
         if self._empty.pop(checked, False) is None:
             return  # its lookup pinned nothing
+        lend = self._lends.take(checked)
+        if lend is not None:  # its RELEASE drops the pins too: no UNPIN round trip
+            await self._lends.release(lend, unpin=True)
+            return
         header = {"lookup_id": checked}
         link = await conn.usable()
         if link is None:

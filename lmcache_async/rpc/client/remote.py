@@ -10,6 +10,7 @@ checked :class:`~.settings.ClientSettings`),
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -24,7 +25,9 @@ from lmcache_async.keys.chunks import ChunkHasher
 from lmcache_async.keys.tokens import Tokens
 from lmcache_async.layouts import KVCacheViews, KVLayout
 from lmcache_async.rpc.client.admin import AdminCalls
+from lmcache_async.rpc.client.ahead import StoresAhead
 from lmcache_async.rpc.client.connection import Connection
+from lmcache_async.rpc.client.lends import Lends
 from lmcache_async.rpc.client.lookups import Lookups
 from lmcache_async.rpc.client.move_calls import MoveCalls
 from lmcache_async.rpc.client.moves import Moves
@@ -72,6 +75,7 @@ class RemoteCacheEngine(MoveCalls):
         reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL,
         name: str | None = None,
         limits: MessageLimits = DEFAULT_CLIENT_LIMITS,
+        store_ahead: bool = False,
     ) -> None:
         settings = ClientSettings(
             url=url,
@@ -87,9 +91,14 @@ class RemoteCacheEngine(MoveCalls):
             name=name,
             limits=limits,
         )
+        if not isinstance(store_ahead, bool):
+            raise InvalidInputError(f"store_ahead must be a bool, got {store_ahead!r:.40}")
         self.url = url
         self.layout = layout
+        self._store_ahead = store_ahead
         self._conn = Connection(settings)
+        self._lends = Lends(self._conn.timeout)
+        self._ahead = StoresAhead()
         self._data = DataPath(
             self._conn,
             layout,
@@ -97,8 +106,10 @@ class RemoteCacheEngine(MoveCalls):
             # The payloads are the server's shared memory or local buffers, never pinned:
             # CUDA copies are queued off the event loop.
             Transfers(inline_bytes=DEFAULT_INLINE_COPY_BYTES, host_pinned=False),
+            lends=self._lends,
+            ahead=self._ahead,
         )
-        self._lookups = Lookups(self._conn)
+        self._lookups = Lookups(self._conn, self._lends)
         self._admin = AdminCalls(self._conn)
         self._moves = Moves(self._conn)
 
@@ -120,6 +131,7 @@ class RemoteCacheEngine(MoveCalls):
         require_server: bool = True,
         reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL,
         name: str | None = None,
+        store_ahead: bool = False,
     ) -> _RemoteContext:
         """An async context manager: say hello to the sidecar at ``url``, yield the client,
         close it on exit.
@@ -131,7 +143,12 @@ class RemoteCacheEngine(MoveCalls):
         allow-list (or its (public, secret) z85 key pair). ``shared_memory``: None uses the
         server's segment when it is on this host, False always sends payloads inline, True
         requires the segment. With ``require_server=False`` an unreachable sidecar is not an
-        error: calls are misses until it answers.
+        error: calls are misses until it answers. ``store_ahead``: for a serving engine
+        that stores each prompt after its pinned lookup (and retrieve): such a lookup that
+        does not find the whole prompt also sends the prompt's STORE, so the sidecar
+        reserves its missing chunks while the engine computes them and the store waits
+        for no round trip (:mod:`~lmcache_async.rpc.client.ahead`). A client that does not
+        store after its pinned lookups would hold that memory until it expires.
 
         Raises:
             InvalidInputError: a bad argument, or the sidecar serves another namespace
@@ -153,6 +170,7 @@ class RemoteCacheEngine(MoveCalls):
             shared_memory=shared_memory,
             reconnect_interval=reconnect_interval,
             name=name,
+            store_ahead=store_ahead,
         )
         return _RemoteContext(engine, require_server)
 
@@ -164,6 +182,8 @@ class RemoteCacheEngine(MoveCalls):
         Later calls raise EngineClosedError."""
         if self._conn.closed:
             return
+        await self._lends.release_all()
+        self._ahead.forget_all()
         self._conn.close()
         await self._data.aclose()
         self._conn.term()
@@ -199,7 +219,7 @@ class RemoteCacheEngine(MoveCalls):
             InvalidInputError: bad input (nothing stored).
             EngineClosedError: the client is closed.
         """
-        return await self._data.store(
+        return await self._data.stores.store(
             tokens,
             kv_caches=kv_caches,
             slot_mapping=slot_mapping,
@@ -237,7 +257,7 @@ class RemoteCacheEngine(MoveCalls):
             InvalidInputError: bad input.
             EngineClosedError: the client is closed.
         """
-        return await self._data.retrieve(
+        return await self._data.loads.retrieve(
             tokens,
             kv_caches=kv_caches,
             slot_mapping=slot_mapping,
@@ -295,14 +315,23 @@ class RemoteCacheEngine(MoveCalls):
             return await lookups.hits(MessageType.LOOKUP, header, key_payloads, num_tokens) or 0
         # Chunk digests (of the tenant's keys) instead of the tokens: 32 bytes a chunk on
         # the wire, and the server neither converts nor hashes the prompt.
+        stores = self._data.stores if self._store_ahead and pin else None
         guess = hasher.guess(tokens)
         if guess is not None:
-            hits = await lookups.guessed(guess, options)
+            joined = b"".join(guess.digests)
+            ahead = None if stores is None else partial(stores.send_ahead, tokens, joined, tenant)
+            hits = await lookups.guessed(guess, options, also=ahead)
             if hits is not None:
                 return hits
-        digests = await lookups.digests(hasher, tokens)
+            if stores is not None:
+                stores.forget_ahead(joined, tenant)
+        joined = b"".join(await lookups.digests(hasher, tokens))
+        ahead = None if stores is None else partial(stores.send_ahead, tokens, joined, tenant)
         header = {"digests_of": len(tokens), **options}
-        return await lookups.hits(MessageType.LOOKUP, header, [b"".join(digests)], len(tokens)) or 0
+        found = await lookups.hits(
+            MessageType.LOOKUP, header, [joined], len(tokens), meanwhile=ahead
+        )
+        return found or 0
 
     async def prefetch(
         self,

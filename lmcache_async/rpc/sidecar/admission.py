@@ -5,7 +5,8 @@ The control plane is never held: HELLO, PING, HEARTBEAT, STATS and HEALTH run wh
 the data plane's load. Every other request takes a slot of its peer (at most
 ``max_peer_requests`` in flight each) and of the server (``max_concurrency`` in all; MOVE,
 which connects out, at most :data:`MAX_MOVES`); one that finds no slot is answered
-``busy`` at once, from the socket's reader callback, instead of waiting. So the socket is
+``busy`` at once, from the socket's reader callback, instead of waiting, but for a COMMIT
+or RELEASE, which gives memory back (:data:`ENDINGS`). So the socket is
 always read, one peer's slow requests hold only its own slots, and the memory a flood can
 hold is bounded by the slots. A peer is its CURVE key when it has one, else its ROUTER
 identity.
@@ -17,7 +18,7 @@ from typing import Final
 
 from lmcache_async.rpc.protocol import MessageType
 
-__all__ = ["CONTROL", "MAX_MOVES", "Admission"]
+__all__ = ["CONTROL", "ENDINGS", "MAX_MOVES", "Admission"]
 
 CONTROL: Final = frozenset(
     {
@@ -29,6 +30,11 @@ CONTROL: Final = frozenset(
     }
 )
 """Requests that take no slot: a client can always open, keep and inspect its session."""
+
+ENDINGS: Final = frozenset({MessageType.COMMIT, MessageType.RELEASE})
+"""Requests that end a transaction: taken even when their peer's or the server's slots
+are full (they count in them), since a refused one would hold its memory until its
+transaction's deadline, and a client need not wait for their reply."""
 
 MAX_MOVES: Final = 4
 """MOVEs in flight at once: each opens a connection to another sidecar."""
@@ -55,7 +61,7 @@ class Admission:
             return True
         held = self._by_peer.get(peer, 0)
         moving = kind == MessageType.MOVE
-        if (
+        if kind not in ENDINGS and (
             held >= self._per_peer
             or self._in_flight >= self._total
             or (moving and self._moves >= MAX_MOVES)

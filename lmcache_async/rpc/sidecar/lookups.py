@@ -4,6 +4,13 @@
 Lookup ids are scoped to the client's session (:meth:`Session.scoped`); the ids a session
 pins with are remembered, so its pins go when it does. A LOOKUP by chunk digests that the
 CPU tier answers alone is served in the socket's reader callback (:meth:`LookupHandlers.now`).
+A pinned LOOKUP by digests that says ``"lend": true`` (a client that maps the sidecar's
+segment) is answered with the pinned chunks' offsets too, held in a transaction
+(``"txn"``, ``"chunks"`` as a RETRIEVE lends them, ``"ttl"``: seconds before the pins
+expire): the client copies its hit out of them with no RETRIEVE, and its RELEASE with
+``"retrieve": true`` counts the load and drops the pins, as the retrieve would have. A
+lend is made only when the pinned chunks are the whole hit. A session's LOOKUP waits
+for the COMMITs it sent before it (:attr:`Session.commits`).
 Each request may name the tenant whose prompt it is (``"tenant"``; none: the session's own);
 digests must then be that tenant's (the engine refuses another's). Every field is read
 checked (:mod:`~.fields`): a request names at most as many chunks as the longest prompt
@@ -15,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache_async.engine import CacheEngine
-from lmcache_async.rpc.protocol import Message, tenant_of
+from lmcache_async.rpc.protocol import Message, MessageType, tenant_of
 from lmcache_async.rpc.sidecar.fields import (
     digests_frame,
     flag_field,
@@ -24,10 +31,11 @@ from lmcache_async.rpc.sidecar.fields import (
     locations_field,
     lookup_id_field,
     max_prompt_chunks,
+    txn_deadline,
 )
 from lmcache_async.rpc.sidecar.host import EngineHost
 from lmcache_async.rpc.sidecar.routes import Reply
-from lmcache_async.rpc.sidecar.sessions import Session
+from lmcache_async.rpc.sidecar.sessions import Session, Sessions, Transaction
 
 __all__ = ["LookupHandlers", "pin_fields"]
 
@@ -60,18 +68,71 @@ def _forget_empty(
 class LookupHandlers:
     """The lookup requests, answered by the engine ``host`` holds."""
 
-    def __init__(self, host: EngineHost) -> None:
+    def __init__(self, host: EngineHost, sessions: Sessions) -> None:
         self._host = host
+        self._sessions = sessions
         settings = host.settings
         self._max_chunks = max_prompt_chunks(settings.limits, settings.config.chunk_size)
         self._max_pins = settings.max_session_pins
+        self._max_txns = settings.max_session_transactions
+
+    def _answer(
+        self,
+        session: Session,
+        engine: CacheEngine,
+        header: dict[str, Any],
+        lookup_id: int | str | None,
+        hits: int,
+    ) -> dict[str, Any]:
+        """The reply to a lookup that found ``hits`` tokens: with the pinned chunks lent
+        when the client asked for them and they are the whole hit."""
+        reply: dict[str, Any] = {"hits": hits}
+        if (
+            not hits
+            or lookup_id is None
+            or not flag_field(header, "lend")
+            or session.lends() >= self._max_txns
+        ):
+            return reply
+        core = engine.core
+        objs, ttl = core.load.lend(session.scoped(lookup_id))
+        chunk_size = engine.config.chunk_size
+        num_tokens = int_field(header, "digests_of", -1)
+        ends = [min((index + 1) * chunk_size, num_tokens) for index in range(len(objs))]
+        if not objs or ends[-1] != hits:
+            core.load.release(objs)
+            return reply
+        lent = Transaction(
+            self._sessions.next_txn_id(),
+            MessageType.RETRIEVE,
+            # The copy may begin as the pins expire: the payloads stay as long again as
+            # any one request of the client may take.
+            txn_deadline(header, engine.config.retrieve_timeout) + ttl,
+            [],
+            objs,
+            lent_for=lookup_id,
+            lent_tokens=hits,
+        )
+        session.transactions[lent.txn_id] = lent
+        reply["txn"] = lent.txn_id
+        reply["ttl"] = ttl
+        reply["chunks"] = [
+            [index * chunk_size, end, core.buffer_offset(obj), obj.nbytes]
+            for index, (end, obj) in enumerate(zip(ends, objs, strict=True))
+        ]
+        return reply
 
     def now(self, session: Session | None, message: Message) -> dict[str, Any] | None:
         """A LOOKUP by chunk digests that the engine answers without waiting (its CPU tier
         suffices); None for any other."""
         assert session is not None
         engine, header = self._host.engine, message.header
-        if engine is None or "digests_of" not in header or "search_range" in header:
+        if (
+            engine is None
+            or "digests_of" not in header
+            or "search_range" in header
+            or session.commits.count
+        ):
             return None
         pin, lookup_id, scoped = pin_fields(session, header)
         if pin and lookup_id is not None:
@@ -86,7 +147,7 @@ class LookupHandlers:
         if hits is None:
             return None
         _forget_empty(session, engine, pin, lookup_id, hits)
-        return {"hits": hits}
+        return self._answer(session, engine, header, lookup_id if pin else None, hits)
 
     def unpin_now(self, session: Session | None, message: Message) -> dict[str, Any] | None:
         """An UNPIN, answered at once: releasing pins never waits."""
@@ -124,7 +185,7 @@ class LookupHandlers:
                 tenant=tenant,
             )
             _forget_empty(session, engine, pin, lookup_id, hits)
-            return {"hits": hits}, ()
+            return self._answer(session, engine, header, lookup_id if pin else None, hits), ()
         tokens, hashes, offsets = key_input(message, self._max_chunks)
         if pin and lookup_id is not None:
             session.hold_lookup(lookup_id, self._max_pins)

@@ -54,7 +54,7 @@ from lmcache_async.rpc.sidecar.host import EngineHost
 from lmcache_async.rpc.sidecar.lookups import LookupHandlers
 from lmcache_async.rpc.sidecar.moves import MoveHandler
 from lmcache_async.rpc.sidecar.routes import TIMED_OPERATIONS, Busy, Route
-from lmcache_async.rpc.sidecar.sessions import Session, Sessions
+from lmcache_async.rpc.sidecar.sessions import AFTER_COMMITS, InFlight, Session, Sessions
 from lmcache_async.rpc.sidecar.settings import SidecarSettings
 from lmcache_async.rpc.sidecar.transfers import TransferHandlers
 from lmcache_async.rpc.transport import LoopSocket
@@ -124,7 +124,7 @@ class SidecarServer:
             segment_name=self._segment.name,
             segment_bytes=self._segment.size,
         )
-        lookups = LookupHandlers(self.host)
+        lookups = LookupHandlers(self.host, self.sessions)
         data = TransferHandlers(self.host, self.sessions)
         admin = AdminHandlers(self.host, status=self._status, stopping=self.stopping)
         moves = MoveHandler(self.settings, self.host)
@@ -267,6 +267,10 @@ class SidecarServer:
             task = loop.create_task(self._handle(identity, frames, peer, who, kind))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+            in_flight = None if session is None else _in_flight(session, kind)
+            if in_flight is not None:  # counted before any later message is read
+                in_flight.read()
+                task.add_done_callback(in_flight.served)
 
         io = LoopSocket(self._socket, on_message)
         self._io = io
@@ -420,6 +424,8 @@ class SidecarServer:
             return error_reply(
                 request_id, ErrorCode.ENGINE_CLOSED, "no engine yet: no client has said HELLO"
             )
+        if session is not None and session.commits.count and message.type in AFTER_COMMITS:
+            await session.commits.settled(self.settings.config.store_timeout)
         operation = TIMED_OPERATIONS.get(message.type)
         started = time.perf_counter()
         try:
@@ -448,6 +454,16 @@ class SidecarServer:
             return encode(message.type, header, payloads, request_id=request_id)
         except (TypeError, ValueError, OverflowError, ProtocolError) as exc:
             return self._failure_reply(body, "sidecar_reply_unencodable", exc)
+
+
+def _in_flight(session: Session, kind: int) -> InFlight | None:
+    """What counts a session's ``kind`` requests served in a task, which its later
+    requests may wait for (COMMITs, LOOKUPs); None for other kinds."""
+    if kind == MessageType.COMMIT:
+        return session.commits
+    if kind == MessageType.LOOKUP:
+        return session.lookups
+    return None
 
 
 def _kind_of(frames: Sequence[FrameLike]) -> int:

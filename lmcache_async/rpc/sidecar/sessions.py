@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Final
 
 import anyio
 
@@ -23,9 +24,15 @@ from lmcache_async.memory.pool import MemoryObj
 from lmcache_async.rpc.protocol import Message, MessageType
 from lmcache_async.rpc.sidecar.host import EngineHost
 
-__all__ = ["Busy", "Session", "Sessions", "Transaction"]
+__all__ = ["AFTER_COMMITS", "Busy", "InFlight", "Session", "Sessions", "Transaction"]
 
 log = get_logger(__name__)
+
+AFTER_COMMITS: Final = frozenset(
+    {MessageType.LOOKUP, MessageType.PREFETCH, MessageType.STORE, MessageType.RETRIEVE}
+)
+"""A session's requests that wait for the COMMITs it sent before them: what it reads or
+stores sees what it committed, whether or not it waited for the commit's reply."""
 
 
 class Busy(Exception):
@@ -33,12 +40,45 @@ class Busy(Exception):
     the server is full. Answered ``busy``: the client may retry once it has let go."""
 
 
+class InFlight:
+    """Requests of one kind read from a session's socket and not yet served: counted in
+    the socket's reader callback (before any later message is read), waited for by the
+    session's later requests that must come after them."""
+
+    __slots__ = ("_done", "count")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._done: anyio.Event | None = None
+
+    def read(self) -> None:
+        """One was read."""
+        self.count += 1
+
+    def served(self, _task: object = None) -> None:
+        """One read earlier has been served or has failed (its task, ignored)."""
+        self.count -= 1
+        if not self.count and self._done is not None:
+            self._done.set()
+            self._done = None
+
+    async def settled(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until every one read so far is served."""
+        if not self.count:
+            return
+        if self._done is None:
+            self._done = anyio.Event()
+        with anyio.move_on_after(timeout):
+            await self._done.wait()
+
+
 @dataclass(eq=False, slots=True)
 class Transaction:
-    """Payloads lent to one client between a STORE and its COMMIT, or a RETRIEVE and its
-    RELEASE: ``objs`` are the payloads of ``spans``, one reference each. A store's
-    ``store`` is its transaction with the engine's request core, which takes the payloads
-    back (:meth:`release`) when the client never commits."""
+    """Payloads lent to one client between a STORE and its COMMIT, or a RETRIEVE (or a
+    pinned LOOKUP that lends its hit) and its RELEASE: ``objs`` are the payloads of
+    ``spans``, one reference each. A store's ``store`` is its transaction with the
+    engine's request core, which takes the payloads back (:meth:`release`) when the
+    client never commits."""
 
     txn_id: int
     kind: MessageType
@@ -47,6 +87,17 @@ class Transaction:
     objs: list[MemoryObj] = field(default_factory=list)
     store: StoreTxn | None = None
     store_core: StoreCore | None = None
+    lent_for: int | str | None = None
+    """A lookup's lent payloads (:meth:`LoadCore.lend`): the client's lookup id they
+    were pinned under. They are chunks of the CPU tier, not memory taken for the client."""
+    lent_tokens: int = 0
+    """The tokens a lookup's lent payloads cover (a lend has no ``spans``)."""
+
+    def tokens(self) -> int:
+        """The tokens the transaction lends."""
+        if self.lent_for is not None:
+            return self.lent_tokens
+        return sum(span.end - span.start for span in self.spans)
 
     def release(self) -> None:
         """Give every payload back: a store is aborted with the core, a load's
@@ -70,6 +121,13 @@ class Session:
     peer may use it, even one that takes over its ROUTER identity."""
     transactions: dict[int, Transaction] = field(default_factory=dict)
     lookup_ids: set[int | str] = field(default_factory=set)
+    commits: InFlight = field(default_factory=InFlight)
+    """COMMITs read and not yet served: the session's later data requests wait for them
+    (:data:`AFTER_COMMITS`), so a client that does not wait for a commit's reply still
+    finds what it stored."""
+    lookups: InFlight = field(default_factory=InFlight)
+    """LOOKUPs read and served in a task, not yet answered: a STORE sent ahead
+    (``"ahead"``) waits for them, so its reservation evicts nothing they would pin."""
 
     def hold_lookup(self, lookup_id: int | str, limit: int) -> None:
         """Record that this session pins under ``lookup_id`` (before it pins).
@@ -87,16 +145,22 @@ class Session:
         """Bytes of pool memory (whole pages of ``page_size``) lent to this session's open
         transactions."""
         return page_size * sum(
-            -(-obj.nbytes // page_size) for txn in self.transactions.values() for obj in txn.objs
+            -(-obj.nbytes // page_size)
+            for txn in self.transactions.values()
+            if txn.lent_for is None
+            for obj in txn.objs
         )
 
     def check_room(self, limit: int) -> None:
-        """Raises Busy when this session holds ``limit`` open transactions already."""
-        if len(self.transactions) >= limit:
-            raise Busy(
-                f"this session holds {len(self.transactions)} open transactions: "
-                "commit or release them first"
-            )
+        """Raises Busy when this session holds ``limit`` open transactions already (its
+        lookups' lends aside: they are bounded apart, :meth:`lends`)."""
+        held = len(self.transactions) - self.lends()
+        if held >= limit:
+            raise Busy(f"this session holds {held} open transactions: commit or release them first")
+
+    def lends(self) -> int:
+        """The session's open transactions that are pinned lookups' lends."""
+        return sum(txn.lent_for is not None for txn in self.transactions.values())
 
     def scoped(self, lookup_id: int | str) -> tuple[str, bytes, int | str]:
         """The engine-side lookup id: a client's ids never meet another client's."""

@@ -5,14 +5,23 @@ that tenant, so no other tenant's request finds them.
 
 - store: STORE (tokens or block hashes) → the chunks the engine has are held, the others
   allocated and their offsets replied in a *transaction* → the client gathers its KV into
-  them → COMMIT (payloads inline from another host) → they go into the engine's tiers;
+  them → COMMIT (payloads inline from another host) → they go into the engine's tiers.
+  When the commit cannot keep fewer than it is given (the CPU tier takes them and no
+  slow-tier write is waited for: :meth:`StoreCore.promised`), the STORE's reply says what
+  it will count (``"promised"``), and a COMMIT that says ``"quiet"`` gets no reply: the
+  client does not wait for it, and the session's later requests wait for it here
+  (:data:`~.sessions.AFTER_COMMITS`). A STORE sent ahead with a pinned LOOKUP
+  (``"ahead"``: :mod:`lmcache_async.rpc.client.ahead`) is served after the session's
+  lookups read before it;
 - retrieve: RETRIEVE → the chunks are fetched (from disk or Redis too) and held in a
   transaction, replied as offsets (or inline) → the client scatters them → RELEASE. A
   client that says it streams (``"stream"``) is served a batch of chunks at a time
   (``"more"`` in the reply: ask again from where it ended, ``"part"`` counting up), so a
   load never holds more than a batch of new memory; the lookup's pins hold until the last
   part. The tokens a RELEASE says were loaded are counted (``retrieved_tokens``) only up
-  to what its transaction lent: a client's figure never inflates the engine's;
+  to what its transaction lent: a client's figure never inflates the engine's. A RELEASE
+  of a pinned LOOKUP's lend (:mod:`~.lookups`) says ``"retrieve"`` (a load served from
+  it: counted, the pins dropped), ``"unpin"`` (the pins dropped) or neither;
 - PUSH: another instance's payloads, inline with their checksums, each copied in and
   verified before the leading run that passes is cached (MOVE, which sends them, is in
   :mod:`~lmcache_async.rpc.sidecar.moves`).
@@ -120,6 +129,9 @@ class TransferHandlers:
         assert session is not None
         session.check_room(self._host.settings.max_session_transactions)
         engine = self._host.need_engine()
+        if flag_field(message.header, "ahead"):
+            # Sent with a pinned lookup: after it, so that it evicts nothing it pins.
+            await session.lookups.settled(engine.config.store_timeout)
         core = engine.core
         header = message.header
         locations = engine.check_locations(
@@ -161,7 +173,11 @@ class TransferHandlers:
             [span.start, span.end, core.buffer_offset(obj), obj.nbytes]
             for span, obj in zip(lent.spans, objs, strict=True)
         ]
-        return {"txn": lent.txn_id, "chunks": chunks}, ()
+        reply: dict[str, Any] = {"txn": lent.txn_id, "chunks": chunks}
+        promised = core.store.promised(txn, txn.todo[: len(objs)])
+        if promised is not None:
+            reply["promised"] = promised
+        return reply, ()
 
     def _within_share(self, engine: CacheEngine, session: Session, spans: list[ChunkSpan]) -> int:
         """How many leading ``spans`` a STORE may reserve: those that keep the session's
@@ -184,13 +200,14 @@ class TransferHandlers:
             count += 1  # a short last chunk fits where a whole one would not
         return count
 
-    async def on_commit(self, session: Session | None, message: Message) -> Reply:
+    async def on_commit(self, session: Session | None, message: Message) -> Reply | None:
         assert session is not None
         core = self._host.need_engine().core
         lent = session.take(message, MessageType.STORE)
         if lent is None or lent.store is None:
             return {"stored": 0, "expired": True}, ()
         txn = lent.store
+        quiet = flag_field(message.header, "quiet")  # the client took the promised count
         try:
             if flag_field(message.header, "abort"):
                 return {"stored": 0}, ()
@@ -198,7 +215,8 @@ class TransferHandlers:
                 await self._fill(core, lent, message.payloads)
             objs, lent.objs = lent.objs, []  # the commit gives them back
             await core.store.commit(txn, txn.todo[: len(objs)], objs)
-            return {"stored": core.store.finish(txn)}, ()
+            stored = core.store.finish(txn)
+            return None if quiet else ({"stored": stored}, ())
         finally:
             lent.release()  # an abort, a bad frame: every payload back, nothing counted
 
@@ -327,10 +345,22 @@ class TransferHandlers:
         if lent is None:
             return
         lent.release()
-        claimed = int_field(message.header, "loaded", 0)
+        header = message.header
         # The client's figure is a claim: the counters hold what this sidecar served.
-        served = sum(span.end - span.start for span in lent.spans)
-        self._host.need_engine().core.load.finish(None, min(claimed, served))
+        loaded = min(int_field(header, "loaded", 0), lent.tokens())
+        load = self._host.need_engine().core.load
+        if lent.lent_for is None:
+            load.finish(None, loaded)
+            return
+        # A lookup's lend: a load served from it ("retrieve"), or let go of with its
+        # pins ("unpin") or without them (a RETRIEVE under the lookup id follows).
+        scoped = session.scoped(lent.lent_for)
+        if flag_field(header, "retrieve"):
+            session.lookup_ids.discard(lent.lent_for)
+            load.finish_lent(scoped, loaded)
+        elif flag_field(header, "unpin"):
+            session.lookup_ids.discard(lent.lent_for)
+            load.finish(scoped, 0)
 
     # -- moves between instances ----------------------------------------------------------
 
