@@ -350,6 +350,38 @@ async def test_a_store_after_a_lookup_that_sent_it_ahead_waits_for_no_round_trip
     assert holds == (0, 0, 0)
 
 
+async def test_a_store_ahead_of_a_prompt_held_whole_or_of_a_later_mask_counts_right(
+    sidecar: tuple[str, SidecarServer], sent: Counter[tuple[str, str]]
+) -> None:
+    url, server = sidecar
+    whole, part = prompt(3 * CHUNK, 15), prompt(5 * CHUNK, 16)
+    kv, slots = kv_for(5 * CHUNK, 20)
+    with anyio.fail_after(TIMEOUT):
+        async with connect(url, store_ahead=True) as client:
+            await client.store(whole, kv_caches=kv, slot_mapping=slots[: 3 * CHUNK])
+            await client.store(part[:CHUNK], kv_caches=kv, slot_mapping=slots[:CHUNK])
+            sent.clear()
+            # Held whole: the STORE sent ahead answers at once, no commit follows.
+            assert await client.lookup(whole, lookup_id=1, pin=True) == 3 * CHUNK
+            await client.lookup_unpin(1)
+            stored_whole = await client.store(whole, kv_caches=kv, slot_mapping=slots[: 3 * CHUNK])
+            steps = Counter(sent)
+            # One chunk held: the STORE ahead reserved chunks 1-4, but this store starts at
+            # chunk 3 (the mask): it gives the reservation back and asks for its own.
+            assert await client.lookup(part, lookup_id=2, pin=True) == CHUNK
+            await client.lookup_unpin(2)
+            mask = torch.zeros(5 * CHUNK, dtype=torch.bool)
+            mask[3 * CHUNK :] = True
+            stored_part = await client.store(part, kv_caches=kv, slot_mapping=slots, mask=mask)
+            found = await client.lookup(part)
+            await client.stats()
+            holds = held(server)
+    assert steps == Counter({("ask", "LOOKUP"): 1, ("ahead", "STORE"): 1, ("notify", "RELEASE"): 1})
+    assert (stored_whole, stored_part, found) == (3 * CHUNK, 2 * CHUNK, CHUNK)
+    assert sent[("ask", "STORE")] == 1  # the later mask's own
+    assert holds == (0, 0, 0)
+
+
 async def test_a_store_ahead_replaced_or_of_another_prompt_is_given_back(
     sidecar: tuple[str, SidecarServer], sent: Counter[tuple[str, str]]
 ) -> None:
