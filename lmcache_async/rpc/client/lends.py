@@ -5,9 +5,10 @@ of them with no RETRIEVE round trip and ends the transaction with a RELEASE it d
 wait for; a retrieve that cannot use them (other tokens, another tenant, tiers named, the
 lend about to expire, a reconnected link) lets them go and asks the sidecar as before.
 
-A lend is used once, and only before its pins expire on the server; the server holds its
-payloads longer by twice the client's timeout (which the lookup says), so a copy begun in
-time ends before they can be reused.
+A retrieve served from a lend loads the hit the lookup found (chunks stored since are
+left to a later retrieve). A lend is used once, and only before its pins expire on the
+server; the server holds its payloads longer by twice the client's timeout (which the
+lookup says), so a copy begun in time ends before they can be reused.
 """
 
 from __future__ import annotations
