@@ -9,9 +9,9 @@ remembered ones while the request is in flight.
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Final
+from functools import partial
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import anyio.to_thread
@@ -27,6 +27,9 @@ from lmcache_async.rpc.client.lends import Lends
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, count, key_fields
 from lmcache_async.rpc.protocol import MessageType, put_tenant
+
+if TYPE_CHECKING:
+    from lmcache_async.rpc.client.stores import Stores
 
 __all__ = ["Lookups", "chunk_digests"]
 
@@ -45,7 +48,7 @@ async def chunk_digests(hasher: ChunkHasher, tokens: Tokens) -> list[bytes]:
         return probe.digests
     if len(tokens) < DEFAULT_INLINE_HASH_TOKENS:
         return hasher.digests(tokens, probe=probe)
-    return await anyio.to_thread.run_sync(functools.partial(hasher.digests, tokens, probe=probe))
+    return await anyio.to_thread.run_sync(partial(hasher.digests, tokens, probe=probe))
 
 
 class Lookups:
@@ -61,6 +64,33 @@ class Lookups:
     async def digests(self, hasher: ChunkHasher, tokens: Tokens) -> list[bytes]:
         """The chunk digests of ``tokens`` (:func:`chunk_digests`)."""
         return await chunk_digests(hasher, tokens)
+
+    async def by_digests(
+        self,
+        hasher: ChunkHasher,
+        tokens: Tokens,
+        options: dict[str, Any],
+        tenant: str | None,
+        stores: Stores | None,
+    ) -> int:
+        """A LOOKUP by the prompt's chunk digests (of the tenant's keys): 32 bytes a chunk
+        on the wire, and the server neither converts nor hashes the prompt; sent on the
+        memo's guess when it has one. With ``stores`` (a pinned lookup of a client with
+        ``store_ahead``) the prompt's STORE is sent right behind it."""
+        guess = hasher.guess(tokens)
+        if guess is not None:
+            joined = b"".join(guess.digests)
+            ahead = None if stores is None else partial(stores.send_ahead, tokens, joined, tenant)
+            hits = await self.guessed(guess, options, also=ahead)
+            if hits is not None:
+                return hits
+            if stores is not None:
+                stores.forget_ahead(joined, tenant)
+        joined = b"".join(await chunk_digests(hasher, tokens))
+        ahead = None if stores is None else partial(stores.send_ahead, tokens, joined, tenant)
+        header = {"digests_of": len(tokens), **options}
+        found = await self.hits(MessageType.LOOKUP, header, [joined], len(tokens), meanwhile=ahead)
+        return found or 0
 
     async def guessed(
         self,

@@ -10,7 +10,6 @@ checked :class:`~.settings.ClientSettings`),
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -292,8 +291,8 @@ class RemoteCacheEngine(MoveCalls):
             InvalidInputError: bad input.
             EngineClosedError: the client is closed.
         """
-        # Decided here rather than in Lookups: a lookup's round trip is the hot path, and
-        # this keeps it free of one more layer of calls.
+        # The options are checked here, the request made by Lookups (by digests when the
+        # server's hasher is known).
         conn = self._conn
         conn.check_open()
         if not isinstance(pin, bool):
@@ -313,25 +312,8 @@ class RemoteCacheEngine(MoveCalls):
             header, key_payloads, num_tokens = key_fields(tokens, hashes, offsets)
             header.update(options)
             return await lookups.hits(MessageType.LOOKUP, header, key_payloads, num_tokens) or 0
-        # Chunk digests (of the tenant's keys) instead of the tokens: 32 bytes a chunk on
-        # the wire, and the server neither converts nor hashes the prompt.
         stores = self._data.stores if self._store_ahead and pin else None
-        guess = hasher.guess(tokens)
-        if guess is not None:
-            joined = b"".join(guess.digests)
-            ahead = None if stores is None else partial(stores.send_ahead, tokens, joined, tenant)
-            hits = await lookups.guessed(guess, options, also=ahead)
-            if hits is not None:
-                return hits
-            if stores is not None:
-                stores.forget_ahead(joined, tenant)
-        joined = b"".join(await lookups.digests(hasher, tokens))
-        ahead = None if stores is None else partial(stores.send_ahead, tokens, joined, tenant)
-        header = {"digests_of": len(tokens), **options}
-        found = await lookups.hits(
-            MessageType.LOOKUP, header, [joined], len(tokens), meanwhile=ahead
-        )
-        return found or 0
+        return await lookups.by_digests(hasher, tokens, options, tenant, stores)
 
     async def prefetch(
         self,
