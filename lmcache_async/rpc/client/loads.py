@@ -21,9 +21,8 @@ from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.copies import Chunk, CopyPath, Prepared
 from lmcache_async.rpc.client.lends import Lend, Lends
 from lmcache_async.rpc.client.link import Link
-from lmcache_async.rpc.client.lookups import chunk_digests
 from lmcache_async.rpc.client.welcome import check_tiers
-from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id
+from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, chunk_digests
 from lmcache_async.rpc.protocol import MessageType
 
 __all__ = ["Loads"]

@@ -13,10 +13,6 @@ from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
-import anyio
-import anyio.to_thread
-
-from lmcache_async.config import DEFAULT_INLINE_HASH_TOKENS
 from lmcache_async.engine.client import Promise
 from lmcache_async.errors import ProtocolError
 from lmcache_async.keys.chunks import ChunkHasher, DigestGuess
@@ -25,30 +21,25 @@ from lmcache_async.logging import get_logger
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.lends import Lends
 from lmcache_async.rpc.client.welcome import check_tiers
-from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, count, key_fields
+from lmcache_async.rpc.client.wire import (
+    Unavailable,
+    check_lookup_id,
+    chunk_digests,
+    count,
+    key_fields,
+)
 from lmcache_async.rpc.protocol import MessageType, put_tenant
 
 if TYPE_CHECKING:
     from lmcache_async.rpc.client.stores import Stores
 
-__all__ = ["Lookups", "chunk_digests"]
+__all__ = ["Lookups"]
 
 log = get_logger(__name__)
 
 _EMPTY_IDS: Final = 4096
 """Lookup ids remembered as holding no pins: more than a serving engine has requests in
 flight."""
-
-
-async def chunk_digests(hasher: ChunkHasher, tokens: Tokens) -> list[bytes]:
-    """The chunk digests of ``tokens``: remembered, hashed here when short, else in a
-    worker thread. Raises InvalidInputError for bad tokens."""
-    probe = hasher.probe(tokens)
-    if probe.digests is not None:
-        return probe.digests
-    if len(tokens) < DEFAULT_INLINE_HASH_TOKENS:
-        return hasher.digests(tokens, probe=probe)
-    return await anyio.to_thread.run_sync(partial(hasher.digests, tokens, probe=probe))
 
 
 class Lookups:

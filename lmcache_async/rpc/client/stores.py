@@ -19,9 +19,8 @@ from lmcache_async.rpc.client.ahead import Ahead, StoresAhead
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.copies import CopyPath, Prepared
 from lmcache_async.rpc.client.link import Link
-from lmcache_async.rpc.client.lookups import chunk_digests
 from lmcache_async.rpc.client.welcome import check_tiers
-from lmcache_async.rpc.client.wire import Unavailable, count, key_fields
+from lmcache_async.rpc.client.wire import Unavailable, chunk_digests, count, key_fields
 from lmcache_async.rpc.protocol import Message, MessageType, put_tenant
 
 __all__ = ["Stores"]

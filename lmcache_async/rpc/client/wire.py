@@ -1,5 +1,5 @@
-"""What a sidecar client puts on the wire and reads back: key fields, counts in replies,
-and the refusals an ERROR reply maps to.
+"""What a sidecar client puts on the wire and reads back: key fields (a prompt's chunk
+digests too), counts in replies, and the refusals an ERROR reply maps to.
 
 :class:`Unavailable` is not an error for the caller: it means "the sidecar cannot serve
 this now" (no server, a timeout, a lost session) and every public call turns it into a
@@ -9,9 +9,14 @@ miss. The others map to the package's own errors.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
+import anyio.to_thread
+
+from lmcache_async.config import DEFAULT_INLINE_HASH_TOKENS
 from lmcache_async.errors import InvalidInputError, PermissionDeniedError, ProtocolError
+from lmcache_async.keys.chunks import ChunkHasher
 from lmcache_async.keys.key_input import check_key_input
 from lmcache_async.keys.tokens import Tokens, is_strict_int
 from lmcache_async.logging import get_logger
@@ -27,6 +32,7 @@ __all__ = [
     "SessionLost",
     "Unavailable",
     "check_lookup_id",
+    "chunk_digests",
     "count",
     "key_fields",
     "raise_error",
@@ -109,3 +115,14 @@ def check_lookup_id(lookup_id: object) -> int | str:
     raise InvalidInputError(
         f"lookup_id must be an int or str over the sidecar, got {type(lookup_id).__name__}"
     )
+
+
+async def chunk_digests(hasher: ChunkHasher, tokens: Tokens) -> list[bytes]:
+    """The chunk digests of ``tokens``: remembered, hashed here when short, else in a
+    worker thread. Raises InvalidInputError for bad tokens."""
+    probe = hasher.probe(tokens)
+    if probe.digests is not None:
+        return probe.digests
+    if len(tokens) < DEFAULT_INLINE_HASH_TOKENS:
+        return hasher.digests(tokens, probe=probe)
+    return await anyio.to_thread.run_sync(partial(hasher.digests, tokens, probe=probe))
