@@ -92,7 +92,8 @@ class Stores:
                 since = 0 if reply is None else prepared.start
             if reply is None:
                 reply = await conn.ask(link, MessageType.STORE, header, prepared.payloads)
-            return await self._fill(link, prepared, reply, deadline) - since
+            stored = await self._fill(link, prepared, reply, deadline)
+            return max(0, stored - since)  # 0: nothing stored (a store given up)
         except (Unavailable, ProtocolError) as exc:
             log.debug("sidecar_store_missed", error=str(exc))
             return 0
