@@ -1,15 +1,17 @@
-"""Stores sent ahead. A client made with ``store_ahead`` follows each pinned lookup that
-did not find the whole prompt with a STORE of that prompt, sent at once and not waited
-for: the sidecar reserves the chunks it lacks while the serving engine loads the hit and
-computes the rest. The store that comes after (the same tokens) takes that reply, there
-long before it is asked for, and copies into the reserved chunks with no round trip of
-its own. The reservation evicts what it needs when the lookup comes, as the store would
-when it came, so a client that does not store after its pinned lookups must not ask for
-it: its reservations would hold memory until they expire.
+"""Stores sent ahead. A client made with ``store_ahead`` sends each pinned lookup by tokens
+with the prompt's STORE right behind it, not waited for: the sidecar serves it after the
+lookup and reserves the chunks it lacks while the serving engine loads the hit and
+computes the rest (a prompt held whole: the reply says so at once). The store that comes
+after (the same tokens) takes that reply, there long before it is asked for, and copies
+into the reserved chunks with no round trip of its own. The reservation evicts what it
+needs when the lookup comes, as the store would when it came, so a client that does not
+store after its pinned lookups must not ask for it: its reservations would hold memory
+until they expire.
 
 A STORE sent ahead is used once, by a store of the same prompt (tenant and chunk digests),
-with no tiers named and no slot left out, within the client's timeout of its sending (the
-sidecar holds the reservation twice as long); any other is given back.
+with no tiers named and no slot left out, within half the client's timeout of its
+sending (the sidecar holds the reservation for two timeouts, and the copies may take
+one); any other is given back.
 """
 
 from __future__ import annotations

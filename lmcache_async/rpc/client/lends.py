@@ -43,12 +43,6 @@ class Lend:
     tenant: str | None
     usable_until: float
 
-    @property
-    def end(self) -> int:
-        """The token the lent chunks end at (the lookup's hit)."""
-        last = self.chunks[-1] if self.chunks else None
-        return last[1] if isinstance(last, list) and len(last) == 4 else 0
-
 
 class Lends:
     """The lends of one client's pinned lookups, by lookup id; ``timeout`` is the
@@ -57,9 +51,6 @@ class Lends:
     def __init__(self, timeout: float) -> None:
         self._timeout = timeout
         self._by_id: collections.OrderedDict[Hashable, Lend] = collections.OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._by_id)
 
     async def keep(
         self,

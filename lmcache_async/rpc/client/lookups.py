@@ -52,10 +52,6 @@ class Lookups:
         # under them, so their UNPIN is not sent (a round trip saved on every miss).
         self._empty: collections.OrderedDict[int | str, None] = collections.OrderedDict()
 
-    async def digests(self, hasher: ChunkHasher, tokens: Tokens) -> list[bytes]:
-        """The chunk digests of ``tokens`` (:func:`chunk_digests`)."""
-        return await chunk_digests(hasher, tokens)
-
     async def by_digests(
         self,
         hasher: ChunkHasher,

@@ -143,10 +143,10 @@ class RemoteCacheEngine(MoveCalls):
         server's segment when it is on this host, False always sends payloads inline, True
         requires the segment. With ``require_server=False`` an unreachable sidecar is not an
         error: calls are misses until it answers. ``store_ahead``: for a serving engine
-        that stores each prompt after its pinned lookup (and retrieve): such a lookup that
-        does not find the whole prompt also sends the prompt's STORE, so the sidecar
-        reserves its missing chunks while the engine computes them and the store waits
-        for no round trip (:mod:`~lmcache_async.rpc.client.ahead`). A client that does not
+        that stores each prompt after its pinned lookup (and retrieve): such a lookup is
+        sent with the prompt's STORE right behind it, so the sidecar reserves its
+        missing chunks while the engine computes them and the store waits for no round
+        trip (:mod:`~lmcache_async.rpc.client.ahead`). A client that does not
         store after its pinned lookups would hold that memory until it expires.
 
         Raises:
