@@ -26,6 +26,7 @@ from lmcache_async.keys.tokens import Tokens, check_mask, is_strict_int
 from lmcache_async.layouts import KVCacheViews, KVLayout
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.link import Link
+from lmcache_async.rpc.client.segment import Segment
 from lmcache_async.rpc.client.wire import key_fields
 from lmcache_async.rpc.protocol import Message, put_tenant
 from lmcache_async.transfer.cuda import CallerStream, Transfers, caller_stream
@@ -127,6 +128,14 @@ class CopyPath:
             chunks.append((start, end, offset, nbytes))
         return chunks
 
+    def _views(self, segment: Segment, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """The lent chunks' payloads in the mapped segment (while it is in use)."""
+        layout = self._layout
+        return [
+            segment.view(offset, size, layout.payload_shape(end - start), layout.dtype)
+            for start, end, offset, size in chunks
+        ]
+
     async def gather(self, link: Link, prepared: Prepared, chunks: list[Chunk]) -> list[memoryview]:
         """Copy the chunks out of the KV caches into the lent payloads: the server's
         memory, or local buffers returned as inline frames."""
@@ -136,10 +145,7 @@ class CopyPath:
         with contextlib.ExitStack() as stack:
             if segment is not None:
                 stack.enter_context(segment.use())
-                outs = [
-                    segment.view(off, size, layout.payload_shape(end - start), dtype)
-                    for start, end, off, size in chunks
-                ]
+                outs = self._views(segment, chunks)
             else:
                 outs = [
                     torch.empty(layout.payload_shape(end - start), dtype=dtype)
@@ -178,10 +184,7 @@ class CopyPath:
         with contextlib.ExitStack() as stack:
             if segment is not None:
                 stack.enter_context(segment.use())
-                payloads = [
-                    segment.view(off, size, layout.payload_shape(end - start), dtype)
-                    for start, end, off, size in chunks
-                ]
+                payloads = self._views(segment, chunks)
             else:
                 if len(frames) != len(chunks):
                     raise ProtocolError(f"{len(frames)} payloads for {len(chunks)} chunks")
