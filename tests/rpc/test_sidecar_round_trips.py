@@ -60,6 +60,12 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, str]]:
         counts["notify", msg_type.name] += 1
         await notify(self, msg_type, *args, **kw)
 
+    notify_soon = Link.notify_soon
+
+    def counted_notify_soon(self: Link, msg_type: MessageType, *args: Any, **kw: Any) -> None:
+        counts["notify", msg_type.name] += 1
+        notify_soon(self, msg_type, *args, **kw)
+
     send_ahead = Link.send_ahead
 
     def counted_send_ahead(self: Link, msg_type: MessageType, *args: Any, **kw: Any) -> Any:
@@ -68,6 +74,7 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, str]]:
 
     monkeypatch.setattr(Link, "request", counted_request)
     monkeypatch.setattr(Link, "notify", counted_notify)
+    monkeypatch.setattr(Link, "notify_soon", counted_notify_soon)
     monkeypatch.setattr(Link, "send_ahead", counted_send_ahead)
     return counts
 

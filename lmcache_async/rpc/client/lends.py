@@ -52,7 +52,7 @@ class Lends:
         self._timeout = timeout
         self._by_id: collections.OrderedDict[Hashable, Lend] = collections.OrderedDict()
 
-    async def keep(
+    def keep(
         self,
         link: Link,
         lookup_id: Hashable,
@@ -66,26 +66,27 @@ class Lends:
         txn, chunks, ttl = header.get("txn"), header.get("chunks"), header.get("ttl")
         old = self._by_id.pop(lookup_id, None)
         if old is not None:
-            await self.release(old)
+            self.release(old)
         if not isinstance(txn, int) or isinstance(txn, bool):
             return
         if not isinstance(chunks, list) or not chunks or not isinstance(ttl, int | float):
-            await self.release(Lend(link, txn, [], b"", None, 0.0))
+            self.release(Lend(link, txn, [], b"", None, 0.0))
             return
         until = anyio.current_time() + float(ttl)
         self._by_id[lookup_id] = Lend(link, txn, chunks, digests, tenant, until)
         while len(self._by_id) > _KEPT:
             _, oldest = self._by_id.popitem(last=False)
-            await self.release(oldest)
+            self.release(oldest)
 
     def take(self, lookup_id: Hashable) -> Lend | None:
         """The lend of ``lookup_id``, no longer remembered (the caller ends it)."""
         return self._by_id.pop(lookup_id, None)
 
-    async def release(
+    def release(
         self, lend: Lend, *, loaded: int = 0, retrieve: bool = False, unpin: bool = False
     ) -> None:
-        """End ``lend``'s transaction (not waited for): ``retrieve``, a load of ``loaded``
+        """End ``lend``'s transaction (sent on the loop's next pass, not waited for, ahead
+        of the link's next message): ``retrieve``, a load of ``loaded``
         tokens served from it (the server counts it and drops the lookup's pins);
         ``unpin``, the pins dropped too; neither, the pins kept for a RETRIEVE."""
         header: dict[str, Any] = {"txn": lend.txn, "loaded": loaded}
@@ -93,10 +94,10 @@ class Lends:
             header["retrieve"] = True
         elif unpin:
             header["unpin"] = True
-        await lend.link.notify(MessageType.RELEASE, header, self._timeout)
+        lend.link.notify_soon(MessageType.RELEASE, header, self._timeout)
 
-    async def release_all(self) -> None:
+    def release_all(self) -> None:
         """Give every lend back (the client closes)."""
         while self._by_id:
             _, lend = self._by_id.popitem(last=False)
-            await self.release(lend)
+            self.release(lend)

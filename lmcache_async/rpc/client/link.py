@@ -6,6 +6,7 @@ the requests waiting on it end then, not at their deadline."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import math
@@ -115,6 +116,12 @@ class Link:
         self._deadlines: dict[int, float] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        # Messages without reply deferred to the loop's next pass (notify_soon), each with
+        # its deadline, sent before any later message; a task sends them when the socket
+        # could not take them at once.
+        self._later: collections.deque[tuple[list[bytes | memoryview], float]] = collections.deque()
+        self._later_scheduled = False
+        self._draining: asyncio.Task[None] | None = None
         self.dead = False
         self.welcome: Welcome | None = None
         self.segment: Segment | None = None
@@ -186,10 +193,12 @@ class Link:
         """
         if self.dead:
             raise Unavailable("the link is down")
-        request_id = next(self._ids)
-        frames = encode(msg_type, header, payloads, request_id=request_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        if self._later or self._draining is not None:
+            await self._later_first(msg_type, deadline)
+        request_id = next(self._ids)
+        frames = encode(msg_type, header, payloads, request_id=request_id)
         future: asyncio.Future[Message | None] = loop.create_future()
         self._pending[request_id] = future
         try:
@@ -227,6 +236,10 @@ class Link:
         take the request at once. One that is never waited for is :meth:`forget`-ten."""
         if self.dead:
             return None
+        if self._later:
+            self._send_later()
+        if self._draining is not None:
+            return None  # it would pass the deferred messages
         request_id = next(self._ids)
         frames = encode(msg_type, header, payloads, request_id=request_id)
         loop = asyncio.get_running_loop()
@@ -299,15 +312,83 @@ class Link:
             return
         frames = encode(msg_type, header)
         try:
-            if self._socket.send_nowait(frames):
-                return
             with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
-                await self._socket.send(frames)
-        except zmq.ZMQError:
+                if self._later or self._draining is not None:
+                    await self._later_first(msg_type, anyio.current_time() + timeout)
+                if not self._socket.send_nowait(frames):
+                    await self._socket.send(frames)
+        except (zmq.ZMQError, Unavailable):
             return
 
+    def notify_soon(self, msg_type: MessageType, header: dict[str, Any], timeout: float) -> None:
+        """Send a message that gets no reply (a RELEASE, a quiet COMMIT) off its caller's
+        path: on the loop's next pass, or before this link's next message if that comes
+        first, so the link's messages keep their order. Best effort within ``timeout``, as
+        :meth:`notify`."""
+        if self.dead:
+            return
+        loop = asyncio.get_running_loop()
+        self._later.append((encode(msg_type, header), loop.time() + timeout))
+        if not self._later_scheduled:
+            self._later_scheduled = True
+            loop.call_soon(self._send_later)
+
+    def _send_later(self) -> None:
+        """Send the deferred messages the socket takes now; the rest go in order from a
+        task (:meth:`_drain_later`)."""
+        self._later_scheduled = False
+        later = self._later
+        if self._draining is not None or self.dead:
+            return
+        try:
+            while later and self._socket.send_nowait(later[0][0]):
+                later.popleft()
+        except zmq.ZMQError:
+            later.clear()
+        if later:
+            self._draining = asyncio.get_running_loop().create_task(self._drain_later())
+
+    async def _drain_later(self) -> None:
+        """Send the deferred messages as the socket takes them, each by its deadline; at
+        the first that misses it the rest are dropped too (the server's transaction
+        deadlines end what they would have)."""
+        later = self._later
+        try:
+            while later:
+                frames, deadline = later[0]
+                async with asyncio.timeout_at(deadline):
+                    await self._socket.send(frames)
+                later.popleft()
+        except (TimeoutError, zmq.ZMQError):
+            later.clear()
+        finally:
+            self._draining = None
+
+    async def _later_first(self, msg_type: MessageType, deadline: float) -> None:
+        """Send the deferred messages before a new one, waiting by ``deadline`` for those
+        the socket cannot take now.
+
+        Raises:
+            Unavailable: they were not all sent by ``deadline``.
+        """
+        self._send_later()
+        draining = self._draining
+        if draining is None:
+            return
+        try:
+            async with asyncio.timeout_at(deadline):
+                await asyncio.shield(draining)
+        except TimeoutError:
+            raise Unavailable(f"{msg_type.name}: the link's queue is full") from None
+
     def close(self) -> None:
-        """Close the socket; waiting requests fail at once."""
+        """Close the socket; waiting requests fail at once. Deferred messages the socket
+        takes at once are sent first."""
+        if not self.dead and self._draining is None:
+            self._send_later()
+        if self._draining is not None:
+            self._draining.cancel()
+        self._later.clear()
         self.dead = True
         if self._timer is not None:
             self._timer.cancel()

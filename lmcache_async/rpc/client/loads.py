@@ -94,7 +94,7 @@ class Loads:
                 if chunks:
                     await self._load_lent(link, prepared, lend, chunks, loaded)
                     return loaded
-                await self._lends.release(lend)  # its pins stay, for the RETRIEVE
+                self._lends.release(lend)  # its pins stay, for the RETRIEVE
             await self._load_parts(link, prepared, header, loaded)
         except (Unavailable, ProtocolError) as exc:
             log.debug("sidecar_retrieve_missed", error=str(exc))
@@ -164,7 +164,7 @@ class Loads:
                 loaded, prepared.plan, prepared.slots_cpu, chunks[0][0], chunks[-1][1]
             )
         finally:
-            await self._lends.release(lend, loaded=tokens_loaded, retrieve=True)
+            self._lends.release(lend, loaded=tokens_loaded, retrieve=True)
 
     async def _load_parts(
         self, link: Link, prepared: Prepared, header: dict[str, Any], loaded: torch.Tensor

@@ -142,9 +142,7 @@ class Lookups:
             self._note_pins(header["lookup_id"], hits)
             if header.get("lend"):
                 digests = payloads[0] if payloads and isinstance(payloads[0], bytes) else b""
-                await self._lends.keep(
-                    link, header["lookup_id"], reply, digests, header.get("tenant")
-                )
+                self._lends.keep(link, header["lookup_id"], reply, digests, header.get("tenant"))
         return hits
 
     def _note_pins(self, lookup_id: int | str, hits: int) -> None:
@@ -226,7 +224,7 @@ class Lookups:
             return  # its lookup pinned nothing
         lend = self._lends.take(checked)
         if lend is not None:  # its RELEASE drops the pins too: no UNPIN round trip
-            await self._lends.release(lend, unpin=True)
+            self._lends.release(lend, unpin=True)
             return
         header = {"lookup_id": checked}
         link = await conn.usable()

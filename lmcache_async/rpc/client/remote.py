@@ -181,7 +181,7 @@ class RemoteCacheEngine(MoveCalls):
         Later calls raise EngineClosedError."""
         if self._conn.closed:
             return
-        await self._lends.release_all()
+        self._lends.release_all()
         self._ahead.forget_all()
         self._conn.close()
         await self._data.aclose()

@@ -131,7 +131,7 @@ class Stores:
             and 0 <= promised <= prepared.num_tokens
         ):
             quiet = {"txn": txn, "quiet": True}
-            await link.notify(MessageType.COMMIT, quiet, conn.timeout)
+            link.notify_soon(MessageType.COMMIT, quiet, conn.timeout)
             return 0 if link.dead else promised
         reply = await conn.ask(link, MessageType.COMMIT, {"txn": txn}, payloads, timeout=left)
         return count(reply, "stored")
