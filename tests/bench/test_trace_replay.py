@@ -17,6 +17,7 @@ import pytest
 
 from lmcache_async import EngineConfig
 from lmcache_async.bench.trace import TraceOptions, TraceShape, generate_trace, run_trace_async
+from lmcache_async.bench.trace.report import format_trace
 from lmcache_async.cli import main
 from tests.bench.test_trace_bounds import lru_hits, read_lines, unbounded_hits
 
@@ -94,7 +95,49 @@ def test_a_sidecar_serves_exactly_the_lru_bound(trace: Path, tmp_path: Path) -> 
     results = bench(trace, tmp_path / "run.json", *argv)
     assert results["target"] == "sidecar"
     assert results["url"].startswith("ipc://")
+    assert results["beside"] is None
     check_exact(results, trace, "cpu", CPU_BLOCKS)
+
+
+@pytest.mark.subprocess
+def test_a_sidecar_beside_an_embedded_engine_both_serve_the_lru_bound(
+    trace: Path, tmp_path: Path
+) -> None:
+    """``--beside-embedded``: every request goes to both caches, each serves the LRU's
+    hits, and the ratios printed are of the two latency tables."""
+    argv = ["--target", "sidecar", "--trace-cpu-tokens", str(CPU_BLOCKS * BS)]
+    results = bench(trace, tmp_path / "run.json", *argv, "--beside-embedded")
+    check_exact(results, trace, "cpu", CPU_BLOCKS)
+    beside = results["beside"]
+    hits, _ = lru_hits(read_lines(trace), BS, CPU_BLOCKS)
+    assert beside["target"] == "embedded"
+    assert beside["served"]["requests"] == 300
+    assert beside["served"]["hit_tokens"] == hits
+    assert beside["served_equals_lru"] is True
+    assert beside["served"]["errors_total"] == 0 and beside["served"]["verify_failures"] == 0
+    ours, theirs = results["latency_ms"], beside["latency_ms"]
+    assert theirs["request"]["count"] == ours["request"]["count"] == 300
+    for op in ("lookup", "store", "cache"):
+        assert beside["ratio"][op]["p50"] == pytest.approx(ours[op]["p50"] / theirs[op]["p50"])
+        assert beside["ratio"][op]["mean"] == pytest.approx(ours[op]["mean"] / theirs[op]["mean"])
+    text = format_trace(results)
+    assert "beside an embedded engine of the same tiers" in text
+    assert f"{beside['ratio']['cache']['p50']:.2f}x" in text
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--beside-embedded"],
+        ["--target", "sidecar", "--trace-disk-tokens", "4096", "--beside-embedded"],
+    ],
+)
+def test_beside_embedded_takes_a_sidecar_without_a_disk_tier(
+    trace: Path, extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "--quiet", "--trace", str(trace), "--trace-block-size", str(BS), *TINY]
+    assert main([*argv, *extra]) != 0
+    assert "--beside-embedded" in capsys.readouterr().err
 
 
 def test_a_disk_tier_serves_within_one_percent_of_its_lru_bound(

@@ -102,6 +102,10 @@ class TraceOptions:
     sidecar_timeout: float = 30.0
     store_ahead: bool = True
     """Target ``sidecar``: as :attr:`LoadOptions.store_ahead`."""
+    beside_embedded: bool = False
+    """Target ``sidecar``: each request also goes to an embedded engine of the same tiers,
+    right before or after (alternately), and the two are reported side by side: their
+    ratio is of one moment of the machine, not of two runs."""
     model: str | None = None
     max_tokens: int = 1
     """Target ``vllm``: the cap on each request's ``output_length``."""
@@ -168,6 +172,11 @@ class TraceOptions:
                     "a replay at each capacity resizes the cache: it starts its own sidecar, "
                     "so leave out --url"
                 )
+        if self.beside_embedded and (self.target != "sidecar" or self.disk):
+            raise InvalidInputError(
+                "--beside-embedded compares a sidecar with an embedded engine of the same "
+                "CPU tier: it takes --target sidecar and no disk tier"
+            )
         parse_dtype(self.dtype)
         if self.target == "vllm":
             check_vllm()

@@ -37,7 +37,7 @@ from lmcache_async.bench.trace.tokens import BlockTokens
 from lmcache_async.bench.workloads import Prompt
 from lmcache_async.logging import get_logger
 
-__all__ = ["READ_BATCH", "Step", "cache_step", "replay", "vllm_step"]
+__all__ = ["READ_BATCH", "Step", "beside_step", "cache_step", "replay", "vllm_step"]
 
 log = get_logger(__name__)
 
@@ -53,6 +53,21 @@ def cache_step(runner: CacheRunner) -> Step:
 
     async def step(slot: int, request: TraceRequest, prompt: Prompt, arrived: float) -> None:
         await runner.request(slot, prompt, arrived)
+
+    return step
+
+
+def beside_step(runner: CacheRunner, beside: CacheRunner) -> Step:
+    """A request against two caches one after the other, which of them first alternating
+    from request to request: both see the machine as it is at that moment (a noisy
+    machine moves every figure between runs), and neither always finds the other's work
+    just done. The second's request time counts from when it starts."""
+    turns = itertools.count()
+
+    async def step(slot: int, request: TraceRequest, prompt: Prompt, arrived: float) -> None:
+        first, second = (runner, beside) if next(turns) % 2 == 0 else (beside, runner)
+        await first.request(slot, prompt, arrived)
+        await second.request(slot, prompt, time.perf_counter())
 
     return step
 

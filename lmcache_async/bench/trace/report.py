@@ -116,6 +116,8 @@ def format_trace(results: Mapping[str, Any]) -> str:
             f"({divergence['requests_differing']} requests differ)"
         )
     lines += ["", _latency(results["latency_ms"]), "", _occupancy(results)]
+    if results.get("beside"):
+        lines += ["", _beside(results)]
     if results["sweep"]:
         lines += ["", _sweep(results)]
     lines.append(_errors(results))
@@ -135,6 +137,42 @@ def _latency(latency: Mapping[str, Mapping[str, float]]) -> str:
     ]
     header = ["latency", "count", "p50 ms", "p90 ms", "p99 ms", "mean ms", "max ms"]
     return format_table(header, rows)
+
+
+def _beside(results: Mapping[str, Any]) -> str:
+    """The target beside an embedded engine that took the same requests, interleaved."""
+    beside = results["beside"]
+    ours, theirs = results["latency_ms"], beside["latency_ms"]
+    names = {"compute": "compute (prefill)", "cache": "lookup+retrieve+store"}
+    rows = []
+    for op, ratio in beside["ratio"].items():
+        rows.append(
+            [
+                names.get(op, op),
+                _ms(ours[op]["p50"]),
+                _ms(theirs[op]["p50"]),
+                f"{ratio['p50']:.2f}x",
+                _ms(ours[op]["mean"]),
+                _ms(theirs[op]["mean"]),
+                f"{ratio['mean']:.2f}x",
+            ]
+        )
+    match = beside.get("served_equals_lru")
+    served = _rate(beside["served"]["hit_rate"])
+    header = [
+        f"{results['target']} / embedded",
+        "p50 ms",
+        "embedded",
+        "ratio",
+        "mean ms",
+        "embedded",
+        "ratio",
+    ]
+    head = (
+        f"beside an embedded engine of the same tiers, the same requests interleaved "
+        f"(served {served}{'' if match is None else ' = LRU' if match else ', differs from LRU'}):"
+    )
+    return head + "\n" + format_table(header, rows)
 
 
 def _occupancy(results: Mapping[str, Any]) -> str:

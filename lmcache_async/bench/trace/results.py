@@ -117,6 +117,27 @@ def _divergence(per_request: Sequence[int] | None, tally: Tally) -> dict[str, An
     }
 
 
+def _beside(beside: Tally | None, tally: Tally, lru: LruBound | None) -> dict[str, Any] | None:
+    """The embedded engine replayed beside the target (``--beside-embedded``): its hit
+    rate and latency, and the target's p50 and mean over its (ratios per operation)."""
+    if beside is None:
+        return None
+    ours, theirs = latency_ms(tally), latency_ms(beside)
+    ratios = {}
+    for op, stat in ours.items():
+        other = theirs.get(op)
+        if other and other.get("p50") and other.get("mean"):
+            ratios[op] = {"p50": stat["p50"] / other["p50"], "mean": stat["mean"] / other["mean"]}
+    got = served(beside, {})
+    return {
+        "target": "embedded",
+        "served": got,
+        "served_equals_lru": None if lru is None else got["hit_tokens"] == lru.hit_tokens,
+        "latency_ms": theirs,
+        "ratio": ratios,
+    }
+
+
 def trace_results(
     options: TraceOptions,
     scan: TraceScan,
@@ -189,6 +210,7 @@ def trace_results(
         "engine_stats": stats,
         "samples": tally.samples,
         "sweep": sweep,
+        "beside": _beside(main.beside if main is not None else None, tally, lru),
         "errors": got["errors"],
         "errors_total": got["errors_total"],
         "verify_failures": got["verify_failures"],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, TextIO
 
@@ -30,7 +30,7 @@ from lmcache_async.bench.sidecar import sidecar_process
 from lmcache_async.bench.trace.bounds import TraceScan
 from lmcache_async.bench.trace.options import TraceOptions
 from lmcache_async.bench.trace.parse import TraceRequest, read_trace
-from lmcache_async.bench.trace.replay import Step, cache_step, replay, vllm_step
+from lmcache_async.bench.trace.replay import Step, beside_step, cache_step, replay, vllm_step
 from lmcache_async.bench.trace.sizing import ChunkSize, check_block_size, sized_config
 from lmcache_async.bench.trace.tokens import BlockTokens
 from lmcache_async.bench.vllm_target import open_vllm, read_model
@@ -69,6 +69,8 @@ class Replayed:
     chunk_size: int | None
     url: str | None = None
     vllm: dict[str, Any] = field(default_factory=dict)
+    beside: Tally | None = None
+    """The same requests' counts on an embedded engine (``--beside-embedded``)."""
 
 
 async def replay_at(
@@ -191,19 +193,28 @@ async def _replay_cache(
     options, config, tokens = job.options, job.config, job.tokens
     load = options.load_options(url=url, vocab_size=tokens.vocab_size)
     tally = Tally()
-    async with _connected(load, config, layout, log_path) as target:
+    beside: Tally | None = None
+    async with contextlib.AsyncExitStack() as stack:
+        target = await stack.enter_async_context(_connected(load, config, layout, log_path))
         where = "the engine" if url is None else f"the sidecar at {url}"
         check_block_size(target.chunk_size, options.block_size, where)
         before = await target.stats()
-        runner = CacheRunner(
-            load,
-            layout,
-            target,
-            slots=options.concurrency,
-            max_prompt_tokens=max(1, job.scan.max_prompt_tokens),
-            tally=tally,
-        )
-        wall = await job.replay(cache_step(runner), tally)
+
+        def runner_of(opened: Target, counted: Tally, of: LoadOptions) -> CacheRunner:
+            slots, longest = options.concurrency, max(1, job.scan.max_prompt_tokens)
+            return CacheRunner(
+                of, layout, opened, slots=slots, max_prompt_tokens=longest, tally=counted
+            )
+
+        runner = runner_of(target, tally, load)
+        step = cache_step(runner)
+        if options.beside_embedded:
+            if config.local_disk is not None:
+                raise InvalidInputError("--beside-embedded takes an engine without a disk tier")
+            beside, local = Tally(), replace(load, target="embedded", url=None)
+            embedded = await stack.enter_async_context(open_target(local, config, layout))
+            step = beside_step(runner, runner_of(embedded, beside, local))
+        wall = await job.replay(step, tally)
         stats = await target.stats()
     tally.count_engine_errors(stats)
     started_own = options.target == "embedded" or options.url is None
@@ -215,6 +226,7 @@ async def _replay_cache(
         config=config if started_own else None,
         chunk_size=target.chunk_size,
         url=url,
+        beside=beside,
     )
 
 

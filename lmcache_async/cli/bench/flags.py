@@ -181,6 +181,13 @@ def _add_load_flags(load: Any, emb: Any) -> None:
         action="store_false",
         help="--target sidecar: no STORE sent with each pinned lookup (store_ahead off)",
     )
+    load.add_argument(
+        "--beside-embedded",
+        action="store_true",
+        help="--trace --target sidecar: send each request also to an embedded engine of "
+        "the same CPU tier, alternating which goes first, and print the two side by side "
+        "with their ratios (one moment of the machine for both, not two runs)",
+    )
 
 
 def _add_vllm_flags(vllm: Any, emb: Any) -> None:

@@ -397,6 +397,7 @@ def trace(args: argparse.Namespace, config: EngineConfig) -> Outcome | int:
         kv_block_size=args.block_size,
         verify_every=args.verify_every,
         store_ahead=args.store_ahead,
+        beside_embedded=args.beside_embedded,
         progress=not args.quiet,
         work_dir=args.work_dir,
         model=args.model,
