@@ -89,7 +89,9 @@ async def test_deferred_messages_go_before_the_next_request(
                 identity, message = await received(router)
                 order.append((message.type, message.header.get("txn")))
                 if message.type is MessageType.PING:
-                    reply = encode(MessageType.PING, {"order": order}, request_id=message.request_id)
+                    reply = encode(
+                        MessageType.PING, {"order": order}, request_id=message.request_id
+                    )
                     await router.send_multipart([identity, *reply])
                     return
 
