@@ -16,6 +16,7 @@ import anyio
 import pytest
 import torch
 
+import lmcache_async.core.load as load_module
 from lmcache_async import (
     CacheEngine,
     ConfigError,
@@ -359,3 +360,29 @@ async def test_compress_and_decompress_in_place_on_disk(tmp_path: Path) -> None:
             )
             assert 0 < worst < 0.05 * max(float(r.abs().max()) for r in source)
             assert engine.stats().pool.used_bytes == 0
+
+
+@pytest.mark.anyio
+async def test_a_retrieve_from_disk_reads_in_small_batches_after_the_ram_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks held in RAM are reserved in one batch; those only the disk holds in batches
+    of ``SLOW_READ_BATCH_BYTES`` (two chunks here), each copied out while the next is read;
+    every byte is exact."""
+    chunk_bytes = layout().token_bytes * CHUNK
+    monkeypatch.setattr(load_module, "SLOW_READ_BATCH_BYTES", 2 * chunk_bytes)
+    reserved: list[int] = []
+    reserve = load_module.LoadCore.reserve
+
+    async def counted(self: Any, keys: Any, *args: Any, **kw: Any) -> Any:
+        reserved.append(len(keys))
+        return await reserve(self, keys, *args, **kw)
+
+    monkeypatch.setattr(load_module.LoadCore, "reserve", counted)
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path) as engine:
+            assert await store(engine, 7 * CHUNK) == 7 * CHUNK
+            await engine.clear(["cpu"])
+            assert await store(engine, 2 * CHUNK) == 2 * CHUNK  # the first two in RAM again
+            await retrieve(engine, 7 * CHUNK, 7 * CHUNK)
+    assert reserved == [2, 2, 2, 1]

@@ -24,6 +24,7 @@ from ..backends.cpu import CPUBackend
 from ..backends.manager import StorageManager
 from ..config import EngineConfig
 from ..core import LoadCore, RequestCore, StoreCore
+from ..core.load import read_batch_chunks
 from ..errors import ConfigError, EngineClosedError
 from ..events import EventBuffer
 from ..health import HealthMonitor
@@ -170,6 +171,7 @@ def build_parts(
         manager,
         counters,
         batch_chunks=config.pipeline_batch_chunks,
+        read_batch=read_batch_chunks(config.pipeline_batch_chunks, chunk_bytes),
         timeout=config.retrieve_timeout,
         healthy=liveness,
         # Late bound: the lookups are built next, with this core.
@@ -235,12 +237,7 @@ def build_parts(
     )
     retrieve_pipe = Pipeline(
         "retrieve",
-        build_retrieve_stages(
-            load,
-            transfers,
-            batch_chunks=config.pipeline_batch_chunks,
-            copy_timeout=config.retrieve_timeout,
-        ),
+        build_retrieve_stages(load, transfers, copy_timeout=config.retrieve_timeout),
         buffer_size=config.pipeline_queue_size,
     )
     parts = EngineParts(

@@ -25,7 +25,7 @@ from lmcache_async.transfer.cuda import Transfers
 
 from ..core import LoadCore
 from ..core.copy import mark_loaded, scatter
-from .common import Request, batched, compute_spans
+from .common import Request, compute_spans
 from .stage import Completion, Emit, drive
 
 __all__ = ["RetrieveBatch", "RetrieveRequest", "build_retrieve_stages"]
@@ -66,9 +66,8 @@ class LookupStage:
 
     name = "retrieve-lookup"
 
-    def __init__(self, core: LoadCore, *, batch_chunks: int) -> None:
+    def __init__(self, core: LoadCore) -> None:
         self._core = core
-        self._batch_chunks = batch_chunks
 
     async def run(
         self,
@@ -88,8 +87,10 @@ class LookupStage:
             request.completion.set_error(exc)
             return
         spans = request.spans
-        found = self._core.findable([span.key for span in spans], request.locations)
-        groups = batched(0, found, self._batch_chunks)
+        keys = [span.key for span in spans]
+        groups = self._core.batches(
+            keys, self._core.findable(keys, request.locations), request.locations
+        )
         request.batches_total = len(groups)
         if not groups:
             request.finish_now()
@@ -186,15 +187,12 @@ class CopyStage:
 
 
 def build_retrieve_stages(
-    core: LoadCore,
-    transfers: Transfers,
-    *,
-    batch_chunks: int,
-    copy_timeout: float,
+    core: LoadCore, transfers: Transfers, *, copy_timeout: float
 ) -> list[Any]:
-    """The retrieve stages in order, ready for :class:`~.stage.Pipeline`."""
+    """The retrieve stages in order, ready for :class:`~.stage.Pipeline` (the load's
+    batches are the core's: :meth:`LoadCore.batches <lmcache_async.core.LoadCore.batches>`)."""
     return [
-        LookupStage(core, batch_chunks=batch_chunks),
+        LookupStage(core),
         ReserveStage(core),
         CopyStage(core, transfers, timeout=copy_timeout),
     ]

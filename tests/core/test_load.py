@@ -6,6 +6,7 @@ import anyio
 import pytest
 
 from lmcache_async.core import LoadCore
+from lmcache_async.core.load import SLOW_READ_BATCH_BYTES, read_batch_chunks
 from tests.core.test_store import CHUNK, TIMEOUT, Scene
 
 pytestmark = pytest.mark.anyio
@@ -71,3 +72,37 @@ async def test_an_unhealthy_cache_serves_no_load() -> None:
     )
     assert not await load.begin(None)
     assert scene.counters.retrieve_requests == 1
+
+
+def test_read_batches_hold_a_few_mib_of_chunks() -> None:
+    assert read_batch_chunks(8, 3 << 20) == 2
+    assert read_batch_chunks(8, 64 << 10) == 8  # never more than a batch
+    assert read_batch_chunks(8, 64 << 20) == 1  # never none
+    assert read_batch_chunks(8, SLOW_READ_BATCH_BYTES // 3) == 3
+
+
+async def test_a_load_reads_from_slow_tiers_in_read_batches() -> None:
+    """The run the CPU tier holds goes in batches of ``batch_chunks``, what a slow tier
+    must be read for in batches of ``read_batch``: each is copied out while the next one
+    is read."""
+    scene = Scene(8)
+    load = LoadCore(
+        scene.manager,
+        scene.counters,
+        batch_chunks=4,
+        read_batch=2,
+        timeout=TIMEOUT,
+        healthy=lambda: True,
+        pins_changed=lambda: None,
+    )
+    keys = [span.key for span in scene.spans]
+    with anyio.fail_after(TIMEOUT):
+        await stored(scene, 1)
+    assert load.batches(keys, load.findable(keys, None), None) == [range(1)]
+    scene.manager.reads_slow_tiers = lambda locations: True  # type: ignore[method-assign]
+    assert load.findable(keys, None) == 5
+    assert load.batches(keys, 5, None) == [range(1), range(1, 3), range(3, 5)]
+    assert load.batches(keys, 4, None, read_batch=1) == [range(i, i + 1) for i in range(4)]
+    with anyio.fail_after(TIMEOUT):
+        await stored(scene, 5)
+    assert load.batches(keys, 5, None) == [range(4), range(4, 5)]
