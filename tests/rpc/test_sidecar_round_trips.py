@@ -281,6 +281,41 @@ async def test_a_store_waits_for_its_commit_when_the_disk_tier_is_waited_for(
     assert len([path for path in files if "manifest" not in path.name]) >= 3  # written
 
 
+async def test_a_load_from_disk_asks_for_each_next_part_before_copying_this_one(
+    short_dir: Path, sent: Counter[tuple[str, str]]
+) -> None:
+    """Parts of two chunks read from disk: each part's RETRIEVE goes out before the part
+    before it is copied (the sidecar reads it meanwhile); the bytes are exact and nothing
+    is held afterwards."""
+    tokens = prompt(5 * CHUNK, 21)
+    kv, slots = kv_for(len(tokens), 21)
+    expected = payload_of(kv, slots)
+    empty, _ = kv_for(len(tokens), 22)
+    with anyio.fail_after(TIMEOUT):
+        async with (
+            served(
+                short_dir,
+                local_disk=str(short_dir / "disk"),
+                max_local_disk_size=0.01,
+                wait_for_slow_tiers=True,
+                pipeline_batch_chunks=2,
+            ) as (url, server),
+            connect(url) as client,
+        ):
+            assert await client.store(tokens, kv_caches=kv, slot_mapping=slots) == len(tokens)
+            await client.clear(["cpu"])
+            sent.clear()
+            mask = await client.retrieve(tokens, kv_caches=empty, slot_mapping=slots)
+            await client.ping()
+            holds = held(server)
+    assert bool(mask.all())
+    assert torch.equal(payload_of(empty, slots), expected)
+    # Three parts (2 + 2 + 1 chunks): the first asked, the next two sent ahead.
+    assert sent[("ask", "RETRIEVE")] == 1 and sent[("ahead", "RETRIEVE")] == 2
+    assert sent[("notify", "RELEASE")] == 3
+    assert holds == (0, 0, 0)
+
+
 async def test_a_lookup_after_a_commit_not_waited_for_waits_for_it_on_the_server(
     sidecar: tuple[str, SidecarServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,7 +20,7 @@ from lmcache_async.logging import get_logger
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.copies import Chunk, CopyPath, Prepared
 from lmcache_async.rpc.client.lends import Lend, Lends
-from lmcache_async.rpc.client.link import Link
+from lmcache_async.rpc.client.link import Link, Sent
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, chunk_digests
 from lmcache_async.rpc.protocol import MessageType
@@ -171,8 +171,9 @@ class Loads:
     ) -> None:
         """Load the run part by part (a RETRIEVE, the scatter, a RELEASE each), marking
         ``loaded``, all within the client's timeout; a part the server says is not the last
-        (``"more"``) is followed by one from where it ended. A load given up before its last
-        part lets go of the lookup's pins on the server.
+        (``"more"``) is followed by one from where it ended, asked for before this one is
+        copied (the sidecar reads it from disk or Redis meanwhile). A load given up before
+        its last part lets go of the lookup's pins on the server.
 
         Raises:
             Unavailable, ProtocolError: a part could not be had (what came before it is
@@ -183,15 +184,20 @@ class Loads:
         start, part = prepared.start, 0
         more = False  # the last reply's: the server holds the lookup's pins for a next part
         ended = False
+        ahead: Sent | None = None  # the next part's RETRIEVE, sent before this part's copy
         try:
             while True:
                 left = deadline - anyio.current_time()
                 if left <= 0:
                     return
-                header["timeout"] = left
-                reply = await conn.ask(
-                    link, MessageType.RETRIEVE, header, prepared.payloads, timeout=left
-                )
+                if ahead is not None:
+                    sent, ahead = ahead, None
+                    reply = await link.reply(sent)
+                else:
+                    header["timeout"] = left
+                    reply = await conn.ask(
+                        link, MessageType.RETRIEVE, header, prepared.payloads, timeout=left
+                    )
                 txn = reply.header.get("txn")
                 more = reply.header.get("more") is True
                 if txn is None:
@@ -202,6 +208,17 @@ class Loads:
                     chunks = self._copies.chunks(reply, prepared)
                     if chunks and chunks[0][0] != start:
                         raise ProtocolError(f"a part from token {chunks[0][0]}, not {start}")
+                    if more and chunks:
+                        start, part = chunks[-1][1], part + 1
+                        header.update(
+                            start=start,
+                            part=part,
+                            alloc_wait=reply.header.get("alloc_wait"),
+                            timeout=left,
+                        )
+                        ahead = link.send_ahead(
+                            MessageType.RETRIEVE, header, prepared.payloads, timeout=left
+                        )
                     if chunks:
                         await self._copies.scatter(link, prepared, chunks, reply.payloads)
                         tokens_loaded = mark_loaded(
@@ -213,9 +230,9 @@ class Loads:
                 if not more or not chunks:
                     ended = True
                     return
-                start, part = chunks[-1][1], part + 1
-                header.update(start=start, part=part, alloc_wait=reply.header.get("alloc_wait"))
         finally:
+            if ahead is not None:
+                link.forget(ahead)  # its part, if lent, is given back
             if not ended and (more or part) and "lookup_id" in header:
                 # Given up between parts (out of time, or a part failed): the server may
                 # hold the lookup's pins for the next one.

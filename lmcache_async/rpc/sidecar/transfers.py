@@ -51,6 +51,7 @@ import numpy as np
 
 from lmcache_async.backends.record import payload_checksum
 from lmcache_async.core import RequestCore
+from lmcache_async.core.load import read_batch_chunks
 from lmcache_async.core.store import release
 from lmcache_async.engine import CacheEngine
 from lmcache_async.errors import InvalidInputError, ProtocolError
@@ -272,7 +273,11 @@ class TransferHandlers:
             )
             spans, _ = await self._spans(engine, message)
             keys = [span.key for span in spans]
-            limit = self._part_chunks(engine) if stream else len(keys)
+            limit = len(keys)
+            if stream and keys:  # a part is one batch of the load, at most
+                most = self._part_chunks(engine)
+                read = read_batch_chunks(most, self._chunk_bytes(engine))
+                limit = len(load.batches(keys, len(keys), locations, read_batch=read)[0])
             # Waiting for a prefetch, for memory and for the tiers, all within patience.
             with anyio.move_on_after(patience):
                 # A later part of a streamed load was counted (and its prefetch waited
@@ -326,11 +331,14 @@ class TransferHandlers:
     def _part_chunks(self, engine: CacheEngine) -> int:
         """Chunks in one part of a streamed load: ``pipeline_batch_chunks``, and no more
         than :data:`LOAD_POOL_SHARE` parts fill the pool."""
-        config = engine.config
+        fits = engine.core.pool.capacity_bytes // (LOAD_POOL_SHARE * self._chunk_bytes(engine))
+        return max(1, min(engine.config.pipeline_batch_chunks, fits))
+
+    def _chunk_bytes(self, engine: CacheEngine) -> int:
+        """Bytes of a full chunk of the namespace served (of ``chunk_size`` before one is)."""
         namespace = self._host.namespace
-        chunk_bytes = config.chunk_size * (1 if namespace is None else namespace.layout.token_bytes)
-        fits = engine.core.pool.capacity_bytes // (LOAD_POOL_SHARE * max(1, chunk_bytes))
-        return max(1, min(config.pipeline_batch_chunks, fits))
+        token_bytes = 1 if namespace is None else namespace.layout.token_bytes
+        return max(1, engine.config.chunk_size * token_bytes)
 
     async def on_release(self, session: Session | None, message: Message) -> None:
         """End a retrieve transaction: its payloads go back, and the tokens the client
