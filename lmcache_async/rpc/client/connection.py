@@ -29,7 +29,7 @@ from lmcache_async.errors import (
 )
 from lmcache_async.keys.chunks import ChunkHasher
 from lmcache_async.logging import get_logger
-from lmcache_async.rpc.client.link import Link
+from lmcache_async.rpc.client.link import Link, Sent
 from lmcache_async.rpc.client.segment import Segment
 from lmcache_async.rpc.client.settings import ClientSettings
 from lmcache_async.rpc.client.welcome import Welcome, key_hasher
@@ -297,6 +297,24 @@ class Connection:
             await anyio.lowlevel.checkpoint()
             return None
         return link
+
+    def send_ahead(
+        self,
+        link: Link,
+        msg_type: MessageType,
+        header: dict[str, Any],
+        payloads: Sequence[object] = (),
+        *,
+        timeout: float | None = None,
+    ) -> Sent | None:
+        """A request on ``link`` whose reply is waited for later (:meth:`Link.send_ahead`),
+        counted as :meth:`ask` counts; None when it could not be sent now."""
+        sent = link.send_ahead(
+            msg_type, header, payloads, timeout=self.timeout if timeout is None else timeout
+        )
+        if sent is not None:
+            self.counters.requests += 1
+        return sent
 
     async def ask(
         self,

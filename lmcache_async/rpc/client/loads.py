@@ -216,8 +216,8 @@ class Loads:
                             alloc_wait=reply.header.get("alloc_wait"),
                             timeout=left,
                         )
-                        ahead = link.send_ahead(
-                            MessageType.RETRIEVE, header, prepared.payloads, timeout=left
+                        ahead = conn.send_ahead(
+                            link, MessageType.RETRIEVE, header, prepared.payloads, timeout=left
                         )
                     if chunks:
                         await self._copies.scatter(link, prepared, chunks, reply.payloads)

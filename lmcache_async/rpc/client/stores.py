@@ -149,7 +149,7 @@ class Stores:
         header, payloads, num_tokens = key_fields(tokens, None, None)
         put_tenant(header, tenant)
         header.update(start=0, limit=num_tokens, timeout=conn.timeout, ahead=True)
-        sent = link.send_ahead(MessageType.STORE, header, payloads, timeout=conn.timeout)
+        sent = conn.send_ahead(link, MessageType.STORE, header, payloads)
         if sent is not None:
             # Used by a store within half the time the sidecar holds it: its copies may
             # take the client's timeout.
