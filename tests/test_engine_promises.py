@@ -72,6 +72,46 @@ async def test_disk_hits_are_pending_until_verified_in_host_memory(tmp_path: Pat
 
 
 @pytest.mark.anyio
+async def test_a_promise_that_may_wait_answers_once_its_reads_end(tmp_path: Path) -> None:
+    """With ``wait`` the first ask waits for the disk reads it starts and promises them:
+    no "pending" answer for the scheduler to ask again after."""
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path) as engine:
+            await store(engine, 70)
+        async with engine_on(tmp_path) as engine:
+            first = await engine.promise(tokens_of(70, 1), lookup_id="r1", wait=TIMEOUT / 2)
+            assert first == Promise(70, False)
+            assert engine.stats().pinned_chunks == 5
+            await retrieve(engine, 70, 70, lookup_id="r1")
+            assert engine.stats().pinned_chunks == 0
+
+
+@pytest.mark.anyio
+async def test_a_promise_waits_no_longer_than_it_may(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads that do not end within ``wait`` leave the answer pending (the reads held
+    until the test lets them go)."""
+    gate = anyio.Event()
+    fetch = DiskBackend.get
+
+    async def held(self: DiskBackend, *args: object, **kwargs: object) -> object:
+        await gate.wait()
+        return await fetch(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    with anyio.fail_after(TIMEOUT):
+        async with engine_on(tmp_path) as engine:
+            await store(engine, 70)
+        monkeypatch.setattr(DiskBackend, "get", held)
+        async with engine_on(tmp_path) as engine:
+            first = await engine.promise(tokens_of(70, 1), lookup_id="r1", wait=0.05)
+            assert first == Promise(0, True)
+            gate.set()
+            assert await settled(engine, 70, "r1") == Promise(70, False)
+            await retrieve(engine, 70, 70, lookup_id="r1")
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 async def test_a_bad_file_ends_the_promise_before_it(tmp_path: Path, damage: str) -> None:
     with anyio.fail_after(TIMEOUT):
@@ -159,6 +199,10 @@ async def test_another_prompt_under_the_same_id_is_promised_afresh(tmp_path: Pat
         ({"prefill_tokens_per_s": 0}, "prefill_tokens_per_s"),
         ({"prefill_tokens_per_s": float("nan")}, "prefill_tokens_per_s"),
         ({"lookup_id": None}, "lookup_id"),
+        ({"wait": -1}, "wait"),
+        ({"wait": float("inf")}, "wait"),
+        ({"wait": 61}, "wait"),
+        ({"wait": True}, "wait"),
     ],
 )
 async def test_bad_arguments_are_refused_by_name(

@@ -9,15 +9,36 @@ connector) is written against this Protocol and runs on both.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
 
 import torch
 
+from lmcache_async.errors import InvalidInputError
 from lmcache_async.keys.tokens import Tokens
 
-__all__ = ["KVCacheClient", "Promise"]
+__all__ = ["MAX_PROMISE_WAIT", "KVCacheClient", "Promise", "check_promise_wait"]
+
+MAX_PROMISE_WAIT: Final = 60.0
+"""The longest ``wait`` a promise takes (seconds)."""
+
+
+def check_promise_wait(wait: object) -> float:
+    """``wait`` as the seconds a promise may wait for its reads, checked.
+
+    Raises:
+        InvalidInputError: not a number in [0, :data:`MAX_PROMISE_WAIT`].
+    """
+    if (
+        isinstance(wait, bool)
+        or not isinstance(wait, int | float)
+        or not math.isfinite(wait)
+        or not 0 <= wait <= MAX_PROMISE_WAIT
+    ):
+        raise InvalidInputError(f"wait must be a number of seconds in [0, 60], got {wait!r}")
+    return float(wait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +144,11 @@ class KVCacheClient(Protocol):
         computed_tokens: int = 0,
         prefill_tokens_per_s: float | None = None,
         finish: bool = False,
+        wait: float = 0.0,
     ) -> Promise:
         """The prompt tokens verified in host memory for a load under ``lookup_id``
-        (pinned), and whether a prefetch still runs (ask again)."""
+        (pinned), and whether a prefetch still runs (ask again; ``wait``: seconds to wait
+        for it first)."""
         ...
 
     async def lookup_unpin(self, lookup_id: Hashable) -> None:

@@ -20,6 +20,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import anyio
+
 from lmcache_async.engine.client import Promise
 from lmcache_async.logging import get_logger
 
@@ -96,9 +98,11 @@ class Promises:
         computed_tokens: int,
         prefill_tokens_per_s: float | None,
         finish: bool,
+        wait: float = 0.0,
     ) -> Promise:
         """The promise for a prompt's chunk ``keys`` under ``lookup_id`` (the first call
-        starts it; later calls, with the same keys, follow it)."""
+        starts it; later calls, with the same keys, follow it); a prefetch under way is
+        waited for up to ``wait`` seconds before the answer is pending."""
         self._expire()
         entry = self._promised.get(lookup_id)
         if entry is not None and (entry.keys != list(keys) or self._spent(entry, lookup_id)):
@@ -123,6 +127,9 @@ class Promises:
         if entry.final is not None:
             return entry.final
         prefetch = entry.prefetch
+        if prefetch is not None and not prefetch.done.is_set() and not finish and wait > 0:
+            with anyio.move_on_after(wait):
+                await prefetch.done.wait()
         if prefetch is not None and not prefetch.done.is_set():
             if not finish:
                 return Promise(self._tokens(entry, entry.pinned), True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 
-from lmcache_async.engine.client import Promise
+from lmcache_async.engine.client import Promise, check_promise_wait
 from lmcache_async.keys.tokens import Tokens, is_strict_int
 
 from ..errors import InvalidInputError
@@ -139,6 +139,7 @@ class Queries(EngineBase):
         computed_tokens: int = 0,
         prefill_tokens_per_s: float | None = None,
         finish: bool = False,
+        wait: float = 0.0,
     ) -> Promise:
         """How many prompt tokens (from token 0) a load under ``lookup_id`` can count on:
         only chunks in host memory, pinned for the id, are promised.
@@ -147,7 +148,9 @@ class Queries(EngineBase):
         model finds more of it worth loading than recomputing (the serving engine
         computes ``prefill_tokens_per_s``; it has ``computed_tokens`` of the prompt
         already), starts reading that from disk or Redis into host memory, checksums
-        verified, and answers ``pending``. Ask again with the same arguments until an
+        verified, and answers ``pending`` (after waiting up to ``wait`` seconds for that
+        reading to end: a scheduler that asks again only at its next step may rather
+        wait a few milliseconds now). Ask again with the same arguments until an
         answer is not pending; ``finish=True`` stops the reading and promises what has
         arrived. A corrupt or vanished chunk ends the promise before it (it is a miss,
         counted). The pins last until the :meth:`retrieve` with the same id,
@@ -155,9 +158,11 @@ class Queries(EngineBase):
 
         Raises:
             InvalidInputError: bad key input, ``computed_tokens`` not an int >= 0,
-                ``prefill_tokens_per_s`` not a number > 0.
+                ``prefill_tokens_per_s`` not a number > 0, ``wait`` not a number in
+                [0, 60].
         """
         self._check_open()
+        check_promise_wait(wait)
         if lookup_id is None:
             raise InvalidInputError("promise needs a lookup_id")
         if not is_strict_int(computed_tokens) or computed_tokens < 0:
@@ -181,6 +186,7 @@ class Queries(EngineBase):
             computed_tokens=computed_tokens,
             prefill_tokens_per_s=prefill_tokens_per_s,
             finish=bool(finish),
+            wait=float(wait),
         )
 
     async def lookup_unpin(self, lookup_id: Hashable) -> None:

@@ -153,6 +153,9 @@ def test_layer_order_follows_the_layer_numbers() -> None:
         ({"tenant": 5}, "tenant"),
         ({"tenant": "x" * 257}, "tenant"),
         ({"chunk_size": -1}, "chunk_size"),
+        ({"promise_wait": -0.1}, "promise_wait"),
+        ({"promise_wait": "0.1"}, "promise_wait"),
+        ({"promise_wait": 1.0, "lookup_timeout": 1.5}, "promise_wait"),
     ],
 )
 def test_bad_values_name_their_key(extra: dict[str, Any], field: str) -> None:
@@ -164,6 +167,8 @@ def test_bad_values_name_their_key(extra: dict[str, Any], field: str) -> None:
 def test_settings_of_loads_and_stores_between_steps() -> None:
     defaults = _settings({})
     assert (defaults.prefetch_timeout, defaults.load_timeout) == (2.0, 5.0)
+    assert defaults.promise_wait == 0.02
+    assert _settings({"promise_wait": 0}).promise_wait == 0.0
     assert (defaults.prefill_tokens_per_s, defaults.store_decode_tokens) == (None, False)
     settings = _settings(
         {

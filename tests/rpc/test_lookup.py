@@ -560,3 +560,26 @@ def test_a_promise_over_the_wire_is_pending_until_the_disk_hits_are_in_memory(
             assert engine.stats().pinned_chunks == 0
             with pytest.raises(InvalidInputError, match="computed_tokens"):
                 client.promise(tokens, lookup_id="q", computed_tokens=-1)
+
+
+def test_a_promise_over_the_wire_that_may_wait_is_answered_once_its_reads_end(
+    socket_dir: Path, tmp_path: Path
+) -> None:
+    """``wait`` crosses the lookup socket: the first ask waits for the disk reads."""
+    tokens = list(range(3 * CHUNK))
+    config = EngineConfig(
+        chunk_size=CHUNK, max_local_cpu_size=0.01, local_disk=str(tmp_path / "disk")
+    )
+    kv = LAYOUT.allocate_kv_caches(4, generator=torch.Generator().manual_seed(0))
+    slots = torch.arange(len(tokens))
+    with SyncCacheEngine.open(config, LAYOUT, model_name="promise") as engine:
+        assert engine.store(tokens, kv_caches=kv, slot_mapping=slots) == 48
+    with SyncCacheEngine.open(config, LAYOUT, model_name="promise") as engine:
+        engine.serve_lookups("promise", 0, str(socket_dir))
+        with SyncLookupClient("promise", 1, socket_dir=str(socket_dir), timeout=10) as client:
+            first = client.promise(tokens, lookup_id="q", wait=4.0)
+            assert (first.tokens, first.pending) == (48, False)
+            assert engine.stats().pinned_chunks == 3
+            with pytest.raises(InvalidInputError, match="wait"):
+                client.promise(tokens, lookup_id="q", wait=-1.0)
+            client.unpin("q")

@@ -232,6 +232,13 @@ CASES: Final[dict[str, tuple[MessageType, dict[str, Any] | bytes, list[bytes], s
         [TOKENS],
         BAD,
     ),
+    "promise-wait-negative": (
+        LOOKUP,
+        {"promise": True, "lookup_id": 1, "wait": -1},
+        [TOKENS],
+        BAD,
+    ),
+    "promise-wait-str": (LOOKUP, {"promise": True, "lookup_id": 1, "wait": "1"}, [TOKENS], BAD),
     "promise-speed-bool": (
         LOOKUP,
         {"promise": True, "lookup_id": 1, "prefill_tps": True},

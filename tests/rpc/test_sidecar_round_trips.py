@@ -316,6 +316,30 @@ async def test_a_load_from_disk_asks_for_each_next_part_before_copying_this_one(
     assert holds == (0, 0, 0)
 
 
+async def test_a_promise_that_may_wait_is_answered_once_the_disk_reads_end(
+    short_dir: Path,
+) -> None:
+    tokens = prompt(4 * CHUNK, 23)
+    kv, slots = kv_for(len(tokens), 23)
+    with anyio.fail_after(TIMEOUT):
+        async with (
+            served(
+                short_dir,
+                local_disk=str(short_dir / "disk"),
+                max_local_disk_size=0.01,
+                wait_for_slow_tiers=True,
+            ) as (url, server),
+            connect(url) as client,
+        ):
+            assert await client.store(tokens, kv_caches=kv, slot_mapping=slots) == len(tokens)
+            await client.clear(["cpu"])
+            first = await client.promise(tokens, lookup_id="p", wait=TIMEOUT / 4)
+            pinned = server.host.engine.stats().pinned_chunks
+            await client.lookup_unpin("p")
+    assert (first.tokens, first.pending) == (len(tokens), False)
+    assert pinned == 4
+
+
 async def test_a_lookup_after_a_commit_not_waited_for_waits_for_it_on_the_server(
     sidecar: tuple[str, SidecarServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -115,6 +115,7 @@ class LMCacheAsyncConnector(KVConnectorBase_V1):
                 default_tenant=settings.tenant,
                 prefetch_timeout=settings.prefetch_timeout,
                 block_size=self._block_size if self._kv_events else 0,
+                promise_wait=settings.promise_wait,
             )
             # vLLM builds the scheduler's connector once per engine process.
             _warn_of_load_failure_policy(transfer.kv_load_failure_policy)

@@ -153,15 +153,22 @@ class SchedulerPlanner:
         default_tenant: str | None = None,
         prefetch_timeout: float = DEFAULT_PREFETCH_TIMEOUT,
         block_size: int = 0,
+        promise_wait: float = 0.0,
     ) -> SchedulerPlanner:
         """A planner of ``config``'s chunks that asks the workers for promises through
-        ``client`` (for the request's tenant), pinned under the request id; loads are
+        ``client`` (for the request's tenant), pinned under the request id, each worker
+        waiting up to ``promise_wait`` seconds for its reads before it answers pending; loads are
         asynchronous unless ``config.use_layerwise`` (those run in the forward pass)."""
         return cls(
             chunk_size=config.chunk_size,
             save_unfull_chunk=config.save_unfull_chunk,
             promise=lambda tokens, req_id, tenant, computed, finish: client.promise(
-                tokens, lookup_id=req_id, tenant=tenant, computed_tokens=computed, finish=finish
+                tokens,
+                lookup_id=req_id,
+                tenant=tenant,
+                computed_tokens=computed,
+                finish=finish,
+                wait=promise_wait,
             ),
             unpin=client.unpin,
             can_load=can_load,

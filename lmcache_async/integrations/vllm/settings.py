@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from lmcache_async.config import EngineConfig
+from lmcache_async.engine.client import check_promise_wait
 from lmcache_async.errors import ConfigError, InvalidInputError
 from lmcache_async.layouts import KVLayout
 from lmcache_async.logging import get_logger
@@ -27,6 +28,7 @@ __all__ = [
     "CONNECTOR_KEYS",
     "DEFAULT_LOAD_TIMEOUT",
     "DEFAULT_PREFETCH_TIMEOUT",
+    "DEFAULT_PROMISE_WAIT",
     "REQUEST_STATS_KEY",
     "SIDECAR_ENGINE_KEYS",
     "ConnectorSettings",
@@ -39,6 +41,10 @@ log = get_logger(__name__)
 DEFAULT_PREFETCH_TIMEOUT: Final = 2.0
 """Seconds the scheduler waits for a prefetch into host memory before counting what came."""
 
+DEFAULT_PROMISE_WAIT: Final = 0.02
+"""Seconds a worker may wait, when the scheduler asks, for its disk or Redis reads to end
+before it answers "pending" (vLLM then asks again only at its next step)."""
+
 DEFAULT_LOAD_TIMEOUT: Final = 5.0
 """Seconds an asynchronous load may take before its blocks are reported invalid."""
 
@@ -50,6 +56,7 @@ CONNECTOR_KEYS: Final = (
     "lookup_timeout",
     "prefetch_timeout",
     "prefill_tokens_per_s",
+    "promise_wait",
     "request_stats",
     "sidecar_client_certificate",
     "sidecar_events",
@@ -74,6 +81,10 @@ CONNECTOR_KEYS: Final = (
 * ``prefetch_timeout``: seconds the scheduler lets the workers bring a prompt's disk or
   Redis hits into host memory before it counts what arrived (default 2); until then vLLM
   is told to ask again and schedules other requests;
+* ``promise_wait``: seconds a worker may wait for those reads to end when the scheduler
+  asks, before it answers that they are still under way (default 0.02; 0: never wait).
+  The scheduler waits that long at most per ask, where a "pending" answer costs the
+  request a whole engine step;
 * ``prefill_tokens_per_s``: the serving engine's prefill speed (a number > 0), which the
   load-or-recompute decision weighs loads against; unset, the workers measure it from
   vLLM's steps;
@@ -123,6 +134,7 @@ class ConnectorSettings:
     sidecar_server_key: bytes | None = None
     sidecar_client_certificate: str | None = None
     prefetch_timeout: float = DEFAULT_PREFETCH_TIMEOUT
+    promise_wait: float = DEFAULT_PROMISE_WAIT
     load_timeout: float = DEFAULT_LOAD_TIMEOUT
     prefill_tokens_per_s: float | None = None
     store_decode_tokens: bool = False
@@ -177,6 +189,16 @@ class ConnectorSettings:
                 if key in own:
                     raise ConfigError(key, "only meaningful with sidecar_url")
         server_key, certificate = _sidecar_keys(own)
+        promise_wait = own.get("promise_wait", DEFAULT_PROMISE_WAIT)
+        try:
+            promise_wait = check_promise_wait(promise_wait)
+        except InvalidInputError as exc:
+            raise ConfigError("promise_wait", str(exc)) from None
+        if promise_wait >= timeout / 2:
+            raise ConfigError(
+                "promise_wait",
+                f"{promise_wait} s must be under half the lookup_timeout ({timeout} s)",
+            )
         return cls(
             engine=engine,
             instance_id=instance_id,
@@ -189,6 +211,7 @@ class ConnectorSettings:
             sidecar_server_key=server_key,
             sidecar_client_certificate=certificate,
             prefetch_timeout=_seconds(own, "prefetch_timeout", DEFAULT_PREFETCH_TIMEOUT),
+            promise_wait=promise_wait,
             load_timeout=_seconds(own, "load_timeout", DEFAULT_LOAD_TIMEOUT),
             prefill_tokens_per_s=_speed(own, "prefill_tokens_per_s"),
             store_decode_tokens=_flag(own, "store_decode_tokens"),

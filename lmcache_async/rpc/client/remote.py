@@ -18,7 +18,7 @@ import torch
 from anyio.abc import TaskGroup
 
 from lmcache_async.config import DEFAULT_INLINE_COPY_BYTES
-from lmcache_async.engine.client import Promise
+from lmcache_async.engine.client import Promise, check_promise_wait
 from lmcache_async.errors import InvalidInputError
 from lmcache_async.keys.chunks import ChunkHasher
 from lmcache_async.keys.tokens import Tokens
@@ -354,6 +354,7 @@ class RemoteCacheEngine(MoveCalls):
         computed_tokens: int = 0,
         prefill_tokens_per_s: float | None = None,
         finish: bool = False,
+        wait: float = 0.0,
     ) -> Promise:
         """As :meth:`CacheEngine.promise <lmcache_async.CacheEngine.promise>`, of the
         sidecar's engine: only chunks verified in the sidecar's memory are promised, pinned
@@ -366,6 +367,8 @@ class RemoteCacheEngine(MoveCalls):
         options: dict[str, Any] = {"computed": computed_tokens, "finish": bool(finish)}
         if prefill_tokens_per_s is not None:
             options["prefill_tps"] = prefill_tokens_per_s
+        if check_promise_wait(wait):
+            options["wait"] = min(wait, self._conn.timeout / 2)  # answered within its wait
         return await self._lookups.promise(
             tokens,
             lookup_id=lookup_id,

@@ -158,13 +158,15 @@ class LookupClient:
         tenant: str | None = None,
         computed_tokens: int = 0,
         finish: bool = False,
+        wait: float = 0.0,
     ) -> Promise:
         """How many prompt tokens every rank can load for ``lookup_id``: each rank's
         engine promises only chunks verified in host memory (:meth:`CacheEngine.promise
         <lmcache_async.CacheEngine.promise>`), pinned under ``lookup_id``. The fewest
         tokens of any rank; pending while any rank's prefetch runs (ask again;
-        ``finish=True`` ends them). ``computed_tokens``: prompt tokens the serving engine
-        has already. A rank that does not answer in time counts 0 tokens, not pending.
+        ``finish=True`` ends them; ``wait``: seconds each rank may wait for its reads to
+        end before it answers pending). ``computed_tokens``: prompt tokens the serving
+        engine has already. A rank that does not answer in time counts 0 tokens, not pending.
 
         Raises:
             InvalidInputError: bad input, found here or by a rank's engine.
@@ -172,7 +174,12 @@ class LookupClient:
         """
         return await self._fan_out(
             self._core.promise(
-                tokens, lookup_id, tenant=tenant, computed_tokens=computed_tokens, finish=finish
+                tokens,
+                lookup_id,
+                tenant=tenant,
+                computed_tokens=computed_tokens,
+                finish=finish,
+                wait=wait,
             )
         )
 

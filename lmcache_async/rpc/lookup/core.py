@@ -12,7 +12,7 @@ from typing import Any, Final, Generic, TypeVar
 
 import zmq
 
-from lmcache_async.engine.client import Promise
+from lmcache_async.engine.client import Promise, check_promise_wait
 from lmcache_async.errors import EngineClosedError, InvalidInputError, ProtocolError
 from lmcache_async.keys.key_input import check_key_input
 from lmcache_async.keys.tokens import Tokens, is_strict_int
@@ -201,6 +201,7 @@ class ClientCore:
         tenant: str | None,
         computed_tokens: int,
         finish: bool,
+        wait: float = 0.0,
     ) -> Call[Promise]:
         """A promise (:meth:`CacheEngine.promise <lmcache_async.CacheEngine.promise>`) of
         every rank: a LOOKUP with ``"promise": true``."""
@@ -215,6 +216,8 @@ class ClientCore:
             "computed": computed_tokens,
             "finish": finish,
         }
+        if check_promise_wait(wait):
+            header["wait"] = wait
         put_tenant(header, tenant)
         check_key_input(tokens, None, None)
         payload = tokens_payload(tokens)

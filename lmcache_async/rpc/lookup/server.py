@@ -14,6 +14,7 @@ import anyio
 import zmq
 import zmq.asyncio
 
+from lmcache_async.engine.client import check_promise_wait
 from lmcache_async.errors import EngineClosedError, InvalidInputError, ProtocolError
 from lmcache_async.keys.tokens import is_strict_int
 from lmcache_async.logging import get_logger
@@ -260,6 +261,10 @@ class LookupServer:
         finish = header.get("finish", False)
         if not isinstance(finish, bool):
             raise ProtocolError("'finish' must be a bool")
+        try:
+            wait = check_promise_wait(header.get("wait", 0.0))
+        except InvalidInputError as exc:
+            raise ProtocolError(str(exc)) from None
         if len(message.payloads) != 1:
             raise ProtocolError("a promise carries exactly one token payload frame")
         speed = self._prefill_speed() if self._prefill_speed is not None else None
@@ -272,6 +277,7 @@ class LookupServer:
             computed_tokens=computed,
             prefill_tokens_per_s=speed,
             finish=finish,
+            wait=wait,
         )
 
     async def _lookup(self, message: Message) -> int:

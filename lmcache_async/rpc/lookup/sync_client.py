@@ -124,11 +124,17 @@ class SyncLookupClient:
         tenant: str | None = None,
         computed_tokens: int = 0,
         finish: bool = False,
+        wait: float = 0.0,
     ) -> Promise:
         """As :meth:`LookupClient.promise`, blocking."""
         return self._fan_out(
             self._core.promise(
-                tokens, lookup_id, tenant=tenant, computed_tokens=computed_tokens, finish=finish
+                tokens,
+                lookup_id,
+                tenant=tenant,
+                computed_tokens=computed_tokens,
+                finish=finish,
+                wait=wait,
             )
         )
 

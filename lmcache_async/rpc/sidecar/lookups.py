@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache_async.engine import CacheEngine
+from lmcache_async.engine.client import check_promise_wait
 from lmcache_async.rpc.protocol import Message, MessageType, tenant_of
 from lmcache_async.rpc.sidecar.fields import (
     digests_frame,
@@ -63,6 +64,15 @@ def _forget_empty(
     if pin and hits == 0 and lookup_id is not None:
         session.lookup_ids.discard(lookup_id)
         engine.lookup_unpin_now(session.scoped(lookup_id))
+
+
+def _promise_wait(header: dict[str, Any]) -> float:
+    """A promise's ``"wait"`` (0 when absent).
+
+    Raises:
+        InvalidInputError: not a number of seconds in [0, 60].
+    """
+    return check_promise_wait(header.get("wait", 0.0))
 
 
 class LookupHandlers:
@@ -219,6 +229,7 @@ class LookupHandlers:
             computed_tokens=int_field(header, "computed", 0),
             prefill_tokens_per_s=header.get("prefill_tps"),
             finish=flag_field(header, "finish"),
+            wait=_promise_wait(header),
         )
         return {"hits": promise.tokens, "pending": promise.pending}, ()
 
