@@ -521,9 +521,11 @@ def test_sync_engine_serves_lookups_until_closed(socket_dir: Path) -> None:
         engine.close()
 
 
-def test_a_promise_over_the_wire_is_pending_until_the_disk_hits_are_in_memory(
-    socket_dir: Path, tmp_path: Path
-) -> None:
+def stored_on_disk(
+    tmp_path: Path,
+) -> tuple[EngineConfig, list[int], list[torch.Tensor], torch.Tensor]:
+    """An engine configuration with a disk tier that holds 3 chunks (its RAM tier empty
+    once reopened): the config, tokens, KV caches and slots stored."""
     tokens = list(range(3 * CHUNK))
     config = EngineConfig(
         chunk_size=CHUNK, max_local_cpu_size=0.01, local_disk=str(tmp_path / "disk")
@@ -532,6 +534,13 @@ def test_a_promise_over_the_wire_is_pending_until_the_disk_hits_are_in_memory(
     slots = torch.arange(len(tokens))
     with SyncCacheEngine.open(config, LAYOUT, model_name="promise") as engine:
         assert engine.store(tokens, kv_caches=kv, slot_mapping=slots) == 48
+    return config, tokens, kv, slots
+
+
+def test_a_promise_over_the_wire_is_pending_until_the_disk_hits_are_in_memory(
+    socket_dir: Path, tmp_path: Path
+) -> None:
+    config, tokens, kv, slots = stored_on_disk(tmp_path)
     asked: list[int] = []
 
     def prefill_speed() -> float:
@@ -566,14 +575,7 @@ def test_a_promise_over_the_wire_that_may_wait_is_answered_once_its_reads_end(
     socket_dir: Path, tmp_path: Path
 ) -> None:
     """``wait`` crosses the lookup socket: the first ask waits for the disk reads."""
-    tokens = list(range(3 * CHUNK))
-    config = EngineConfig(
-        chunk_size=CHUNK, max_local_cpu_size=0.01, local_disk=str(tmp_path / "disk")
-    )
-    kv = LAYOUT.allocate_kv_caches(4, generator=torch.Generator().manual_seed(0))
-    slots = torch.arange(len(tokens))
-    with SyncCacheEngine.open(config, LAYOUT, model_name="promise") as engine:
-        assert engine.store(tokens, kv_caches=kv, slot_mapping=slots) == 48
+    config, tokens, _, _ = stored_on_disk(tmp_path)
     with SyncCacheEngine.open(config, LAYOUT, model_name="promise") as engine:
         engine.serve_lookups("promise", 0, str(socket_dir))
         with SyncLookupClient("promise", 1, socket_dir=str(socket_dir), timeout=10) as client:

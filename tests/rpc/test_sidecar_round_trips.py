@@ -281,6 +281,27 @@ async def test_a_store_waits_for_its_commit_when_the_disk_tier_is_waited_for(
     assert len([path for path in files if "manifest" not in path.name]) >= 3  # written
 
 
+@contextlib.asynccontextmanager
+async def on_disk(
+    short_dir: Path, tokens: Any, kv: Any, slots: torch.Tensor, **config: Any
+) -> AsyncIterator[tuple[SidecarServer, Any]]:
+    """A sidecar with a disk tier holding ``tokens``' KV (its RAM tier emptied) and a
+    client of it."""
+    async with (
+        served(
+            short_dir,
+            local_disk=str(short_dir / "disk"),
+            max_local_disk_size=0.01,
+            wait_for_slow_tiers=True,
+            **config,
+        ) as (url, server),
+        connect(url) as client,
+    ):
+        assert await client.store(tokens, kv_caches=kv, slot_mapping=slots) == len(tokens)
+        await client.clear(["cpu"])
+        yield server, client
+
+
 async def test_a_load_from_disk_asks_for_each_next_part_before_copying_this_one(
     short_dir: Path, sent: Counter[tuple[str, str]]
 ) -> None:
@@ -292,18 +313,10 @@ async def test_a_load_from_disk_asks_for_each_next_part_before_copying_this_one(
     expected = payload_of(kv, slots)
     empty, _ = kv_for(len(tokens), 22)
     with anyio.fail_after(TIMEOUT):
-        async with (
-            served(
-                short_dir,
-                local_disk=str(short_dir / "disk"),
-                max_local_disk_size=0.01,
-                wait_for_slow_tiers=True,
-                pipeline_batch_chunks=2,
-            ) as (url, server),
-            connect(url) as client,
+        async with on_disk(short_dir, tokens, kv, slots, pipeline_batch_chunks=2) as (
+            server,
+            client,
         ):
-            assert await client.store(tokens, kv_caches=kv, slot_mapping=slots) == len(tokens)
-            await client.clear(["cpu"])
             sent.clear()
             mask = await client.retrieve(tokens, kv_caches=empty, slot_mapping=slots)
             await client.ping()
@@ -322,17 +335,7 @@ async def test_a_promise_that_may_wait_is_answered_once_the_disk_reads_end(
     tokens = prompt(4 * CHUNK, 23)
     kv, slots = kv_for(len(tokens), 23)
     with anyio.fail_after(TIMEOUT):
-        async with (
-            served(
-                short_dir,
-                local_disk=str(short_dir / "disk"),
-                max_local_disk_size=0.01,
-                wait_for_slow_tiers=True,
-            ) as (url, server),
-            connect(url) as client,
-        ):
-            assert await client.store(tokens, kv_caches=kv, slot_mapping=slots) == len(tokens)
-            await client.clear(["cpu"])
+        async with on_disk(short_dir, tokens, kv, slots) as (server, client):
             first = await client.promise(tokens, lookup_id="p", wait=TIMEOUT / 4)
             pinned = server.host.engine.stats().pinned_chunks
             await client.lookup_unpin("p")
