@@ -80,12 +80,16 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, str]]:
 
 
 @contextlib.asynccontextmanager
-async def served(short_dir: Path, **config: Any) -> AsyncIterator[tuple[str, SidecarServer]]:
+async def served(
+    short_dir: Path, limits: dict[str, Any] | None = None, **config: Any
+) -> AsyncIterator[tuple[str, SidecarServer]]:
+    """A sidecar in this process with ``config`` (engine keys) and ``limits`` (its own)."""
     url = f"ipc://{short_dir}/rt.sock"
     settings = SidecarSettings(
         listen=url,
         config=EngineConfig(chunk_size=CHUNK, **{"max_local_cpu_size": 0.02, **config}),
         heartbeat_interval=30.0,
+        **(limits or {}),
     )
     async with in_process(settings) as server:
         yield url, server
@@ -283,13 +287,19 @@ async def test_a_store_waits_for_its_commit_when_the_disk_tier_is_waited_for(
 
 @contextlib.asynccontextmanager
 async def on_disk(
-    short_dir: Path, tokens: Any, kv: Any, slots: torch.Tensor, **config: Any
+    short_dir: Path,
+    tokens: Any,
+    kv: Any,
+    slots: torch.Tensor,
+    limits: dict[str, Any] | None = None,
+    **config: Any,
 ) -> AsyncIterator[tuple[SidecarServer, Any]]:
     """A sidecar with a disk tier holding ``tokens``' KV (its RAM tier emptied) and a
     client of it."""
     async with (
         served(
             short_dir,
+            limits,
             local_disk=str(short_dir / "disk"),
             max_local_disk_size=0.01,
             wait_for_slow_tiers=True,
@@ -326,6 +336,31 @@ async def test_a_load_from_disk_asks_for_each_next_part_before_copying_this_one(
     # Three parts (2 + 2 + 1 chunks): the first asked, the next two sent ahead.
     assert sent[("ask", "RETRIEVE")] == 1 and sent[("ahead", "RETRIEVE")] == 2
     assert sent[("notify", "RELEASE")] == 3
+    assert holds == (0, 0, 0)
+
+
+async def test_a_part_sent_ahead_and_refused_busy_is_asked_again(
+    short_dir: Path, sent: Counter[tuple[str, str]]
+) -> None:
+    """A session allowed one open transaction: each part sent ahead is refused while the
+    part before it is held, and asked again once that is released; every byte loads."""
+    tokens = prompt(5 * CHUNK, 24)
+    kv, slots = kv_for(len(tokens), 24)
+    expected = payload_of(kv, slots)
+    empty, _ = kv_for(len(tokens), 25)
+    limits = {"max_session_transactions": 1}
+    with anyio.fail_after(TIMEOUT):
+        async with on_disk(short_dir, tokens, kv, slots, limits, pipeline_batch_chunks=2) as (
+            server,
+            client,
+        ):
+            sent.clear()
+            mask = await client.retrieve(tokens, kv_caches=empty, slot_mapping=slots)
+            await client.ping()
+            holds = held(server)
+    assert bool(mask.all())
+    assert torch.equal(payload_of(empty, slots), expected)
+    assert sent[("ahead", "RETRIEVE")] == 2 and sent[("ask", "RETRIEVE")] == 3
     assert holds == (0, 0, 0)
 
 

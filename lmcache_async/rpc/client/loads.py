@@ -192,7 +192,18 @@ class Loads:
                     return
                 if ahead is not None:
                     sent, ahead = ahead, None
-                    reply = await link.reply(sent)
+                    try:
+                        reply = await link.reply(sent)
+                    except Unavailable:
+                        left = deadline - anyio.current_time()
+                        if link.dead or left <= 0:
+                            raise
+                        # Refused (busy: the session held the part before it, released
+                        # since), asked again the plain way.
+                        header["timeout"] = left
+                        reply = await conn.ask(
+                            link, MessageType.RETRIEVE, header, prepared.payloads, timeout=left
+                        )
                 else:
                     header["timeout"] = left
                     reply = await conn.ask(
