@@ -23,7 +23,7 @@ from lmcache_async.rpc.client.lends import Lend, Lends
 from lmcache_async.rpc.client.link import Link, Sent
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import Unavailable, check_lookup_id, chunk_digests
-from lmcache_async.rpc.protocol import MessageType
+from lmcache_async.rpc.protocol import Message, MessageType
 
 __all__ = ["Loads"]
 
@@ -187,24 +187,20 @@ class Loads:
         ahead: Sent | None = None  # the next part's RETRIEVE, sent before this part's copy
         try:
             while True:
-                left = deadline - anyio.current_time()
-                if left <= 0:
-                    return
+                reply: Message | None = None
                 if ahead is not None:
                     sent, ahead = ahead, None
                     try:
                         reply = await link.reply(sent)
                     except Unavailable:
-                        left = deadline - anyio.current_time()
-                        if link.dead or left <= 0:
+                        if link.dead:
                             raise
                         # Refused (busy: the session held the part before it, released
-                        # since), asked again the plain way.
-                        header["timeout"] = left
-                        reply = await conn.ask(
-                            link, MessageType.RETRIEVE, header, prepared.payloads, timeout=left
-                        )
-                else:
+                        # since): asked again the plain way.
+                left = deadline - anyio.current_time()
+                if reply is None:
+                    if left <= 0:
+                        return
                     header["timeout"] = left
                     reply = await conn.ask(
                         link, MessageType.RETRIEVE, header, prepared.payloads, timeout=left
@@ -219,7 +215,7 @@ class Loads:
                     chunks = self._copies.chunks(reply, prepared)
                     if chunks and chunks[0][0] != start:
                         raise ProtocolError(f"a part from token {chunks[0][0]}, not {start}")
-                    if more and chunks:
+                    if more and chunks and left > 0:
                         start, part = chunks[-1][1], part + 1
                         header.update(
                             start=start,
