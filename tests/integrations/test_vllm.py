@@ -800,12 +800,16 @@ def test_over_lookups_asks_the_workers_for_promises() -> None:
 
     client = SimpleNamespace(promise=promise, unpin=lambda req_id: None)
     config = EngineConfig(chunk_size=CHUNK)
-    planner = SchedulerPlanner.over_lookups(client, config, prefetch_timeout=3.0)  # type: ignore[arg-type]
+    planner = SchedulerPlanner.over_lookups(
+        client,  # type: ignore[arg-type]
+        config,
+        prefetch_timeout=3.0,
+        promise_wait=0.05,
+    )
     assert planner.load_async
     assert planner.num_new_matched_tokens("r", list(range(600)), 0, "t") == 256
-    assert calls == [
-        (600, {"lookup_id": "r", "tenant": "t", "computed_tokens": 0, "finish": False})
-    ]
+    asked = {"lookup_id": "r", "tenant": "t", "computed_tokens": 0, "finish": False, "wait": 0.05}
+    assert calls == [(600, asked)]
     layerwise = EngineConfig(chunk_size=CHUNK, use_layerwise=True)
     assert not SchedulerPlanner.over_lookups(client, layerwise).load_async  # type: ignore[arg-type]
 
