@@ -312,8 +312,18 @@ async def on_disk(
         yield server, client
 
 
+@pytest.mark.parametrize(
+    ("limits", "asked"),
+    [
+        # Three parts (2 + 2 + 1 chunks): the first asked, the next two sent ahead.
+        ({}, 1),
+        # One open transaction allowed: each part sent ahead is refused (busy) while the
+        # part before it is held, and asked again once that is released.
+        ({"max_session_transactions": 1}, 3),
+    ],
+)
 async def test_a_load_from_disk_asks_for_each_next_part_before_copying_this_one(
-    short_dir: Path, sent: Counter[tuple[str, str]]
+    short_dir: Path, sent: Counter[tuple[str, str]], limits: dict[str, Any], asked: int
 ) -> None:
     """Parts of two chunks read from disk: each part's RETRIEVE goes out before the part
     before it is copied (the sidecar reads it meanwhile); the bytes are exact and nothing
@@ -322,33 +332,6 @@ async def test_a_load_from_disk_asks_for_each_next_part_before_copying_this_one(
     kv, slots = kv_for(len(tokens), 21)
     expected = payload_of(kv, slots)
     empty, _ = kv_for(len(tokens), 22)
-    with anyio.fail_after(TIMEOUT):
-        async with on_disk(short_dir, tokens, kv, slots, pipeline_batch_chunks=2) as (
-            server,
-            client,
-        ):
-            sent.clear()
-            mask = await client.retrieve(tokens, kv_caches=empty, slot_mapping=slots)
-            await client.ping()
-            holds = held(server)
-    assert bool(mask.all())
-    assert torch.equal(payload_of(empty, slots), expected)
-    # Three parts (2 + 2 + 1 chunks): the first asked, the next two sent ahead.
-    assert sent[("ask", "RETRIEVE")] == 1 and sent[("ahead", "RETRIEVE")] == 2
-    assert sent[("notify", "RELEASE")] == 3
-    assert holds == (0, 0, 0)
-
-
-async def test_a_part_sent_ahead_and_refused_busy_is_asked_again(
-    short_dir: Path, sent: Counter[tuple[str, str]]
-) -> None:
-    """A session allowed one open transaction: each part sent ahead is refused while the
-    part before it is held, and asked again once that is released; every byte loads."""
-    tokens = prompt(5 * CHUNK, 24)
-    kv, slots = kv_for(len(tokens), 24)
-    expected = payload_of(kv, slots)
-    empty, _ = kv_for(len(tokens), 25)
-    limits = {"max_session_transactions": 1}
     with anyio.fail_after(TIMEOUT):
         async with on_disk(short_dir, tokens, kv, slots, limits, pipeline_batch_chunks=2) as (
             server,
@@ -360,7 +343,8 @@ async def test_a_part_sent_ahead_and_refused_busy_is_asked_again(
             holds = held(server)
     assert bool(mask.all())
     assert torch.equal(payload_of(empty, slots), expected)
-    assert sent[("ahead", "RETRIEVE")] == 2 and sent[("ask", "RETRIEVE")] == 3
+    assert sent[("ask", "RETRIEVE")] == asked and sent[("ahead", "RETRIEVE")] == 2
+    assert sent[("notify", "RELEASE")] == 3
     assert holds == (0, 0, 0)
 
 
