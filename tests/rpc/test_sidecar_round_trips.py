@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lmcache_async import EngineConfig, RemoteCacheEngine
+from lmcache_async.config import GB
 from lmcache_async.rpc.client.link import Link
 from lmcache_async.rpc.protocol import MessageType
 from lmcache_async.rpc.sidecar import SidecarServer, SidecarSettings
@@ -346,6 +347,39 @@ async def test_a_load_from_disk_asks_for_each_next_part_before_copying_this_one(
     assert sent[("ask", "RETRIEVE")] == asked and sent[("ahead", "RETRIEVE")] == 2
     assert sent[("notify", "RELEASE")] == 3
     assert holds == (0, 0, 0)
+
+
+def pool_share(server: SidecarServer) -> int:
+    """Chunks in an eighth of the sidecar's pool (checked fewer than a batch)."""
+    engine = server.host.engine
+    assert engine is not None
+    share = int(engine.core.pool.capacity_bytes // (8 * LAYOUT.token_bytes * CHUNK))
+    assert 1 <= share < engine.config.pipeline_batch_chunks
+    return share
+
+
+async def test_a_load_from_ram_comes_in_parts_of_its_share_of_the_pool(
+    short_dir: Path, sent: Counter[tuple[str, str]]
+) -> None:
+    """A pool of a few dozen chunks: a part holds at most an eighth of it, fewer than
+    ``pipeline_batch_chunks``, however much the RAM tier holds of the prompt."""
+    tokens = prompt(6 * CHUNK, 26)
+    kv, slots = kv_for(len(tokens), 26)
+    expected = payload_of(kv, slots)
+    empty, _ = kv_for(len(tokens), 27)
+    with anyio.fail_after(TIMEOUT):
+        async with (
+            served(short_dir, max_local_cpu_size=24 * 4096 / GB) as (url, server),
+            connect(url) as client,
+        ):
+            share = pool_share(server)
+            assert await client.store(tokens, kv_caches=kv, slot_mapping=slots) == len(tokens)
+            sent.clear()
+            mask = await client.retrieve(tokens, kv_caches=empty, slot_mapping=slots)
+    assert bool(mask.all())
+    assert torch.equal(payload_of(empty, slots), expected)
+    parts = -(-6 // share)
+    assert sent[("ask", "RETRIEVE")] + sent[("ahead", "RETRIEVE")] == parts
 
 
 async def test_a_promise_that_may_wait_is_answered_once_the_disk_reads_end(

@@ -274,10 +274,11 @@ class TransferHandlers:
             spans, _ = await self._spans(engine, message)
             keys = [span.key for span in spans]
             limit = len(keys)
-            if stream and keys:  # a part is one batch of the load, at most
+            if stream and keys:  # one batch of the load, within the part's share of the pool
                 most = self._part_chunks(engine)
                 read = read_batch_chunks(most, self._chunk_bytes(engine))
-                limit = len(load.batches(keys, len(keys), locations, read_batch=read)[0])
+                first = load.batches(keys, len(keys), locations, read_batch=read)[0]
+                limit = min(most, len(first))
             # Waiting for a prefetch, for memory and for the tiers, all within patience.
             with anyio.move_on_after(patience):
                 # A later part of a streamed load was counted (and its prefetch waited
