@@ -123,7 +123,7 @@ class LoadCore:
         manager = self._manager
         held = found
         if manager.reads_slow_tiers(locations):
-            held = min(found, manager.contains_prefix(keys[:found]))
+            held = manager.contains_prefix(keys[:found])
         big, small = self._batch_chunks, read_batch or self._read_batch
         ranges = [range(i, min(i + big, held)) for i in range(0, held, big)]
         return ranges + [range(i, min(i + small, found)) for i in range(held, found, small)]

@@ -162,7 +162,7 @@ class Queries(EngineBase):
                 [0, 60].
         """
         self._check_open()
-        check_promise_wait(wait)
+        wait = check_promise_wait(wait)
         if lookup_id is None:
             raise InvalidInputError("promise needs a lookup_id")
         if not is_strict_int(computed_tokens) or computed_tokens < 0:
@@ -186,7 +186,7 @@ class Queries(EngineBase):
             computed_tokens=computed_tokens,
             prefill_tokens_per_s=prefill_tokens_per_s,
             finish=bool(finish),
-            wait=float(wait),
+            wait=wait,
         )
 
     async def lookup_unpin(self, lookup_id: Hashable) -> None:

@@ -312,8 +312,11 @@ class Link:
             return
         frames = encode(msg_type, header)
         try:
+            queued = self._later or self._draining is not None
+            if not queued and self._socket.send_nowait(frames):
+                return
             with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
-                if self._later or self._draining is not None:
+                if queued:
                     await self._later_first(msg_type, anyio.current_time() + timeout)
                 if not self._socket.send_nowait(frames):
                     await self._socket.send(frames)

@@ -66,15 +66,6 @@ def _forget_empty(
         engine.lookup_unpin_now(session.scoped(lookup_id))
 
 
-def _promise_wait(header: dict[str, Any]) -> float:
-    """A promise's ``"wait"`` (0 when absent).
-
-    Raises:
-        InvalidInputError: not a number of seconds in [0, 60].
-    """
-    return check_promise_wait(header.get("wait", 0.0))
-
-
 class LookupHandlers:
     """The lookup requests, answered by the engine ``host`` holds."""
 
@@ -229,7 +220,7 @@ class LookupHandlers:
             computed_tokens=int_field(header, "computed", 0),
             prefill_tokens_per_s=header.get("prefill_tps"),
             finish=flag_field(header, "finish"),
-            wait=_promise_wait(header),
+            wait=check_promise_wait(header.get("wait", 0.0)),
         )
         return {"hits": promise.tokens, "pending": promise.pending}, ()
 
