@@ -33,6 +33,12 @@ def add_serve_parser(sub: Any) -> None:
         metavar="URL",
         help="ipc://PATH or tcp://HOST:PORT (default: ipc://TMPDIR/lmcache-async-sidecar-UID.sock)",
     )
+    serve.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="serve same-host clients over ZeroMQ only (default: an ipc:// sidecar without "
+        "CURVE keys also listens on the Unix stream socket PATH.stream, a faster round trip)",
+    )
     serve.add_argument("--config", metavar="FILE.yaml", help="engine configuration file")
     serve.add_argument(
         "--allow-remote",
@@ -192,10 +198,14 @@ def run_serve(args: argparse.Namespace) -> int:
         events_topic=args.events_topic,
         tenant_events=args.events_tenants,
         metrics_port=args.metrics_port,
+        stream=not args.no_stream,
     )
 
     def ready(server: SidecarServer) -> None:
         print(f"lmcache-async serve: listening on {server.endpoint}", flush=True)
+        if server.stream_listener is not None:
+            stream = server.stream_listener.getsockname()
+            print(f"lmcache-async serve: same-host stream on {stream}", flush=True)
         if server.publisher is not None:
             print(f"lmcache-async serve: KV events on {server.publisher.endpoint}", flush=True)
         if server.metrics is not None:

@@ -191,8 +191,10 @@ async def wait_ready(sidecar: Sidecar) -> None:
 
 
 def left_behind(sidecar: Sidecar, segment: str) -> list[str]:
-    """The files a stopped sidecar failed to remove: its ipc socket, its segment."""
-    paths = [str(sidecar.socket_path), os.path.join("/dev/shm", segment)]
+    """The files a stopped sidecar failed to remove: its ipc and stream sockets, its
+    segment."""
+    socket_path = str(sidecar.socket_path)
+    paths = [socket_path, f"{socket_path}.stream", os.path.join("/dev/shm", segment)]
     return [path for path in paths if os.path.exists(path)]
 
 
@@ -613,6 +615,7 @@ async def test_killed_sidecar_gives_misses_then_recovers_from_disk(
             assert not engine.is_healthy()
             second = sidecars.start(url, *flags)
             await engine.wait_connected()  # by itself: no call from here
+            assert engine.uses_stream  # the new sidecar's stream, not the old file
             assert await engine.lookup(tokens) == num_tokens  # the disk tier survived
             mask = await engine.retrieve(tokens, kv_caches=target, slot_mapping=slots)
             assert bool(mask.all())

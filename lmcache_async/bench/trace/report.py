@@ -72,6 +72,8 @@ def format_trace(results: Mapping[str, Any]) -> str:
     served = results["served"]
     lru = bounds["lru"]
     target = results["target"] + (f" {results['url']}" if results.get("url") else "")
+    if results.get("url") and results["target"] == "sidecar":
+        target += " (same-host stream)" if results.get("stream") else " (ZeroMQ)"
     lines = [
         f"lmcache-async bench --trace {trace['path']}: {trace['requests']} requests, "
         f"{format_tokens(trace['prompt_tokens'])} prompt tokens, blocks of "

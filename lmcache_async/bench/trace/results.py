@@ -176,6 +176,7 @@ def trace_results(
         "definitions": DEFINITIONS,
         "target": options.target,
         "url": main.url if main is not None else options.url,
+        "stream": bool((stats.get("client") or {}).get("stream")),
         "concurrency": options.concurrency,
         "speed": options.speed,
         "options": plain_data(options),

@@ -104,6 +104,7 @@ class AdminCalls:
             "reconnects": counters.reconnects,
             "refused": counters.refused,
             "shared_memory": conn.link is not None and conn.link.segment is not None,
+            "stream": conn.link is not None and conn.link.stream,
         }
         if reply is None:
             return {"engine": None, "server": None, "client": client}

@@ -9,7 +9,9 @@ the new server's segment afresh.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from lmcache_async.rpc.client.settings import ClientSettings
 from lmcache_async.rpc.client.welcome import Welcome, key_hasher
 from lmcache_async.rpc.client.wire import SessionLost, Unavailable
 from lmcache_async.rpc.protocol import Message, MessageType
+from lmcache_async.rpc.stream import stream_path
 
 __all__ = ["ClientCounters", "Connection"]
 
@@ -72,6 +75,8 @@ class Connection:
         self._shared_memory = settings.shared_memory
         self._reconnect_interval = float(settings.reconnect_interval)
         self._limits = settings.limits
+        usable = settings.stream and settings.curve is None
+        self._stream = stream_path(self.url) if usable else None
         self._context: zmq.asyncio.Context | None = None
         self.link: Link | None = None
         self._links: set[Link] = set()  # every open link, the current one and hellos
@@ -137,15 +142,44 @@ class Connection:
             InvalidInputError, ProtocolError: the server refused us.
         """
         assert self._context is not None and self._task_group is not None
-        identity = f"{self._label}/{next(self._serial)}/{secrets.token_hex(4)}".encode()
-        link = Link(
-            self._context,
-            self.url,
-            identity,
-            self._curve,
-            self._limits,
-            on_disconnect=self._disconnected,
+        link = self._stream_link()
+        if link is not None:
+            try:
+                welcome = await self._greet(link)
+            except Unavailable:  # refused (another user's sidecar) or gone: ZeroMQ then
+                link = None
+        if link is None:
+            link = self._zmq_link()
+            welcome = await self._greet(link)
+            # A sidecar that came up while this hello waited has its stream now.
+            faster = self._stream_link()
+            if faster is not None:
+                with contextlib.suppress(Unavailable):
+                    welcome = await self._greet(faster)
+                    link, faster = faster, link
+                self._close_link(faster)
+        self._drop_link()
+        self.link, self.welcome = link, welcome
+        self.hasher = key_hasher(self._namespace, welcome, self.url)
+        self._hashers = None if self.hasher is None else TenantHashers(self.hasher)
+        self.healthy = True
+        self.connected.set()
+        log.info(
+            "sidecar_connected",
+            url=self.url,
+            server=welcome.server,
+            stream=link.stream,
+            shared_memory=link.segment is not None,
         )
+
+    async def _greet(self, link: Link) -> Welcome:
+        """Say hello on ``link`` and map the segment its welcome offers; ``link`` is closed
+        when that fails.
+
+        Raises:
+            Unavailable: no answer in time.
+            InvalidInputError, ProtocolError: the server refused us.
+        """
         self._links.add(link)
         try:
             reply = await link.request(MessageType.HELLO, self._hello, timeout=self.timeout)
@@ -159,17 +193,41 @@ class Connection:
         except BaseException:
             self._close_link(link)
             raise
-        self._drop_link()
-        self.link, self.welcome = link, welcome
-        self.hasher = key_hasher(self._namespace, welcome, self.url)
-        self._hashers = None if self.hasher is None else TenantHashers(self.hasher)
-        self.healthy = True
-        self.connected.set()
-        log.info(
-            "sidecar_connected",
-            url=self.url,
-            server=welcome.server,
-            shared_memory=link.segment is not None,
+        return welcome
+
+    def _identity(self) -> bytes:
+        return f"{self._label}/{next(self._serial)}/{secrets.token_hex(4)}".encode()
+
+    def _stream_link(self) -> Link | None:
+        """A link over the sidecar's same-host stream socket, or None when it has none
+        (or this client may not use it)."""
+        assert self._context is not None
+        path = self._stream
+        if path is None or not os.path.exists(path):
+            return None
+        try:
+            return Link(
+                self._context,
+                self.url,
+                self._identity(),
+                None,
+                self._limits,
+                on_disconnect=self._disconnected,
+                stream=path,
+            )
+        except OSError as exc:  # a file left by a sidecar that is gone, or busy
+            log.debug("sidecar_stream_unreachable", path=path, error=str(exc))
+            return None
+
+    def _zmq_link(self) -> Link:
+        assert self._context is not None
+        return Link(
+            self._context,
+            self.url,
+            self._identity(),
+            self._curve,
+            self._limits,
+            on_disconnect=self._disconnected,
         )
 
     @property

@@ -1,7 +1,8 @@
-"""One DEALER socket to the sidecar and the session it holds: requests with ids, their
-replies matched in the reader callback, one timer for all their deadlines, and a monitor
-that tells at once when the connection to the sidecar drops (it died or restarted), so
-the requests waiting on it end then, not at their deadline."""
+"""One DEALER socket to the sidecar (or its same-host stream socket) and the session it
+holds: requests with ids, their replies matched in the reader callback, one timer for all
+their deadlines, and a monitor (the stream's end) that tells at once when the connection to
+the sidecar drops (it died or restarted), so the requests waiting on it end then, not at
+their deadline."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from lmcache_async.rpc.client.welcome import Welcome
 from lmcache_async.rpc.client.wire import Unavailable, raise_error
 from lmcache_async.rpc.curve import CurveClientKeys
 from lmcache_async.rpc.protocol import Message, MessageLimits, MessageType, decode, encode
+from lmcache_async.rpc.stream import StreamSocket, connect_stream
 from lmcache_async.rpc.transport import LoopSocket
 
 __all__ = ["Link", "Sent"]
@@ -84,30 +86,13 @@ class Link:
         limits: MessageLimits,
         *,
         on_disconnect: Callable[[Link], None] | None = None,
+        stream: str | None = None,
     ) -> None:
         self.identity = identity
         self.url = url
         self._limits = limits
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IMMEDIATE, 1)
-        socket.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
-        socket.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
-        socket.setsockopt(zmq.IDENTITY, identity)
-        if keys is not None:
-            keys.apply(socket)
         self._on_disconnect = on_disconnect
         self._monitor: LoopSocket | None = None
-        if on_disconnect is not None:
-            # Before the connect, so that no drop of the connection goes unseen.
-            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self._monitor = LoopSocket(monitor, self._on_event)
-            # One read now, which finds nothing: only a reader that found its queue empty
-            # is signalled when the next event arrives (the descriptor fires on changes).
-            self._monitor.pause()
-            self._monitor.resume()
-        socket.connect(url)
-        self._socket = LoopSocket(socket, self._on_message)
         self._ids = itertools.count(1)
         # A future resolves to the reply, or to None when the link is closed.
         self._pending: dict[int, asyncio.Future[Message | None]] = {}
@@ -125,8 +110,48 @@ class Link:
         self.dead = False
         self.welcome: Welcome | None = None
         self.segment: Segment | None = None
+        self.stream = stream is not None
+        """Whether this link is the same-host stream (:mod:`~lmcache_async.rpc.stream`)."""
+        self._socket: LoopSocket | StreamSocket
+        if stream is not None:
+            self._socket = StreamSocket(
+                connect_stream(stream),
+                self._on_message,
+                max_frame_bytes=limits.max_frame_bytes,
+                on_closed=self._disconnected,
+            )
+        else:
+            self._socket = self._zmq_socket(context, url, identity, keys, limits)
 
-    def _on_message(self, frames: list[zmq.Frame]) -> None:
+    def _zmq_socket(
+        self,
+        context: zmq.asyncio.Context,
+        url: str,
+        identity: bytes,
+        keys: CurveClientKeys | None,
+        limits: MessageLimits,
+    ) -> LoopSocket:
+        """A DEALER connected to ``url``, watched by a monitor when a drop is to be told."""
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
+        socket.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+        socket.setsockopt(zmq.IDENTITY, identity)
+        if keys is not None:
+            keys.apply(socket)
+        if self._on_disconnect is not None:
+            # Before the connect, so that no drop of the connection goes unseen.
+            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = LoopSocket(monitor, self._on_event)
+            # One read now, which finds nothing: only a reader that found its queue empty
+            # is signalled when the next event arrives (the descriptor fires on changes).
+            self._monitor.pause()
+            self._monitor.resume()
+        socket.connect(url)
+        return LoopSocket(socket, self._on_message)
+
+    def _on_message(self, frames: Sequence[bytes | memoryview | zmq.Frame]) -> None:
         try:
             message = decode(
                 frames,
@@ -217,6 +242,8 @@ class Link:
         except TimeoutError:
             raise Unavailable(f"no reply to {msg_type.name} within {timeout} s") from None
         except zmq.ZMQError as exc:
+            if self._socket.closed:  # the stream's end, met on this send: tell it now
+                self._disconnected()
             raise Unavailable(f"{msg_type.name} failed: {exc}") from None
         finally:
             self._pending.pop(request_id, None)
@@ -400,12 +427,13 @@ class Link:
             if not future.done():
                 future.set_result(None)
         self._pending.clear()
-        if self._monitor is not None:
+        socket = self._socket
+        if self._monitor is not None and isinstance(socket, LoopSocket):
             self._monitor.detach()
             with contextlib.suppress(zmq.ZMQError):
-                self._socket.socket.disable_monitor()
+                socket.socket.disable_monitor()
             self._monitor.close()
-        self._socket.close()
+        socket.close()
         if self.segment is not None:
             self.segment.retire()
 

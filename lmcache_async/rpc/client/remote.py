@@ -75,6 +75,7 @@ class RemoteCacheEngine(MoveCalls):
         name: str | None = None,
         limits: MessageLimits = DEFAULT_CLIENT_LIMITS,
         store_ahead: bool = False,
+        stream: bool = True,
     ) -> None:
         settings = ClientSettings(
             url=url,
@@ -86,6 +87,7 @@ class RemoteCacheEngine(MoveCalls):
             server_public_key=server_public_key,
             client_certificate=client_certificate,
             shared_memory=shared_memory,
+            stream=stream,
             reconnect_interval=reconnect_interval,
             name=name,
             limits=limits,
@@ -131,6 +133,7 @@ class RemoteCacheEngine(MoveCalls):
         reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL,
         name: str | None = None,
         store_ahead: bool = False,
+        stream: bool = True,
     ) -> _RemoteContext:
         """An async context manager: say hello to the sidecar at ``url``, yield the client,
         close it on exit.
@@ -148,6 +151,9 @@ class RemoteCacheEngine(MoveCalls):
         missing chunks while the engine computes them and the store waits for no round
         trip (:mod:`~lmcache_async.rpc.client.ahead`). A client that does not
         store after its pinned lookups would hold that memory until it expires.
+        ``stream``: reach an ``ipc://`` sidecar over its same-host stream socket when it
+        listens on one (:mod:`~lmcache_async.rpc.stream`: no ZeroMQ I/O threads on the
+        request path); False: always ZeroMQ.
 
         Raises:
             InvalidInputError: a bad argument, or the sidecar serves another namespace
@@ -170,6 +176,7 @@ class RemoteCacheEngine(MoveCalls):
             reconnect_interval=reconnect_interval,
             name=name,
             store_ahead=store_ahead,
+            stream=stream,
         )
         return _RemoteContext(engine, require_server)
 
@@ -422,6 +429,13 @@ class RemoteCacheEngine(MoveCalls):
         """True while connected to a sidecar whose last heartbeat said it can serve."""
         conn = self._conn
         return not conn.closed and conn.link is not None and conn.healthy
+
+    @property
+    def uses_stream(self) -> bool:
+        """Whether requests go over the sidecar's same-host stream socket now (else
+        ZeroMQ)."""
+        link = self._conn.link
+        return link is not None and link.stream
 
     @property
     def uses_shared_memory(self) -> bool:

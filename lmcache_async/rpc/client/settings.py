@@ -50,6 +50,9 @@ class ClientSettings:
     """The path of this client's ``zmq.auth`` secret certificate, or its (public, secret)
     z85 key pair; None: a fresh key pair (refused by a sidecar with an allow-list)."""
     shared_memory: bool | None = None
+    stream: bool = True
+    """Reach an ``ipc://`` sidecar over its same-host stream socket when it has one
+    (:mod:`~lmcache_async.rpc.stream`); False: always ZeroMQ."""
     reconnect_interval: float = DEFAULT_RECONNECT_INTERVAL
     name: str | None = None
     limits: MessageLimits = DEFAULT_CLIENT_LIMITS
@@ -79,6 +82,8 @@ class ClientSettings:
                 raise InvalidInputError(f"{label} must be a positive number, got {number!r}")
         if self.shared_memory is not None and not isinstance(self.shared_memory, bool):
             raise InvalidInputError("shared_memory must be True, False or None (auto)")
+        if not isinstance(self.stream, bool):
+            raise InvalidInputError(f"stream must be True or False, got {self.stream!r:.40}")
         key = self.server_key
         if key is not None and (not isinstance(key, bytes) or len(key) != 40):
             raise InvalidInputError("server_public_key must be a 40-character z85 CURVE key")

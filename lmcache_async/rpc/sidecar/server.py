@@ -1,7 +1,8 @@
 """The sidecar server object: its sessions, the table routing each message type to a
 handler, and the socket loop that reads requests and sends replies.
 
-Requests are read in the event loop's reader callback (:class:`LoopSocket`). One whose
+Requests are read in the event loop's reader callback (:class:`LoopSocket`, and the
+same-host stream's :class:`~lmcache_async.rpc.stream.StreamRouter` beside it). One whose
 route can answer without waiting (a PING, a HEARTBEAT, a LOOKUP by digests the CPU tier
 answers) is answered right there; every other runs in a task of its own, at most
 ``max_concurrency`` at once. A bad message or a failing request gets an ERROR reply and the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import socket as socketlib
 import time
 from collections.abc import Sequence
 from multiprocessing import shared_memory
@@ -57,6 +59,7 @@ from lmcache_async.rpc.sidecar.routes import TIMED_OPERATIONS, Busy, Route
 from lmcache_async.rpc.sidecar.sessions import AFTER_COMMITS, InFlight, Session, Sessions
 from lmcache_async.rpc.sidecar.settings import SidecarSettings
 from lmcache_async.rpc.sidecar.transfers import TransferHandlers
+from lmcache_async.rpc.stream import Outlets, StreamRouter
 from lmcache_async.rpc.transport import LoopSocket
 from lmcache_async.stats import EngineStats
 
@@ -100,7 +103,10 @@ class SidecarServer:
         )
         self.failed_replies = 0
         self._causes_logged: set[str] = set()
-        self._io: LoopSocket | None = None
+        self._io: Outlets | None = None
+        self.stream_listener: socketlib.socket | None = None
+        """The same-host stream socket (:mod:`~lmcache_async.rpc.stream`), served beside
+        the ZeroMQ one when set."""
         self._inflight = 0
         self._idle = anyio.Event()
         self._idle.set()
@@ -244,12 +250,13 @@ class SidecarServer:
         curve = self._curve
         admission = self.admission
 
-        def on_message(frames: list[zmq.Frame]) -> None:
+        def on_message(frames: list[Any]) -> None:
             peer = peer_of(frames[-1]) if curve else LOCAL_ADMIN
             if peer is None:  # a CURVE socket delivers only what ZAP admitted
                 log.warning("sidecar_message_without_peer")
                 return
-            identity = frames[0].bytes
+            head = frames[0]
+            identity = head if isinstance(head, bytes) else _frame_bytes(head)
             session = sessions.get(identity)
             if session is not None and session.owner != peer.key:
                 session = None  # another key's session: not this peer's to use
@@ -272,7 +279,12 @@ class SidecarServer:
                 in_flight.read()
                 task.add_done_callback(in_flight.served)
 
-        io = LoopSocket(self._socket, on_message)
+        listener = self.stream_listener
+        stream = None
+        if listener is not None:
+            max_frame = self.settings.limits.max_frame_bytes
+            stream = StreamRouter(listener, on_message, max_frame_bytes=max_frame)
+        io = Outlets(LoopSocket(self._socket, on_message), stream)
         self._io = io
         try:
             await anyio.sleep_forever()
@@ -285,7 +297,7 @@ class SidecarServer:
                     await asyncio.wait(tasks)
             self._io = None
 
-    def _refuse_busy(self, io: LoopSocket, frames: Sequence[FrameLike]) -> None:
+    def _refuse_busy(self, io: Outlets, frames: Sequence[FrameLike]) -> None:
         """Answer a request that found no slot: ``busy``, at once."""
         limits = self.settings.limits
         request_id = request_id_of(frames[1:], max_header_bytes=limits.max_header_bytes)
@@ -475,7 +487,7 @@ def _kind_of(frames: Sequence[FrameLike]) -> int:
     return kind[0] if len(kind) == 1 else -1
 
 
-def _send_reply(io: LoopSocket, identity: FrameLike, reply: Sequence[FrameLike]) -> None:
+def _send_reply(io: Outlets, identity: FrameLike, reply: Sequence[FrameLike]) -> None:
     """Queue a reply to the client ``identity`` names (logged, not raised, when it fails)."""
     try:
         if not io.send_nowait([identity, *reply], copy=False):

@@ -172,9 +172,14 @@ class SidecarSettings:
     unnamed tenant's."""
     metrics_port: int | None = None
     """Port of the Prometheus endpoint on loopback (0: any free one); None: no endpoint."""
+    stream: bool = True
+    """Beside an ``ipc://`` address without CURVE keys, also listen on the same-host stream
+    socket ``PATH.stream`` (:mod:`~lmcache_async.rpc.stream`); False: ZeroMQ only."""
 
     def __post_init__(self) -> None:
         check_listen_url(self.listen, allow_remote=self.allow_remote)
+        if not isinstance(self.stream, bool):
+            raise ConfigError("stream", f"expected True or False, got {self.stream!r:.40}")
         self._check_access()
         for name in ("events", "events_replay"):
             url = getattr(self, name)

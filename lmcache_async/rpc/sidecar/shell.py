@@ -1,6 +1,7 @@
 """The sidecar's process shell: :func:`serve` binds the socket, creates the shared-memory
 segment, runs a :class:`SidecarServer` until SIGTERM, SIGINT or a SHUTDOWN request, and
-takes everything down in order.
+takes everything down in order. Beside an ``ipc://`` address without CURVE keys it also
+listens on the same-host stream socket (:mod:`~lmcache_async.rpc.stream`).
 
 With a CURVE secret key the ZAP handler (:class:`~lmcache_async.rpc.sidecar.access.Gatekeeper`)
 starts before any socket binds, so no peer is ever served before the allow-list applies;
@@ -8,7 +9,7 @@ an ``ipc://`` socket file is made readable and writable by its owner only (mode 
 
 Shutdown: requests in flight finish (bounded by :data:`SHUTDOWN_GRACE_SECONDS`),
 transactions and pins are released, queued tier writes are flushed, the tiers close, the
-shared memory is unlinked and the ipc socket file removed.
+shared memory is unlinked and the socket files removed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import gc
 import os
 import secrets
 import signal
+import socket
 from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Final
@@ -34,6 +36,7 @@ from lmcache_async.rpc.metrics import MetricsServer, make_registry
 from lmcache_async.rpc.sidecar.access import Gatekeeper
 from lmcache_async.rpc.sidecar.server import SidecarServer
 from lmcache_async.rpc.sidecar.settings import SidecarNamespace, SidecarSettings
+from lmcache_async.rpc.stream import bind_stream, stream_path
 
 __all__ = ["SHUTDOWN_GRACE_SECONDS", "serve"]
 
@@ -100,6 +103,19 @@ def _bind(settings: SidecarSettings, context: zmq.asyncio.Context) -> zmq.asynci
     return sock
 
 
+def _bind_stream(settings: SidecarSettings) -> socket.socket | None:
+    """The same-host stream listener beside an ``ipc://`` address without CURVE keys (None
+    otherwise, or when its path cannot be bound: clients then use ZeroMQ)."""
+    path = stream_path(settings.listen)
+    if path is None or settings.curve_secret_key is not None or not settings.stream:
+        return None
+    try:
+        return bind_stream(path)
+    except OSError as exc:
+        log.warning("sidecar_stream_unavailable", path=path, error=str(exc))
+        return None
+
+
 def _close_segment(segment: shared_memory.SharedMemory) -> None:
     with contextlib.suppress(FileNotFoundError):
         segment.unlink()
@@ -132,13 +148,16 @@ async def serve(
     context = zmq.asyncio.Context()
     gatekeeper: Gatekeeper | None = None
     sock: zmq.asyncio.Socket | None = None
+    stream: socket.socket | None = None
     server: SidecarServer | None = None
     try:
         if settings.access is not None:
             gatekeeper = Gatekeeper(context, settings.access)
             gatekeeper.start()
         sock = _bind(settings, context)
+        stream = _bind_stream(settings)
         server = SidecarServer(settings, sock, segment)
+        server.stream_listener = stream
         server.gatekeeper = gatekeeper
         if settings.events is not None:
             server.publisher = EventPublisher(
@@ -180,6 +199,11 @@ async def serve(
             server.publisher.close()
         if sock is not None:
             sock.close(linger=0)
+        if stream is not None:
+            path = stream.getsockname()
+            stream.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         if gatekeeper is not None:
             gatekeeper.stop()
         context.term()
@@ -212,6 +236,7 @@ async def _run(
     log.info(
         "sidecar_ready",
         endpoint=settings.listen,
+        stream=server.stream_listener is not None,
         shm=server.segment_name,
         curve=settings.curve_secret_key is not None,
         clients=0 if settings.access is None else len(settings.access.clients),
