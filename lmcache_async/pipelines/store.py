@@ -118,7 +118,8 @@ class HashStage:
         )
         request.txn = txn
         todo = txn.todo
-        groups = batched(0, len(todo), self._batch_chunks)
+        size = core.batch_chunks(self._batch_chunks, request.locations)
+        groups = batched(0, len(todo), size)
         request.batches_total = len(groups)
         if not groups:
             request.finish(core)
