@@ -10,9 +10,10 @@ the same work:
 - **retrieve** GB/s: ``retrieve`` of those tokens into other blocks;
 - **lookup** round trip of a fully cached ``lookup_tokens``-token prompt (tokens as a
   tensor), repeated (the digests are remembered) and first sight (every prompt new), next
-  to the round trip of an empty PING through the same client and that of a bare ZeroMQ
-  echo (:mod:`lmcache_async.bench.echo`, read from asyncio at both ends as the sidecar and
-  its client are): what a round trip costs before the sidecar does any work.
+  to the round trip of an empty PING through the same client and those of a bare echo
+  over ZeroMQ and over the same-host stream (:mod:`lmcache_async.bench.echo`, read from
+  asyncio at both ends as the sidecar and its client are): what a round trip costs before
+  the sidecar does any work.
 
 Each copy figure is the median of ``repeat`` runs after a warm-up run. Targets: the
 sidecar at least 0.9x the in-process throughput, a 32k-token lookup p50 at most 0.5 ms.
@@ -23,7 +24,6 @@ allow-list (:mod:`.sidecar_curve`), and its figures are set beside the plain sid
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import os
@@ -40,17 +40,15 @@ from typing import Any, Final
 import anyio
 import torch
 import yaml
-import zmq
 
 from lmcache_async import CacheEngine, EngineConfig, KVCacheClient, KVLayout, RemoteCacheEngine
 from lmcache_async.bench import format_table, gbps, parse_dtype, percentiles
 from lmcache_async.bench.baselines import slots_over
-from lmcache_async.bench.echo import STOP as ECHO_STOP
+from lmcache_async.bench.echo import round_trips
 from lmcache_async.bench.sidecar_curve import CurveFiles, free_loopback_port, make_curve_files
 from lmcache_async.config import GB
 from lmcache_async.errors import InvalidInputError, TierUnavailableError
 from lmcache_async.rpc.protocol import MessageType, encode
-from lmcache_async.rpc.transport import LoopSocket
 
 __all__ = [
     "TARGETS",
@@ -260,48 +258,26 @@ async def _ping_latency(
     return _latency(latencies)
 
 
-def _start_echo(url: str, lifetime: float) -> subprocess.Popen[bytes]:
-    """Start :mod:`.echo` at ``url``, to end by itself after ``lifetime`` seconds."""
-    command = [sys.executable, "-m", "lmcache_async.bench.echo", url, str(lifetime)]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
-
-
-async def _echo_latency(directory: str, options: SidecarBenchOptions) -> dict[str, float]:
+async def _echo_latency(
+    directory: str, options: SidecarBenchOptions
+) -> tuple[dict[str, float], dict[str, float]]:
     """Round trips of a PING's frames to a bare echo server (:mod:`.echo`) in its own
-    process, read from the event loop as the sidecar's client reads its replies.
+    process, over ZeroMQ and over the same-host stream, read from the event loop as the
+    sidecar's client reads its replies.
 
     Raises:
         TimeoutError: the echo did not answer within ``startup_timeout`` at first, or
             within ``request_timeout`` later.
     """
-    url = f"ipc://{os.path.join(directory, 'echo.sock')}"
-    process = _start_echo(url, options.startup_timeout + 10 * options.request_timeout)
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.IMMEDIATE, 1)  # a send waits until the echo is there
-    socket.connect(url)
-    replies: asyncio.Queue[None] = asyncio.Queue(maxsize=1)
-    io = LoopSocket(socket, lambda frames: replies.put_nowait(None))
-    frames = encode(MessageType.PING, None, request_id=1)
-    latencies: list[float] = []
-    try:
-        for i in range(1 + _LOOKUP_WARMUP + options.lookup_iterations):
-            with anyio.fail_after(options.startup_timeout if i == 0 else options.request_timeout):
-                t0 = time.perf_counter()
-                if not io.send_nowait(frames):
-                    await io.send(frames)
-                await replies.get()
-                elapsed = time.perf_counter() - t0
-            if i > _LOOKUP_WARMUP:
-                latencies.append(elapsed)
-    finally:
-        with contextlib.suppress(zmq.ZMQError):
-            io.send_nowait([ECHO_STOP])
-        io.close()
-        context.term()
-        await _stop(process)
-    return _latency(latencies)
+    trips = await round_trips(
+        directory,
+        encode(MessageType.PING, None, request_id=1),
+        count=options.lookup_iterations,
+        warmup=_LOOKUP_WARMUP,
+        startup_timeout=options.startup_timeout,
+        request_timeout=options.request_timeout,
+    )
+    return _latency(trips.zeromq), _latency(trips.stream)
 
 
 async def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -447,7 +423,8 @@ async def run_sidecar_bench(
                 shared = remote.uses_shared_memory
                 sidecar = await _measure(remote, work, options, problems, "sidecar")
                 ping = await _ping_latency(remote, options)
-                echo = await _echo_latency(directory, options)
+                stream = remote.uses_stream
+                echo, stream_echo = await _echo_latency(directory, options)
         curve = None
         if options.curve:
             curve = await _measure_curve(cfg, directory, work, options, problems)
@@ -458,6 +435,7 @@ async def run_sidecar_bench(
         "bytes": copy_bytes,
         "runs": options.repeat,
         "shared_memory": shared,
+        "stream": stream,
         "store": _entry(copy_bytes, sidecar["store_times"], inprocess["store_times"]),
         "retrieve": _entry(copy_bytes, sidecar["retrieve_times"], inprocess["retrieve_times"]),
         "verified_bit_exact": bool(sidecar["exact"] and inprocess["exact"]),
@@ -469,6 +447,7 @@ async def run_sidecar_bench(
             "inprocess_first_sight": inprocess["lookup_first_sight"],
             "sidecar_ping": ping,
             "echo": echo,
+            "stream_echo": stream_echo,
             "target_p50_ms": TARGETS["lookup_p50_ms"],
             "ok": lookup_ok,
         },
@@ -542,12 +521,13 @@ def format_sidecar(results: Mapping[str, Any]) -> str:
         ("inprocess", "in-process", False),
         ("sidecar_ping", "sidecar, empty PING", False),
         ("echo", "bare ZeroMQ echo, same frames", False),
+        ("stream_echo", "bare stream echo, same frames", False),
     ):
         e = lookup[key]
         rows.append(
             [
                 f"lookup {lookup['tokens']} tok ({label}) p50"
-                if key not in ("sidecar_ping", "echo")
+                if key not in ("sidecar_ping", "echo", "stream_echo")
                 else f"round trip ({label}) p50",
                 f"{_f(e['p50_ms'], '.3f')} ms",
                 f"p99 {_f(e['p99_ms'], '.3f')} ms",
@@ -584,7 +564,8 @@ def format_sidecar(results: Mapping[str, Any]) -> str:
         )
     lines = [format_table(header, rows)]
     transport = "shared memory" if results["shared_memory"] else "inline frames"
+    requests = "the same-host stream" if results.get("stream") else "ZeroMQ"
     exact = "bit-exact" if results["verified_bit_exact"] else "NOT bit-exact"
-    lines.append(f"payloads through {transport}; retrieves {exact}")
+    lines.append(f"requests over {requests}, payloads through {transport}; retrieves {exact}")
     lines.extend(f"problem: {p}" for p in results["problems"])
     return "\n".join(lines)
