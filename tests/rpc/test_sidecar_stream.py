@@ -18,6 +18,7 @@ import torch
 from lmcache_async import RemoteCacheEngine
 from tests.rpc.test_sidecar import (
     LAYOUT,
+    READY_TIMEOUT,
     Sidecars,
     connect,
     kv_for,
@@ -98,4 +99,17 @@ async def test_without_a_live_stream_the_client_uses_zeromq(
     async with connect(url) as engine:
         assert not engine.uses_stream
         await round_trip(engine, engine, seed=3)
+    assert started.terminate() == 0
+
+
+async def test_a_client_started_before_its_sidecar_ends_on_the_stream(
+    sidecars: Sidecars, short_dir: Path
+) -> None:
+    """A client that says hello while its sidecar is still starting (no socket file yet)
+    waits on ZeroMQ; once the sidecar answers, the client moves to its stream."""
+    url = f"ipc://{short_dir}/late.sock"
+    started = sidecars.start(url)  # its Python and torch take a while to import
+    async with connect(url, timeout=READY_TIMEOUT) as engine:
+        assert engine.uses_stream
+        await round_trip(engine, engine, seed=4)
     assert started.terminate() == 0

@@ -9,7 +9,6 @@ the new server's segment afresh.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import secrets
@@ -154,10 +153,16 @@ class Connection:
             # A sidecar that came up while this hello waited has its stream now.
             faster = self._stream_link()
             if faster is not None:
-                with contextlib.suppress(Unavailable):
-                    welcome = await self._greet(faster)
-                    link, faster = faster, link
-                self._close_link(faster)
+                try:
+                    welcome = await self._greet(faster)  # closes it when that fails
+                except Unavailable:
+                    pass
+                except BaseException:
+                    self._close_link(link)
+                    raise
+                else:
+                    self._close_link(link)
+                    link = faster
         self._drop_link()
         self.link, self.welcome = link, welcome
         self.hasher = key_hasher(self._namespace, welcome, self.url)
