@@ -20,7 +20,6 @@ from anyio.abc import TaskGroup
 from lmcache_async.config import DEFAULT_INLINE_COPY_BYTES
 from lmcache_async.engine.client import Promise, check_promise_wait
 from lmcache_async.errors import InvalidInputError
-from lmcache_async.keys.chunks import ChunkHasher
 from lmcache_async.keys.tokens import Tokens
 from lmcache_async.layouts import KVCacheViews, KVLayout
 from lmcache_async.rpc.client.admin import AdminCalls
@@ -36,6 +35,7 @@ from lmcache_async.rpc.client.settings import (
     DEFAULT_TIMEOUT,
     ClientSettings,
 )
+from lmcache_async.rpc.client.state import ConnectionState
 from lmcache_async.rpc.client.transfers import DataPath
 from lmcache_async.rpc.client.welcome import check_tiers
 from lmcache_async.rpc.client.wire import check_lookup_id, key_fields
@@ -45,7 +45,7 @@ from lmcache_async.transfer.cuda import Transfers
 __all__ = ["RemoteCacheEngine"]
 
 
-class RemoteCacheEngine(MoveCalls):
+class RemoteCacheEngine(MoveCalls, ConnectionState):
     """A sidecar's cache, behind the async interface of
     :class:`~lmcache_async.CacheEngine` (store, retrieve, lookup, lookup_unpin, prefetch,
     clear, freeze, set_hot_cache, stats, move, is_healthy, aclose).
@@ -418,42 +418,6 @@ class RemoteCacheEngine(MoveCalls):
     async def ping(self) -> bool:
         """One empty round trip to the sidecar: True when it answered within the timeout."""
         return await self._admin.ping()
-
-    async def wait_connected(self) -> None:
-        """Wait until the client has a session with the sidecar (bound the wait with
-        ``anyio.fail_after``). Raises EngineClosedError when the client is closed."""
-        self._conn.check_open()
-        await self._conn.connected.wait()
-
-    def is_healthy(self) -> bool:
-        """True while connected to a sidecar whose last heartbeat said it can serve."""
-        conn = self._conn
-        return not conn.closed and conn.link is not None and conn.healthy
-
-    @property
-    def uses_stream(self) -> bool:
-        """Whether requests go over the sidecar's same-host stream socket now (else
-        ZeroMQ)."""
-        link = self._conn.link
-        return link is not None and link.stream
-
-    @property
-    def uses_shared_memory(self) -> bool:
-        """Whether payloads move through the sidecar's shared memory now (else inline)."""
-        link = self._conn.link
-        return link is not None and link.segment is not None
-
-    @property
-    def key_hasher(self) -> ChunkHasher | None:
-        """The hasher of this client's chunk keys as the sidecar computes them (None
-        before the first hello, or when the sidecar did not say how it hashes)."""
-        return self._conn.hasher
-
-    @property
-    def chunk_size(self) -> int | None:
-        """The sidecar's chunk size (None before the first hello)."""
-        welcome = self._conn.welcome
-        return None if welcome is None else welcome.chunk_size
 
 
 class _RemoteContext:
