@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import lmcache_async.core.load as load_module
-import lmcache_async.core.store as store_module
 from lmcache_async import (
     CacheEngine,
     ConfigError,
@@ -387,29 +386,3 @@ async def test_a_retrieve_from_disk_reads_in_small_batches_after_the_ram_run(
             assert await store(engine, 2 * CHUNK) == 2 * CHUNK  # the first two in RAM again
             await retrieve(engine, 7 * CHUNK, 7 * CHUNK)
     assert reserved == [2, 2, 2, 1]
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize(("wait", "batches"), [(True, [2, 2, 2, 1]), (False, [7])])
-async def test_a_store_that_waits_for_the_disk_commits_in_small_batches(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: bool, batches: list[int]
-) -> None:
-    """A store that waits for its slow tiers is copied out and written in batches of
-    ``SLOW_READ_BATCH_BYTES`` (two chunks here), each written while the next is copied;
-    one that writes behind stays one batch. Every byte on disk is exact."""
-    chunk_bytes = layout().token_bytes * CHUNK
-    monkeypatch.setattr(load_module, "SLOW_READ_BATCH_BYTES", 2 * chunk_bytes)
-    committed: list[int] = []
-    commit = store_module.StoreCore.commit
-
-    async def counted(self: Any, txn: Any, indices: Any, objs: Any) -> Any:
-        committed.append(len(indices))
-        return await commit(self, txn, indices, objs)
-
-    monkeypatch.setattr(store_module.StoreCore, "commit", counted)
-    with anyio.fail_after(TIMEOUT):
-        async with engine_on(tmp_path, wait_for_slow_tiers=wait) as engine:
-            assert await store(engine, 7 * CHUNK) == 7 * CHUNK
-            assert committed == batches
-            await engine.clear(["cpu"])
-            await retrieve(engine, 7 * CHUNK, 7 * CHUNK)

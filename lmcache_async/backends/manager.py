@@ -188,14 +188,6 @@ class StorageManager(LookupPins, HeldWrites, Removals):
     def _cpu_writable(self, locations: tuple[str, ...]) -> bool:
         return self._hot_cache and not self._frozen and self._cpu.name in locations
 
-    def waits_for_slow(self, locations: Sequence[str] | None) -> bool:
-        """Whether a :meth:`put` into ``locations`` (None: the configured ones) waits for a
-        slow tier's write: ``wait_for_slow_tiers``, and a healthy slow tier among them."""
-        if not self._wait_for_slow:
-            return False
-        targets = self._tiers.store_to if locations is None else tuple(locations)
-        return any(tier.name in targets and tier.healthy() for tier in self._tiers.slow)
-
     def puts_at_once(self, locations: Sequence[str] | None) -> bool:
         """Whether a :meth:`put` into ``locations`` (None: the configured ones) counts
         every chunk it is given as kept without waiting for any tier: the CPU tier takes

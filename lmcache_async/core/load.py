@@ -44,9 +44,7 @@ SLOW_READ_BATCH_BYTES: Final = 8 << 20
 """Bytes of the chunks a load reads from disk or Redis in one batch: each batch is copied
 out while the next is read, and while it is still in the CPU's caches (a load of 8 chunks
 of 3 MiB from Redis took 1.4x the socket's bare GETs in one batch, 0.9-1.0x in batches of
-one or two). Chunks already in memory go in batches of ``pipeline_batch_chunks``. A store
-that waits for its slow tiers' writes is cut alike: each batch is written while the next
-is copied out of the KV caches."""
+one or two). Chunks already in memory go in batches of ``pipeline_batch_chunks``."""
 
 
 def read_batch_chunks(batch_chunks: int, chunk_bytes: int) -> int:

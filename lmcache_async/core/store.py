@@ -119,26 +119,13 @@ class StoreCore:
         *,
         allocation_timeout: float,
         healthy: Callable[[], bool],
-        write_batch: int | None = None,
     ) -> None:
-        """``write_batch``: chunks in one batch of a store that waits for a slow tier's
-        write (None: no smaller batches), so each batch is written while the next is
-        copied out of the KV caches (see :func:`~.load.read_batch_chunks`)."""
         self._manager = manager
-        self._write_batch = write_batch
         self._pool = pool
         self._layout = layout
         self._counters = counters
         self._allocation_timeout = allocation_timeout
         self._healthy = healthy
-
-    def batch_chunks(self, batch_chunks: int, locations: Sequence[str] | None) -> int:
-        """Chunks in one batch of a store into ``locations``: ``batch_chunks``, or fewer
-        when it waits for a slow tier's write."""
-        write_batch = self._write_batch
-        if write_batch is not None and self._manager.waits_for_slow(locations):
-            return max(1, min(batch_chunks, write_batch))
-        return batch_chunks
 
     def open(self) -> bool:
         """Count a store request; True when the cache takes writes now (healthy, not

@@ -184,7 +184,6 @@ def build_parts(
         counters,
         allocation_timeout=config.allocation_timeout,
         healthy=liveness,
-        write_batch=read_batch_chunks(config.pipeline_batch_chunks, chunk_bytes),
     )
     layerwise = LayerwisePipeline(
         manager,

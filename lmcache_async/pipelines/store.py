@@ -118,8 +118,7 @@ class HashStage:
         )
         request.txn = txn
         todo = txn.todo
-        size = core.batch_chunks(self._batch_chunks, request.locations)
-        groups = batched(0, len(todo), size)
+        groups = batched(0, len(todo), self._batch_chunks)
         request.batches_total = len(groups)
         if not groups:
             request.finish(core)
