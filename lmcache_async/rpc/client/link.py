@@ -121,17 +121,12 @@ class Link:
                 on_closed=self._disconnected,
             )
         else:
-            self._socket = self._zmq_socket(context, url, identity, keys, limits)
+            self._socket = self._zmq_socket(context, keys)
 
-    def _zmq_socket(
-        self,
-        context: zmq.asyncio.Context,
-        url: str,
-        identity: bytes,
-        keys: CurveClientKeys | None,
-        limits: MessageLimits,
-    ) -> LoopSocket:
-        """A DEALER connected to ``url``, watched by a monitor when a drop is to be told."""
+    def _zmq_socket(self, context: zmq.asyncio.Context, keys: CurveClientKeys | None) -> LoopSocket:
+        """A DEALER connected to the link's URL, watched by a monitor when a drop is to be
+        told."""
+        limits, identity = self._limits, self.identity
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IMMEDIATE, 1)
@@ -148,7 +143,7 @@ class Link:
             # is signalled when the next event arrives (the descriptor fires on changes).
             self._monitor.pause()
             self._monitor.resume()
-        socket.connect(url)
+        socket.connect(self.url)
         return LoopSocket(socket, self._on_message)
 
     def _on_message(self, frames: Sequence[bytes | memoryview | zmq.Frame]) -> None:
