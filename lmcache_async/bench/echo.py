@@ -28,6 +28,7 @@ import zmq
 
 from lmcache_async.rpc.stream import (
     STREAM_SUFFIX,
+    Outlets,
     StreamRouter,
     StreamSocket,
     bind_stream,
@@ -54,30 +55,26 @@ async def serve(url: str, lifetime: float) -> None:
     stopped = asyncio.Event()
     path = stream_path(url)
     listener = None if path is None else bind_stream(path)
-    router: StreamRouter | None = None
 
     def on_message(frames: Sequence[Any]) -> None:
         if len(frames) == 2 and bytes(frames[1]) == STOP:
             stopped.set()
-            return
-        # Dropped if the client's queue is full: it times out.
-        if isinstance(frames[0], bytes) and router is not None:
-            router.send_nowait(frames)
-        else:
+        else:  # to the socket the identity is of; dropped if its queue is full
             io.send_nowait(frames)
 
-    io = LoopSocket(socket, on_message)
+    router = None
     if listener is not None:
         router = StreamRouter(listener, on_message, max_frame_bytes=_MAX_FRAME_BYTES)
+    io = Outlets(LoopSocket(socket, on_message), router)
     try:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(lifetime):
                 await stopped.wait()
     finally:
-        io.close()
+        io.detach()
+        socket.close(linger=0)
         context.term()
-        if router is not None and listener is not None:
-            router.detach()
+        if listener is not None:
             listener.close()
         if path is not None:
             with contextlib.suppress(FileNotFoundError):

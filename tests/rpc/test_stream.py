@@ -60,7 +60,8 @@ def stream(sock: socket.socket, inbox: Inbox, *, max_frame: int = MAX_FRAME) -> 
 
 
 def wire(frames: list[bytes]) -> bytes:
-    return b"".join(bytes(piece) for piece in encode_message(frames))
+    pieces, _ = encode_message(frames)
+    return b"".join(bytes(piece) for piece in pieces)
 
 
 async def read_all(sock: socket.socket, count: int) -> bytes:

@@ -255,8 +255,7 @@ class SidecarServer:
             if peer is None:  # a CURVE socket delivers only what ZAP admitted
                 log.warning("sidecar_message_without_peer")
                 return
-            head = frames[0]
-            identity = head if isinstance(head, bytes) else _frame_bytes(head)
+            identity = _frame_bytes(frames[0])
             session = sessions.get(identity)
             if session is not None and session.owner != peer.key:
                 session = None  # another key's session: not this peer's to use

@@ -50,8 +50,11 @@ _IOV_MAX: Final = 1000
 OnStreamMessage = Callable[[list[bytes | memoryview]], None]
 
 
-def encode_message(frames: Sequence[FrameLike]) -> list[bytes | memoryview]:
-    """The pieces of one message on the stream: its prefix, then its frames (not copied).
+def encode_message(
+    frames: Sequence[FrameLike],
+) -> tuple[list[bytes | memoryview], list[int]]:
+    """The pieces of one message on the stream, its prefix then its frames (not copied),
+    and each piece's size in bytes.
 
     Raises:
         ValueError: no frame, more than :data:`MAX_FRAMES`, or over 4 GiB in all.
@@ -67,7 +70,7 @@ def encode_message(frames: Sequence[FrameLike]) -> list[bytes | memoryview]:
     if body > 0xFFFFFFFF:
         raise ValueError(f"a message of {body} bytes is over the stream's 4 GiB")
     prefix = _PREFIX.pack(body, count) + struct.pack(f"<{count}I", *lengths)
-    return [prefix, *views]
+    return [prefix, *views], [len(prefix), *lengths]
 
 
 class StreamSocket:
@@ -201,7 +204,7 @@ class StreamSocket:
         del copy
         if self.closed:
             raise zmq.ZMQError(errno.ENOTCONN)
-        pieces = encode_message(frames)
+        pieces, sizes = encode_message(frames)
         if self._out:
             if self._out_bytes >= _HIGH_WATER_BYTES:
                 return False
@@ -213,7 +216,7 @@ class StreamSocket:
                 group = pieces[first : first + _IOV_MAX]
                 done = self.socket.sendmsg(group)
                 sent += done
-                if done < sum(memoryview(piece).nbytes for piece in group):
+                if done < sum(sizes[first : first + _IOV_MAX]):
                     break
         except (BlockingIOError, InterruptedError):
             pass
@@ -288,10 +291,6 @@ class StreamSocket:
         self.close()
         if self._on_closed is not None:
             self._loop.call_soon(self._on_closed)
-
-    def detach(self) -> None:
-        """Stop reading and writing (unsent bytes are dropped) and close the connection."""
-        self.close()
 
     def close(self) -> None:
         """Close the connection at once; a sender waiting for room fails. Idempotent."""
