@@ -6,8 +6,8 @@ in order, a couple ahead of the sending (:class:`Encodings`); it starts as the p
 so the first checksums are computed while the tier still asks which keys the server
 already holds. Records go out pipelined (on a cluster, each primary's on its own
 connection, the primaries at once), a payload stored as is straight from its object.
-The server's answers are read as they come; each batch's, once complete, go to a
-callback that counts what was stored and keeps the quotas.
+The server's answers are read once every record is sent; each batch's go to a callback
+that counts what was stored and keeps the quotas.
 """
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 
 A value is a header (bytes) and a payload (a view on the object's memory, or bytes a
 codec made): the command's framing, the header, the payload and the options go out
-together, the payload from its own memory (:meth:`~.stream.WireStream.send`).
-The next value is encoded (its checksum computed) while this one is sent
-(:func:`~.overlap.overlapped`), and the replies are read as they come, beside the
-sending, and handed to a callback in order.
+together, the payload from its own memory (:meth:`~.stream.WireStream.send`). Every
+command is sent first, then the replies are read and handed to a callback in order: the
+values are encoded ahead by their producer (:class:`~lmcache_async.backends.redis_put.
+Encodings`), and the replies are a few bytes each, which the server buffers. Reading them
+beside the sending, in a second task, cost a pass of the loop per reply and a task switch
+per value: 1.13-1.30x a plain socket's ``SET`` s, against 0.97-0.99x sent in one task.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from ...errors import ProtocolError
-from .overlap import concurrently, overlapped
 from .resp import ReplyError, read_reply
 from .stream import WireStream
 
@@ -70,23 +71,16 @@ async def set_values(
     start = b"*%d\r\n$3\r\nSET\r\n" % (4 if ttl_ms is None else 6)
     errors: list[ReplyError] = []
 
-    async def send(n: int, out: Outgoing) -> bool:
+    for n, index in enumerate(indices):
+        out = await encode(index)
         rkey = rkeys[n]
         head = b"%s$%d\r\n%s\r\n$%d\r\n" % (start, len(rkey), rkey, out.size)
         await stream.send((head, out.header, out.payload, b"\r\n" + options))
-        return False
-
-    async def sending() -> None:
-        await overlapped(len(indices), lambda n: encode(indices[n]), send)
-
-    async def receiving() -> None:
-        for index in indices:
-            reply = await read_reply(stream)
-            if isinstance(reply, ReplyError):
-                errors.append(reply)
-            elif reply not in (b"OK", None):
-                raise ProtocolError(f"unexpected redis reply to SET {reply!r:.40}")
-            await replied(index, reply == b"OK")
-
-    await concurrently(sending, receiving)
+    for index in indices:
+        reply = await read_reply(stream)
+        if isinstance(reply, ReplyError):
+            errors.append(reply)
+        elif reply not in (b"OK", None):
+            raise ProtocolError(f"unexpected redis reply to SET {reply!r:.40}")
+        await replied(index, reply == b"OK")
     return errors
