@@ -15,6 +15,7 @@ import anyio.to_thread
 import pytest
 
 from lmcache_async.bench.redis import GOALS, RedisBenchOptions, format_redis, run_redis_bench
+from lmcache_async.bench.redis.first_store import plain_fault_in
 from lmcache_async.bench.redis.plain import PlainRedis
 from lmcache_async.bench.redis.report import summarise_first_stores, summarise_wire
 from lmcache_async.bench.redis.wire import READS, WRITES
@@ -164,7 +165,25 @@ def _check_figures(results: dict[str, Any], rounds: int, chunks: int) -> None:
         assert all(v > 0 for v in figures["first_ms"] + figures["steady_ms"])
         ratios = [a / b for a, b in zip(figures["first_ms"], figures["steady_ms"], strict=True)]
         assert figures["ratio"] == pytest.approx(statistics.median(ratios))
+    floor = first["plain"]
+    assert len(floor["first_ms"]) == len(floor["steady_ms"]) == rounds
+    assert all(v > 0 for v in floor["first_ms"] + floor["steady_ms"])
     assert results["goals"] == dict(GOALS)
+
+
+def test_the_plain_fault_in_writes_the_bytes_twice_and_unmaps_them() -> None:
+    before = _mapped_bytes()
+    first, again = plain_fault_in(64 << 20)
+    assert first > 0 and again > 0
+    assert _mapped_bytes() < before + (64 << 20)  # the mapping is gone
+
+
+def _mapped_bytes() -> int:
+    """The process's virtual memory size (``VmSize``), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    pytest.skip("no /proc/self/status here")
 
 
 @pytest.mark.subprocess
@@ -185,6 +204,8 @@ def test_cli_runs_against_a_server_it_starts_and_writes_json(
             assert ratio == f"{written['wire'][path][f'{op}_ratio']:.2f}"
             assert goal == "1.3"
     assert "on (default), store at once" in captured.out and "<= 1.5" in captured.out
+    floor = written["first_store"]["plain"]
+    assert f"written into fresh pages {floor['first_median_ms']:.2f} ms" in captured.out
     assert "bench: redis round 2/2" in captured.err
     assert "bench: redis first stores, trial 2/2" in captured.err
     port = int(written["server"].split(":")[2].split()[0])

@@ -13,17 +13,21 @@ a noisy neighbour weighs on each alike:
 - ``on_done``: as ``on``, the store issued once that worker is done.
 
 One engine of each kind is opened and stored into first, uncounted (imports, thread pools,
-code paths).
+code paths). Each trial also times the plain floor (:func:`plain_fault_in`): the request's
+bytes written into a fresh anonymous mapping, then into the same pages again, so the
+machine's own cost of first touching that much memory is printed beside the engines'.
 """
 
 from __future__ import annotations
 
+import mmap
 import statistics
 import time
 from typing import Any, Final, TextIO
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import torch
 
 from lmcache_async import CacheEngine, EngineConfig
@@ -31,7 +35,7 @@ from lmcache_async.bench.baselines import slots_over
 from lmcache_async.bench.redis.options import MODEL_NAME, RedisBenchOptions
 from lmcache_async.config import GB
 
-__all__ = ["KINDS", "STEADY_STORES", "measure_first_stores", "pool_bytes"]
+__all__ = ["KINDS", "STEADY_STORES", "measure_first_stores", "plain_fault_in", "pool_bytes"]
 
 KINDS: Final = ("off", "on", "on_done")
 """The engines compared: prefault off, on (the store racing it), on and done."""
@@ -49,11 +53,28 @@ def pool_bytes(options: RedisBenchOptions) -> int:
     return max(_MIN_POOL, 4 * options.request_bytes)
 
 
+def plain_fault_in(nbytes: int) -> tuple[float, float]:
+    """Seconds to write ``nbytes`` into a fresh anonymous mapping (each page faulted in by
+    the write), then into the same pages again (resident). Blocking: run in a thread."""
+    with mmap.mmap(-1, nbytes) as fresh:
+        view = np.frombuffer(fresh, dtype=np.uint8)
+        began = time.perf_counter()
+        view.fill(1)
+        first = time.perf_counter() - began
+        began = time.perf_counter()
+        view.fill(2)
+        again = time.perf_counter() - began
+        del view  # the mapping closes only once no view is left on it
+    return first, again
+
+
 async def measure_first_stores(
     options: RedisBenchOptions, base: EngineConfig, progress: TextIO | None = None
 ) -> dict[str, Any]:
     """Run ``options.rounds`` trials of each kind; returns per kind ``first_s`` and
-    ``steady_s`` (a list over the trials each), and ``pool_bytes`` and ``problems``.
+    ``steady_s`` (a list over the trials each), ``plain`` (the same two of
+    :func:`plain_fault_in` of the request's bytes, per trial), ``pool_bytes`` and
+    ``problems``.
 
     Raises:
         ConfigError: the engine refuses the settings.
@@ -101,6 +122,7 @@ async def measure_first_stores(
         return times[0], statistics.median(times[1:])
 
     figures: dict[str, dict[str, list[float]]] = {k: {"first_s": [], "steady_s": []} for k in KINDS}
+    plain: dict[str, list[float]] = {"first_s": [], "steady_s": []}
     for kind in KINDS:  # warm-up, uncounted
         await trial(kind)
     for t in range(options.rounds):
@@ -110,4 +132,7 @@ async def measure_first_stores(
             first, steady = await trial(kind)
             figures[kind]["first_s"].append(first)
             figures[kind]["steady_s"].append(steady)
-    return {"kinds": figures, "pool_bytes": arena, "problems": problems}
+        first, steady = await anyio.to_thread.run_sync(plain_fault_in, options.request_bytes)
+        plain["first_s"].append(first)
+        plain["steady_s"].append(steady)
+    return {"kinds": figures, "plain": plain, "pool_bytes": arena, "problems": problems}

@@ -135,6 +135,15 @@ def format_redis(results: Mapping[str, Any]) -> str:
             ]
         )
     lines.append(format_table(["pool prefault", "first ms", "steady ms", "ratio", "goal"], rows))
+    floor = first.get("plain")
+    if floor is not None:
+        lines.append(
+            "plain: the request's bytes written into fresh pages {:.2f} ms, into the same "
+            "pages again {:.2f} ms ({:.2f}x): what a store issued before its pages are "
+            "faulted in pays on this machine".format(
+                floor["first_median_ms"], floor["steady_median_ms"], floor["ratio"]
+            )
+        )
     lines.extend(f"above goal: {item}" for item in results.get("above_goal", []))
     lines.extend(f"problem: {item}" for item in results.get("problems", []))
     return "\n".join(lines)

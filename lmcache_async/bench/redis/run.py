@@ -79,6 +79,7 @@ async def run_redis_bench(
         "first_store": {
             "pool_bytes": first["pool_bytes"],
             "kinds": summarise_first_stores(first["kinds"]),
+            "plain": summarise_first_stores({"plain": first["plain"]})["plain"],
         },
         "goals": dict(GOALS),
         "problems": [*raw["problems"], *first["problems"]],
