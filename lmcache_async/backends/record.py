@@ -97,7 +97,7 @@ def payload_hasher() -> PayloadHasher:
 def object_checksum(obj: MemoryObj) -> int:
     """The checksum of ``obj``'s payload bytes, computed once and kept on the object."""
     if obj.checksum is None:
-        obj.checksum = payload_checksum(tensor_bytes(obj.tensor))
+        obj.checksum = payload_checksum(obj.data)
     return obj.checksum
 
 
@@ -288,7 +288,7 @@ class RecordSpec:
 
     def _payload(self, obj: MemoryObj) -> bytes | memoryview:
         if self.codec is Codec.NONE:
-            return tensor_bytes(obj.tensor)
+            return obj.data
         return encode(self.codec, obj.tensor)
 
     def _clear_header(self, key: bytes, obj: MemoryObj, payload: bytes | memoryview) -> bytes:

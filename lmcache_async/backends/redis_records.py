@@ -29,7 +29,7 @@ from lmcache_async.memory.pool import MemoryObj, MemoryPool, waited_in_vain
 
 from ..errors import AllocationTimeoutError, ForeignRecordError, IntegrityError
 from .codec import Codec
-from .record import PREFIX_SIZE, RecordHeader, RecordSpec, payload_hasher, tensor_bytes
+from .record import PREFIX_SIZE, RecordHeader, RecordSpec, payload_hasher
 from .redis_wire import BulkValue, overlapped
 
 __all__ = ["INLINE_BYTES", "RecordLoader", "RecordLoads", "overlapped"]
@@ -125,7 +125,7 @@ class RecordLoads:
         try:
             if _direct(header):
                 hasher = payload_hasher()
-                await value.read_into(tensor_bytes(obj.tensor), hasher.update)
+                await value.read_into(obj.data, hasher.update)
                 spec.verify_checksum(header, hasher.intdigest())
             else:
                 payload = value.spare(header.length)
@@ -162,6 +162,11 @@ class RecordLoads:
 
     async def _allocate(self, index: int, header: RecordHeader) -> MemoryObj | None:
         loader = self._loader
+        # Memory free now is taken without stopping the call's clock (which reschedules
+        # its timer twice), as most values' is; only a wait for room stops it.
+        obj = loader.pool.allocate_nowait(header.shape, loader.spec.dtype)
+        if obj is not None:
+            return obj
         try:
             with self._pause():
                 return await loader.pool.allocate(

@@ -70,6 +70,19 @@ class MemoryObj:
         return self._form.view(self._page)
 
     @property
+    def data(self) -> memoryview:
+        """The payload's bytes, writable, in the pool's arena: what :attr:`tensor` views,
+        without making a tensor (for I/O that wants bytes alone: a socket's receive, a
+        checksum). The same rules as :attr:`tensor`.
+
+        Raises:
+            EngineClosedError: the object was freed.
+        """
+        if self._ref == 0:
+            raise EngineClosedError("MemoryObj already freed")
+        return self._form.bytes_at(self._page)
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """Shape the object was allocated with."""
         return self._form.dims

@@ -294,6 +294,25 @@ def test_ref_unref_keep_pages_until_last_reference() -> None:
     assert pool.stats().used_bytes == 0
 
 
+def test_data_is_the_payload_bytes_the_tensor_views() -> None:
+    pool = MemoryPool(8 * PAGE, page_size=PAGE)
+    first = pool.allocate_nowait((3, PAGE // 4 + 1), torch.bfloat16)  # two pages, the 2nd part-full
+    second = pool.allocate_nowait((5,), torch.int32)
+    assert first is not None and second is not None
+    values = torch.arange(first.tensor.numel(), dtype=torch.float32).reshape(first.shape)
+    first.tensor.copy_(values.to(torch.bfloat16))
+    data = first.data
+    assert data.nbytes == first.nbytes == 3 * (PAGE // 4 + 1) * 2
+    assert bytes(data) == first.tensor.view(torch.uint8).numpy().tobytes()
+    second.data[:] = bytes(range(20))  # writable: the next object's bytes, not the first's
+    assert (
+        second.tensor.tolist() == torch.frombuffer(bytearray(range(20)), dtype=torch.int32).tolist()
+    )
+    assert bytes(first.data) == bytes(data)
+    first.unref()
+    second.unref()
+
+
 def test_ref_count_errors() -> None:
     pool = make_pool(4)
     obj = pages_obj(pool, 1)
@@ -304,6 +323,8 @@ def test_ref_count_errors() -> None:
         obj.ref()
     with pytest.raises(EngineClosedError):
         _ = obj.tensor
+    with pytest.raises(EngineClosedError):
+        _ = obj.data
     with pytest.raises(EngineClosedError):
         obj.pin()
     # Metadata stays readable after the free.

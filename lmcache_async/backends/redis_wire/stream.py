@@ -272,8 +272,13 @@ class WireStream(asyncio.BufferedProtocol):
             nbytes -= take
 
     def _consumed(self, nbytes: int) -> None:
+        """Mark ``nbytes`` read. Reading, paused on a full buffer, resumes once the buffer
+        is empty or a reader waits (:meth:`_wait`), not on every read from it: resumed
+        after each header read out of a full buffer, the transport would receive a few
+        bytes, fill it and pause again, several times a value (each a system call and a
+        pass of the loop)."""
         self._start += nbytes
-        if self._read_paused and self._transport is not None:
+        if self._read_paused and self._start == self._end and self._transport is not None:
             self._read_paused = False
             self._transport.resume_reading()
 
