@@ -444,6 +444,71 @@ async def test_a_stream_reads_replies_split_anywhere(piece: int) -> None:
     assert stream.reusable is False  # never connected
 
 
+class _CountingTransport:
+    """The transport side a :class:`WireStream` drives: counts pauses and resumes."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.pauses = self.resumes = 0
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+        self.pauses += 1
+
+    def resume_reading(self) -> None:
+        self.paused = False
+        self.resumes += 1
+
+
+@pytest.mark.anyio
+async def test_a_full_buffer_resumes_reading_once_a_value_not_per_read() -> None:
+    # A fast sender fills the 64 KiB scratch buffer while the reader handles a value's
+    # header: reading pauses. Reads of the header out of the full buffer must not resume
+    # it each (the transport would receive a few bytes and pause again, several times a
+    # value); it resumes when the value's destination waits for the rest.
+    values = [os.urandom(256 * 1024) for _ in range(16)]
+    data = b"".join(b"$%d\r\n%s%s\r\n" % (40 + len(v), b"h" * 40, v) for v in values)
+    transport = _CountingTransport()
+    stream = WireStream()
+    stream.connection_made(transport)  # type: ignore[arg-type]
+
+    async def feed() -> None:
+        at = 0
+        while at < len(data):
+            while not transport.paused and at < len(data):  # as fast as the buffers allow
+                buffer = stream.get_buffer(-1)
+                count = min(16 * 1024, len(buffer), len(data) - at)
+                buffer[:count] = data[at : at + count]
+                stream.buffer_updated(count)
+                at += count
+            await asyncio.sleep(0)
+
+    got = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(feed)
+        with anyio.fail_after(30):
+            for value in values:
+                assert await stream.read_line() == b"$%d" % (40 + len(value))
+                assert await stream.read_exact(40) == b"h" * 40
+                await asyncio.sleep(0)  # the pool allocation, meanwhile the sender sends
+                dest = memoryview(bytearray(len(value)))
+                await stream.read_into(dest)
+                assert await stream.read_exact(2) == b"\r\n"
+                got.append(bytes(dest))
+    assert got == values
+    assert transport.pauses >= len(values)  # the case this is about did happen
+    assert transport.resumes <= len(values) + 1
+
+
 # -- a server that breaks off, lies or stalls ---------------------------------------------
 
 
