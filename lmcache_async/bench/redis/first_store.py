@@ -14,8 +14,9 @@ a noisy neighbour weighs on each alike:
 
 One engine of each kind is opened and stored into first, uncounted (imports, thread pools,
 code paths). Each trial also times the plain floor (:func:`plain_fault_in`): the request's
-bytes written into a fresh anonymous mapping, then into the same pages again, so the
-machine's own cost of first touching that much memory is printed beside the engines'.
+bytes written into a fresh anonymous mapping (huge pages asked for, as the pool does), then
+into the same pages again, so the machine's own cost of first touching that much memory
+is printed beside the engines'.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from lmcache_async import CacheEngine, EngineConfig
 from lmcache_async.bench.baselines import slots_over
 from lmcache_async.bench.redis.options import MODEL_NAME, RedisBenchOptions
 from lmcache_async.config import GB
+from lmcache_async.memory.prefault import advise_huge_pages
 
 __all__ = ["KINDS", "STEADY_STORES", "measure_first_stores", "plain_fault_in", "pool_bytes"]
 
@@ -46,6 +48,7 @@ STEADY_STORES: Final = 5
 _MIN_POOL: Final = 256 << 20
 _PREFAULT_WAIT: Final = 120.0
 _VOCAB: Final = 32000
+_HUGE_PAGE: Final = 2 << 20
 
 
 def pool_bytes(options: RedisBenchOptions) -> int:
@@ -55,16 +58,20 @@ def pool_bytes(options: RedisBenchOptions) -> int:
 
 def plain_fault_in(nbytes: int) -> tuple[float, float]:
     """Seconds to write ``nbytes`` into a fresh anonymous mapping (each page faulted in by
-    the write), then into the same pages again (resident). Blocking: run in a thread."""
-    with mmap.mmap(-1, nbytes) as fresh:
-        view = np.frombuffer(fresh, dtype=np.uint8)
+    the write, huge pages asked for as the pool asks), then into the same pages again
+    (resident). Blocking: run in a thread."""
+    with mmap.mmap(-1, nbytes + _HUGE_PAGE) as fresh:
+        whole = np.frombuffer(fresh, dtype=np.uint8)
+        skip = -whole.ctypes.data % _HUGE_PAGE  # start on a huge-page boundary
+        view = whole[skip : skip + nbytes]
+        advise_huge_pages(torch.from_numpy(view))
         began = time.perf_counter()
         view.fill(1)
         first = time.perf_counter() - began
         began = time.perf_counter()
         view.fill(2)
         again = time.perf_counter() - began
-        del view  # the mapping closes only once no view is left on it
+        del view, whole  # the mapping closes only once no view is left on it
     return first, again
 
 

@@ -137,12 +137,12 @@ def format_redis(results: Mapping[str, Any]) -> str:
     lines.append(format_table(["pool prefault", "first ms", "steady ms", "ratio", "goal"], rows))
     floor = first.get("plain")
     if floor is not None:
+        fresh, resident = floor["first_median_ms"], floor["steady_median_ms"]
         lines.append(
-            "plain: the request's bytes written into fresh pages {:.2f} ms, into the same "
-            "pages again {:.2f} ms ({:.2f}x): what a store issued before its pages are "
-            "faulted in pays on this machine".format(
-                floor["first_median_ms"], floor["steady_median_ms"], floor["ratio"]
-            )
+            "plain: the request's bytes written into fresh pages (huge pages asked for) "
+            f"{fresh:.2f} ms, into the same pages again {resident:.2f} ms: first touching "
+            f"{results['request_bytes'] / _MIB:.1f} MiB costs this machine about "
+            f"{fresh - resident:.2f} ms, what a store issued before the fault-in pays"
         )
     lines.extend(f"above goal: {item}" for item in results.get("above_goal", []))
     lines.extend(f"problem: {item}" for item in results.get("problems", []))
