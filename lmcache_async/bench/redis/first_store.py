@@ -57,9 +57,9 @@ def pool_bytes(options: RedisBenchOptions) -> int:
 
 
 def plain_fault_in(nbytes: int) -> tuple[float, float]:
-    """Seconds to write ``nbytes`` into a fresh anonymous mapping (each page faulted in by
-    the write, huge pages asked for as the pool asks), then into the same pages again
-    (resident). Blocking: run in a thread."""
+    """Seconds for one thread to write ``nbytes`` into a fresh anonymous mapping (each page
+    faulted in by the write, huge pages asked for as the pool asks), then into the same
+    pages again (resident). Blocking: run in a thread."""
     with mmap.mmap(-1, nbytes + _HUGE_PAGE) as fresh:
         whole = np.frombuffer(fresh, dtype=np.uint8)
         skip = -whole.ctypes.data % _HUGE_PAGE  # start on a huge-page boundary

@@ -139,10 +139,11 @@ def format_redis(results: Mapping[str, Any]) -> str:
     if floor is not None:
         fresh, resident = floor["first_median_ms"], floor["steady_median_ms"]
         lines.append(
-            "plain: the request's bytes written into fresh pages (huge pages asked for) "
-            f"{fresh:.2f} ms, into the same pages again {resident:.2f} ms: first touching "
-            f"{results['request_bytes'] / _MIB:.1f} MiB costs this machine about "
-            f"{fresh - resident:.2f} ms, what a store issued before the fault-in pays"
+            "plain: one thread writing the request's bytes into fresh pages (huge pages "
+            f"asked for) {fresh:.2f} ms, into the same pages again {resident:.2f} ms: first "
+            f"touching {results['request_bytes'] / _MIB:.1f} MiB costs one thread about "
+            f"{fresh - resident:.2f} ms here (a store's copy threads and the prefault worker "
+            "share it)"
         )
     lines.extend(f"above goal: {item}" for item in results.get("above_goal", []))
     lines.extend(f"problem: {item}" for item in results.get("problems", []))
