@@ -4,10 +4,11 @@ A value is a header (bytes) and a payload (a view on the object's memory, or byt
 codec made): the command's framing, the header, the payload and the options go out
 together, the payload from its own memory (:meth:`~.stream.WireStream.send`). Every
 command is sent first, then the replies are read and handed to a callback in order: the
-values are encoded ahead by their producer (:class:`~lmcache_async.backends.redis_put.
-Encodings`), and the replies are a few bytes each, which the server buffers. Reading them
-beside the sending, in a second task, cost a pass of the loop per reply and a task switch
-per value: 1.13-1.30x a plain socket's ``SET`` s, against 0.97-0.99x sent in one task.
+values are encoded ahead by their producer (the tier's
+:class:`~lmcache_async.backends.redis_put.Encodings`), and the replies are a few bytes
+each, which the server buffers. Reading them beside the sending, in a second task, cost a
+pass of the loop per reply and a task switch per value: 1.13-1.30x a plain socket's
+``SET`` s, against 0.97-0.99x sent in one task.
 """
 
 from __future__ import annotations
