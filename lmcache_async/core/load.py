@@ -94,11 +94,26 @@ class LoadCore:
         if not self._healthy():
             return False
         if lookup_id is not None:
-            prefetch = self._prefetches.pop(lookup_id, None)
-            if prefetch is not None:
-                with anyio.move_on_after(self._timeout):
-                    await prefetch.done.wait()
+            await self.wait_prefetch(lookup_id)
         return True
+
+    async def wait_prefetch(self, lookup_id: Hashable) -> None:
+        """Wait (at most ``retrieve_timeout``) for the prefetch under ``lookup_id`` to be
+        over, and forget it: what it read stays pinned for the load. One still reading
+        then is stopped (what it read by then is pinned)."""
+        prefetch = self._prefetches.pop(lookup_id, None)
+        if prefetch is None:
+            return
+        with anyio.move_on_after(self._timeout):
+            await prefetch.done.wait()
+        if not prefetch.done.is_set():
+            prefetch.stop()
+
+    def drop_prefetch(self, lookup_id: Hashable) -> None:
+        """Abandon the prefetch under ``lookup_id`` (it pins nothing more) and release the
+        pins it holds."""
+        self.stop_prefetch(lookup_id)
+        self._manager.unpin(lookup_id)
 
     def findable(self, keys: Sequence[bytes], locations: Sequence[str] | None) -> int:
         """How many leading ``keys`` a load may find: the CPU tier's count when it is the

@@ -106,3 +106,29 @@ async def test_a_load_reads_from_slow_tiers_in_read_batches() -> None:
     with anyio.fail_after(TIMEOUT):
         await stored(scene, 5)
     assert load.batches(keys, 5, None) == [range(4), range(4, 5)]
+
+
+async def test_a_prefetch_waited_for_keeps_its_pins_for_the_load_until_dropped() -> None:
+    scene = Scene(8)
+    load = load_core(scene)
+    keys = [span.key for span in scene.spans]
+    with anyio.fail_after(TIMEOUT):
+        await stored(scene, 3)
+        async with anyio.create_task_group() as tg:
+            load.start(tg)
+            assert load.prefetch(keys[:3], None, "ahead") is not None
+            await load.wait_prefetch("ahead")
+            forgotten = load.prefetching("ahead") is None
+            pinned = scene.manager.pinned_chunks
+            objs = await load.reserve(keys[:3], None, "ahead")  # from what it pinned
+            load.drop_prefetch("ahead")
+            after_drop = scene.manager.pinned_chunks
+            load.release(objs)
+            # Dropped while still reading: it pins nothing afterwards.
+            started = load.prefetch(keys[:3], None, "late")
+            load.drop_prefetch("late")
+            assert started is not None
+            await started.done.wait()
+    assert forgotten and pinned == 3 and len(objs) == 3
+    assert after_drop == 0
+    assert scene.manager.pinned_chunks == 0 and load.prefetching("late") is None

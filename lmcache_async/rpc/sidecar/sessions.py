@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -128,6 +129,9 @@ class Session:
     lookups: InFlight = field(default_factory=InFlight)
     """LOOKUPs read and served in a task, not yet answered: a STORE sent ahead
     (``"ahead"``) waits for them, so its reservation evicts nothing they would pin."""
+    read_aheads: dict[Hashable, Hashable] = field(default_factory=dict)
+    """Streamed loads' next parts read ahead (:mod:`~.read_ahead`): the first chunk key of
+    the part, and the engine-side id the reading is pinned under."""
 
     def hold_lookup(self, lookup_id: int | str, limit: int) -> None:
         """Record that this session pins under ``lookup_id`` (before it pins).
@@ -227,6 +231,9 @@ class Sessions:
             for lookup_id in session.lookup_ids:
                 with contextlib.suppress(EngineClosedError):
                     await engine.lookup_unpin(session.scoped(lookup_id))
+            for ahead in session.read_aheads.values():
+                engine.core.load.drop_prefetch(ahead)
+        session.read_aheads.clear()
         log.info(
             "sidecar_session_dropped",
             client=session.label,

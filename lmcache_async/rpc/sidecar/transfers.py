@@ -59,6 +59,7 @@ from lmcache_async.keys.chunks import ChunkSpan
 from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import AllocationBudget, MemoryObj
 from lmcache_async.rpc.protocol import Message, MessageType, tenant_of
+from lmcache_async.rpc.sidecar import read_ahead
 from lmcache_async.rpc.sidecar.fields import (
     checksums_field,
     flag_field,
@@ -282,11 +283,19 @@ class TransferHandlers:
             # Waiting for a prefetch, for memory and for the tiers, all within patience.
             with anyio.move_on_after(patience):
                 # A later part of a streamed load was counted (and its prefetch waited
-                # for) with the first.
+                # for) with the first; without a lookup id, it may have been read ahead.
                 serving = part > 0 or await load.begin(scoped)
-                if serving and keys:
-                    with budget.scope():
-                        objs = await load.reserve(keys[:limit], locations, scoped)
+                ahead = None
+                if serving and keys and part > 0 and scoped is None:
+                    ahead = await read_ahead.take(session, load, keys[0])
+                try:
+                    if serving and keys:
+                        with budget.scope():
+                            pinned = scoped if ahead is None else ahead
+                            objs = await load.reserve(keys[:limit], locations, pinned)
+                finally:
+                    if ahead is not None:
+                        load.drop_prefetch(ahead)  # the part holds its payloads now
                 # More to come: the part was full, or cut short for memory it held (the
                 # next part starts holding none); not after a miss or a refusal.
                 more = (
@@ -294,6 +303,8 @@ class TransferHandlers:
                     and 0 < len(objs) < len(keys)
                     and (len(objs) == limit or (budget.cut and not budget.refused))
                 )
+            if more and scoped is None:
+                read_ahead.start(session, load, keys[len(objs) : len(objs) + limit], locations)
         finally:
             if lookup_id is not None and not more:
                 # The payloads are referenced now: the pins have done their job.
