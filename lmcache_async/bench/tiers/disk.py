@@ -17,7 +17,7 @@ import torch
 
 from lmcache_async import ChunkKey, InvalidInputError, TierError
 from lmcache_async.backends.disk import DiskBackend
-from lmcache_async.backends.record import RecordSpec, tensor_bytes
+from lmcache_async.backends.record import RecordSpec
 from lmcache_async.bench import gbps
 from lmcache_async.bench.tiers.common import (
     BENCH_DTYPE,
@@ -169,7 +169,7 @@ async def _disk_run(
     nbytes = sum(obj.nbytes for obj in sources)
     spans = [(start, min(start + batch, len(keys))) for start in range(0, len(keys), batch)]
     raw_paths = [raw_dir / f"{i:06d}.bin" for i in range(len(keys))]
-    views = [tensor_bytes(obj.tensor) for obj in sources]
+    views = [obj.data for obj in sources]
     tiers: list[DiskBackend] = []
     scratch = pool.allocate_nowait((min(batch, len(keys)) * views[0].nbytes,), torch.uint8)
     if scratch is None:
@@ -187,7 +187,7 @@ async def _disk_run(
                     )
                 )
         await anyio.to_thread.run_sync(functools.partial(raw_dir.mkdir, parents=True))
-        dest = tensor_bytes(scratch.tensor)
+        dest = scratch.data
 
         async def raw_write(lo: int, hi: int) -> None:
             await anyio.to_thread.run_sync(_raw_write, raw_paths[lo:hi], views[lo:hi])

@@ -29,7 +29,7 @@ MOST_AHEAD: Final = 4
 
 
 def start(
-    session: Session, load: LoadCore, keys: Sequence[ChunkKey], locations: Sequence[str] | None
+    session: Session, load: LoadCore, keys: Sequence[ChunkKey], locations: tuple[str, ...] | None
 ) -> None:
     """Start reading ``keys`` (a next part) into host memory for ``session``, unless the
     part is being read ahead already, the session has :data:`MOST_AHEAD` parts ahead, or
@@ -37,7 +37,7 @@ def start(
     if not keys or keys[0] in session.read_aheads or len(session.read_aheads) >= MOST_AHEAD:
         return
     ahead = ("sidecar-ahead", session.identity, keys[0])
-    if load.prefetch(keys, tuple(locations) if locations is not None else None, ahead):
+    if load.prefetch(keys, locations, ahead):
         session.read_aheads[keys[0]] = ahead
 
 
