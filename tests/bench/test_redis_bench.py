@@ -173,9 +173,22 @@ def _check_figures(results: dict[str, Any], rounds: int, chunks: int) -> None:
 
 def test_the_plain_fault_in_writes_the_bytes_twice_and_unmaps_them() -> None:
     before = _mapped_bytes()
-    first, again = plain_fault_in(64 << 20)
+    seen: list[str] = []
+    first, again = plain_fault_in(64 << 20, lambda address: seen.append(_mode_at(address)))
     assert first > 0 and again > 0
+    # Private, as the pool's host memory: a shared map is shmem, under other huge-page rules.
+    assert seen == ["rw-p"]
     assert _mapped_bytes() < before + (64 << 20)  # the mapping is gone
+
+
+def _mode_at(address: int) -> str:
+    """The permissions column of ``/proc/self/maps`` for the mapping holding ``address``."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, mode = line.split()[:2]
+        low, high = (int(part, 16) for part in span.split("-"))
+        if low <= address < high:
+            return mode
+    pytest.skip("no /proc/self/maps here")
 
 
 def _mapped_bytes() -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import mmap
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any, Final, TextIO
 
 import anyio
@@ -56,11 +57,18 @@ def pool_bytes(options: RedisBenchOptions) -> int:
     return max(_MIN_POOL, 4 * options.request_bytes)
 
 
-def plain_fault_in(nbytes: int) -> tuple[float, float]:
+def plain_fault_in(
+    nbytes: int, on_written: Callable[[int], None] | None = None
+) -> tuple[float, float]:
     """Seconds for one thread to write ``nbytes`` into a fresh anonymous mapping (each page
     faulted in by the write, huge pages asked for as the pool asks), then into the same
-    pages again (resident). Blocking: run in a thread."""
-    with mmap.mmap(-1, nbytes + _HUGE_PAGE) as fresh:
+    pages again (resident). ``on_written(address)`` runs between the two writes (tests
+    look at the mapping there). Blocking: run in a thread.
+
+    The mapping is private, as the pool's host memory is (``mmap``'s default for an
+    anonymous map is shared memory, which gets huge pages only where the kernel's
+    ``shmem_enabled`` says so)."""
+    with mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as fresh:
         whole = np.frombuffer(fresh, dtype=np.uint8)
         skip = -whole.ctypes.data % _HUGE_PAGE  # start on a huge-page boundary
         view = whole[skip : skip + nbytes]
@@ -68,6 +76,8 @@ def plain_fault_in(nbytes: int) -> tuple[float, float]:
         began = time.perf_counter()
         view.fill(1)
         first = time.perf_counter() - began
+        if on_written is not None:
+            on_written(view.ctypes.data)
         began = time.perf_counter()
         view.fill(2)
         again = time.perf_counter() - began
