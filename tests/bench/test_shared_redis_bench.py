@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_async.bench.shared_redis import PHASES, SharedRedisOptions, format_shared_redis
+from lmcache_async.bench.shared_redis.bench import make_prompts, make_warmups
 from lmcache_async.bench.shared_redis.report import Answer, counter_deltas, summarise
 from lmcache_async.bench.shared_redis.sidecar import SidecarProcess, _ping, parse_metrics
 from lmcache_async.cli import main
@@ -29,6 +30,8 @@ pytestmark = pytest.mark.usefixtures("restore_logging")
         ({"suffix_tokens": 64}, "below chunk_size"),
         ({"max_tokens": True}, "max_tokens must be an int"),
         ({"seed": 1.5}, "seed must be an int"),
+        ({"warmup_prompts": -1}, "warmup_prompts must be an int >= 0"),
+        ({"warmup_prompts": True}, "warmup_prompts must be an int >= 0"),
     ],
 )
 def test_bad_settings_are_refused(changes: dict[str, object], message: str) -> None:
@@ -50,8 +53,20 @@ def test_the_sizes_fit_one_request_and_every_prompt() -> None:
     assert options.max_model_len == 1056
     assert options.vllm_blocks * options.block_size > options.max_model_len
     assert options.chunks == 9 * 16
+    assert options.redis_chunks == (9 + 2 * options.warmup_prompts) * 16  # both hosts' warm-ups
     kv = 4096
-    assert options.cpu_tier_gb(kv) * 1024**3 >= 9 * options.prompt_tokens * kv
+    prompts = 9 + options.warmup_prompts  # a host's own warm-ups stay in its RAM too
+    assert options.cpu_tier_gb(kv) * 1024**3 >= prompts * options.prompt_tokens * kv
+
+
+def test_each_host_warms_up_on_prompts_no_other_prompt_shares_a_chunk_with() -> None:
+    options = SharedRedisOptions(prefixes=3, prefix_tokens=128, warmup_prompts=2)
+    measured = make_prompts(options, 1000)
+    warmups = {host: make_warmups(options, 1000, host) for host in ("a", "b")}
+    assert [len(p) for p in warmups["a"] + warmups["b"]] == [options.prompt_tokens] * 4
+    assert make_warmups(options, 1000, "a") == warmups["a"]  # seeded
+    firsts = [tuple(p[: options.chunk_size]) for p in measured + warmups["a"] + warmups["b"]]
+    assert len(set(firsts)) == len(firsts)  # every first chunk differs: no shared prefix
 
 
 def test_metrics_become_counts_and_mean_latencies_by_operation() -> None:
@@ -89,7 +104,12 @@ def test_the_report_sets_every_phase_beside_a_warm() -> None:
         "b-warm": _answers(40, 1024),
     }
     results = summarise(
-        options, answers, {"b-redis": {"promises": 2.0}}, redis_wait_s=0.1, redis_keys=144
+        options,
+        answers,
+        {"b-redis": {"promises": 2.0}},
+        redis_wait_s=0.1,
+        redis_keys=144,
+        idle_wait_s={"a-cold": 0.25, "b-redis": 1.2},
     )
     assert list(results["phases"]) == list(PHASES)
     assert results["phases"]["a-warm"]["ttft_ms"]["mean"] == pytest.approx(60.0)
@@ -100,6 +120,8 @@ def test_the_report_sets_every_phase_beside_a_warm() -> None:
     text = format_shared_redis(results)
     assert "B from Redis / A warm: 1.25x (goal <= 1.5x: met)" in text
     assert "sidecar b-redis: promises 2" in text
+    assert "both hosts were idle, after: a-cold 0.2 s, b-redis 1.2 s" in text
+    assert "warmed up first on 4 prompts of its own, twice" in text
 
 
 def test_the_report_names_misses_and_different_tokens() -> None:

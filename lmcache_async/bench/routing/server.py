@@ -140,6 +140,12 @@ class VllmServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The process's id while it runs (its children are its own)."""
+        process = self._process
+        return None if process is None or process.poll() is not None else process.pid
+
     def log_tail(self, size: int = 6000) -> str:
         return log_tail(self.log_path, size)
 

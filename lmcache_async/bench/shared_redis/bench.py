@@ -10,7 +10,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Final, TextIO
@@ -22,6 +22,7 @@ from lmcache_async.bench.routing.bench import ROUTING_MODEL, kv_bytes_per_token
 from lmcache_async.bench.routing.server import START_TIMEOUT, VllmServer, connector_config
 from lmcache_async.bench.routing.workload import FIRST_TOKEN
 from lmcache_async.bench.shared_redis.options import PHASES, SharedRedisOptions
+from lmcache_async.bench.shared_redis.quiet import wait_idle
 from lmcache_async.bench.shared_redis.report import Answer, counter_deltas, summarise
 from lmcache_async.bench.shared_redis.sidecar import READY_TIMEOUT, SidecarProcess
 from lmcache_async.bench.tiers.local import local_redis, tempfile_directory
@@ -59,10 +60,21 @@ def _say(stream: TextIO | None, text: str) -> None:
 
 def make_prompts(options: SharedRedisOptions, vocab_size: int) -> list[list[int]]:
     """The warm-up prompt and then ``prefixes`` more, each of random tokens (seeded)."""
-    rng = random.Random(f"shared-redis-{options.seed}")
+    return _random_prompts(options, vocab_size, options.prefixes + 1, "")
+
+
+def make_warmups(options: SharedRedisOptions, vocab_size: int, host: str) -> list[list[int]]:
+    """``host``'s own warm-up prompts (seeded; none shares a chunk with another's)."""
+    return _random_prompts(options, vocab_size, options.warmup_prompts, f"-warmup-{host}")
+
+
+def _random_prompts(
+    options: SharedRedisOptions, vocab_size: int, count: int, kind: str
+) -> list[list[int]]:
+    rng = random.Random(f"shared-redis-{options.seed}{kind}")
     return [
         [rng.randrange(FIRST_TOKEN, vocab_size) for _ in range(options.prompt_tokens)]
-        for _ in range(options.prefixes + 1)
+        for _ in range(count)
     ]
 
 
@@ -155,10 +167,24 @@ async def run_shared_redis_bench(
                 async with anyio.create_task_group() as group:
                     for host in hosts.values():
                         group.start_soon(_in_thread, host.start, _START_LIMIT)
+                for name, host in hosts.items():
+                    warmups = make_warmups(options, info.vocab_size, name)
+                    _say(
+                        progress_stream, f"warming {name.upper()} up: {len(warmups)} prompts, twice"
+                    )
+                    await _warm_up(host, warmups, options)
                 return await _phases(options, hosts, prompts, redis_url, progress_stream)
             finally:
                 for host in hosts.values():
                     host.stop()
+
+
+async def _warm_up(
+    host: _Host, prompts: Sequence[Sequence[int]], options: SharedRedisOptions
+) -> None:
+    """``prompts`` to ``host`` twice: computed, then hits in its RAM; nothing kept."""
+    for _ in range(2):
+        await _send(host.server, prompts, options.max_tokens)
 
 
 async def _phases(
@@ -173,35 +199,53 @@ async def _phases(
     counters: dict[str, dict[str, float]] = {}
     redis_wait = 0.0
     redis_keys = 0
+    idle: dict[str, float] = {}
     for phase in PHASES:
         host = a if phase.startswith("a-") else b
         if phase == "b-redis":
             _say(stream, "waiting for A's writes to reach Redis")
-            redis_wait, redis_keys = await _await_redis(a.sidecar, redis_url, options.chunks)
+            redis_wait, redis_keys = await _await_redis(
+                [a.sidecar, b.sidecar], redis_url, options.redis_chunks
+            )
+        idle[phase] = await wait_idle(lambda: _pids(hosts.values()))
         _say(stream, f"{phase}: {len(prompts) - 1} prompts (+1 warm-up) to {phase[0].upper()}")
         before = await host.sidecar.metrics()
-        answers[phase] = await _send(host.server, prompts, options.max_tokens)
+        answers[phase] = (await _send(host.server, prompts, options.max_tokens))[1:]
         counters[phase] = counter_deltas(before, await host.sidecar.metrics())
-    return summarise(options, answers, counters, redis_wait_s=redis_wait, redis_keys=redis_keys)
+    return summarise(
+        options,
+        answers,
+        counters,
+        redis_wait_s=redis_wait,
+        redis_keys=redis_keys,
+        idle_wait_s=idle,
+    )
+
+
+def _pids(hosts: Iterable[_Host]) -> list[int]:
+    """The running sidecars' and servers' process ids."""
+    pids = (pid for host in hosts for pid in (host.sidecar.pid, host.server.pid))
+    return [pid for pid in pids if pid is not None]
 
 
 async def _send(
     server: VllmServer, prompts: Sequence[Sequence[int]], max_tokens: int
 ) -> list[Answer]:
-    """Each prompt one at a time; the first (the warm-up) is not kept."""
+    """Each prompt one at a time, its answer numbered by its place in ``prompts``."""
     answers: list[Answer] = []
     for number, prompt in enumerate(prompts):
         with anyio.fail_after(REQUEST_TIMEOUT):
             got = await server.first_token(prompt, max_tokens=max_tokens, token_ids=True)
-        if number:
-            answers.append(
-                Answer(number, got.seconds, got.prompt_tokens, got.cached_tokens, got.token_ids)
-            )
+        answers.append(
+            Answer(number, got.seconds, got.prompt_tokens, got.cached_tokens, got.token_ids)
+        )
     return answers
 
 
-async def _await_redis(sidecar: SidecarProcess, redis_url: str, chunks: int) -> tuple[float, int]:
-    """Wait until A's sidecar has no slow-tier write queued and Redis holds at least
+async def _await_redis(
+    sidecars: Sequence[SidecarProcess], redis_url: str, chunks: int
+) -> tuple[float, int]:
+    """Wait until no sidecar has a slow-tier write queued and Redis holds at least
     ``chunks`` keys; return the seconds waited and the keys. After :data:`REDIS_TIMEOUT`
     seconds, what is there is returned (the report shows B's misses)."""
     import redis.asyncio  # noqa: PLC0415
@@ -212,7 +256,10 @@ async def _await_redis(sidecar: SidecarProcess, redis_url: str, chunks: int) -> 
         keys = 0
         with anyio.move_on_after(REDIS_TIMEOUT):
             while True:
-                pending = (await sidecar.metrics()).get("lmcache_async_tier_writes_pending", 0.0)
+                pending = 0.0
+                for sidecar in sidecars:
+                    metrics = await sidecar.metrics()
+                    pending += metrics.get("lmcache_async_tier_writes_pending", 0.0)
                 keys = int(await client.dbsize())
                 if not pending and keys >= chunks:
                     break

@@ -42,6 +42,10 @@ class SharedRedisOptions:
     computed, so the whole prefix can hit."""
     max_tokens: int = 8
     """Tokens generated (greedy) per request; A's warm ones and B's are compared."""
+    warmup_prompts: int = 4
+    """Prompts of its own each host serves twice (computed, then a hit in its RAM) before
+    the phases, uncounted, so that neither server is timed on its first requests: without
+    them A's warm hits would follow nine requests of its own and B's Redis hits one."""
     seed: int = 0
     block_size: int = 32
     """vLLM's block size."""
@@ -60,6 +64,14 @@ class SharedRedisOptions:
             InvalidInputError: a count is not a positive int, a chunk that is not whole
                 blocks, a prefix that is not whole chunks, or a suffix not below a chunk.
         """
+        if (
+            isinstance(self.warmup_prompts, bool)
+            or not isinstance(self.warmup_prompts, int)
+            or self.warmup_prompts < 0
+        ):
+            raise InvalidInputError(
+                f"warmup_prompts must be an int >= 0, got {self.warmup_prompts!r}"
+            )
         for name in (
             "prefixes",
             "prefix_tokens",
@@ -97,11 +109,22 @@ class SharedRedisOptions:
     @property
     def chunks(self) -> int:
         """Chunks every prompt, the warm-up one too, stores."""
-        return (self.prefixes + 1) * (self.prefix_tokens // self.chunk_size)
+        return (self.prefixes + 1) * self._prompt_chunks
+
+    @property
+    def redis_chunks(self) -> int:
+        """Chunks in Redis before B is asked: A's prompts and both hosts' warm-up ones."""
+        return self.chunks + 2 * self.warmup_prompts * self._prompt_chunks
+
+    @property
+    def _prompt_chunks(self) -> int:
+        return self.prefix_tokens // self.chunk_size
 
     def cpu_tier_gb(self, kv_bytes_per_token: int) -> float:
-        """Each sidecar's RAM tier (GB of 1024**3 bytes): every prompt's KV, with slack."""
-        nbytes = (self.prefixes + 1) * self.prompt_tokens * kv_bytes_per_token
+        """Each sidecar's RAM tier (GB of 1024**3 bytes): every prompt's KV, its own
+        warm-up prompts' too, with slack."""
+        prompts = self.prefixes + 1 + self.warmup_prompts
+        nbytes = prompts * self.prompt_tokens * kv_bytes_per_token
         return _CPU_TIER_SLACK * nbytes / GB
 
     def as_dict(self) -> dict[str, Any]:

@@ -69,9 +69,11 @@ def summarise(
     *,
     redis_wait_s: float,
     redis_keys: int,
+    idle_wait_s: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The results: the settings, each phase's figures, the ratios, whether A's warm and
-    B's tokens match, the sidecars' counters by phase and any problem."""
+    B's tokens match, the seconds each phase waited for both hosts to be idle
+    (:mod:`~.quiet`), the sidecars' counters by phase and any problem."""
     phases = {name: _phase(answers.get(name, ())) for name in PHASES if name in answers}
     warm = phases.get("a-warm", {}).get("ttft_ms", {}).get("mean", math.nan)
     ratios = {name: figures["ttft_ms"]["mean"] / warm for name, figures in phases.items()}
@@ -85,6 +87,7 @@ def summarise(
         "same_tokens_a_cold_b": _same_tokens(answers.get("a-cold", ()), answers.get("b-redis", ())),
         "redis_wait_s": redis_wait_s,
         "redis_keys": redis_keys,
+        "idle_wait_s": dict(idle_wait_s or {}),
         "sidecar_counters": {name: dict(values) for name, values in counters.items()},
     }
     results["problems"] = _problems(options, phases, results)
@@ -156,7 +159,8 @@ def format_shared_redis(results: Mapping[str, Any]) -> str:
     lines = [
         f"two hosts through one Redis: {options['prefixes']} prompts of "
         f"{options['prefix_tokens']}+{options['suffix_tokens']} tokens, chunk "
-        f"{options['chunk_size']}, {options['max_tokens']} tokens generated",
+        f"{options['chunk_size']}, {options['max_tokens']} tokens generated; each host "
+        f"warmed up first on {options['warmup_prompts']} prompts of its own, twice",
         format_table(header, rows),
         f"B from Redis / A warm: {format_finite(ratio, '.2f')}x (goal <= {results['goal']}x: "
         f"{verdict}); A cold / A warm: "
@@ -165,6 +169,9 @@ def format_shared_redis(results: Mapping[str, Any]) -> str:
         f"{results['same_tokens_a_cold_b']}",
         f"A's writes in Redis after {results['redis_wait_s']:.2f} s ({results['redis_keys']} keys)",
     ]
+    if results["idle_wait_s"]:
+        waits = ", ".join(f"{k} {v:.1f} s" for k, v in results["idle_wait_s"].items())
+        lines.append(f"each phase began once both hosts were idle, after: {waits}")
     for name, counts in results["sidecar_counters"].items():
         shown = ", ".join(f"{k} {v:.4g}" for k, v in counts.items() if v)
         lines.append(f"sidecar {name}: {shown or 'nothing'}")

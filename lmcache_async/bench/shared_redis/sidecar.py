@@ -59,6 +59,12 @@ class SidecarProcess:
         self.metrics_port = 0
         self._process: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The process's id while it runs (its children are its own)."""
+        process = self._process
+        return None if process is None or process.poll() is not None else process.pid
+
     def log_tail(self, size: int = 4000) -> str:
         return log_tail(self.log_path, size)
 
