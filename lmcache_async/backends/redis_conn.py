@@ -11,9 +11,10 @@ connection unhealthy until :meth:`RedisConnection.ping` gets an answer again; re
 reconnects by itself once the server is back. Other server errors become
 :class:`~lmcache_async.errors.TierError`.
 
-The values themselves (the bulk ``GET`` and ``SET NX`` of records) travel on connections
-of the tier's own (:mod:`.redis_wire`), opened with redis-py's settings and under the same
-deadlines and error mapping (:meth:`RedisConnection.guard`); a malformed reply there is a
+The values themselves (the bulk ``GET`` and ``SET NX`` of records), and the ``EXISTS``
+before them, travel on connections of the tier's own (:mod:`.redis_wire`), opened with
+redis-py's settings and under the same deadlines and error mapping
+(:meth:`RedisConnection.guard`); a malformed reply there is a
 :class:`~lmcache_async.errors.ProtocolError`, which marks the connection unhealthy too.
 """
 
@@ -316,11 +317,13 @@ class RedisConnection:
         return await self.call(op, run, nbytes)
 
     async def exists(self, rkeys: Sequence[bytes]) -> list[bool]:
-        def build(pipe: Any) -> None:
-            for rkey in rkeys:
-                pipe.execute_command("EXISTS", rkey)
+        """Whether each of ``rkeys`` is stored, in one pipelined round trip per server on
+        the bulk path (a key another cluster node serves counts as absent).
 
-        return [bool(n) for n in await self.pipelined("exists", build)]
+        Raises:
+            As :meth:`call`.
+        """
+        return await self.call("exists", lambda: self.wire.exists(rkeys))
 
     async def unlink(self, rkeys: Sequence[bytes]) -> int:
         return sum(await self.unlink_each(rkeys))

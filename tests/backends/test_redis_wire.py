@@ -264,6 +264,12 @@ async def test_values_round_trip_byte_exact_on_every_url_form(
     with anyio.fail_after(60):
         assert await env.tier.put(keys, objs) == len(keys)
         await assert_round_trip(env, keys, objs)
+        # EXISTS on the bulk path too: each key's answer in its place, on every node.
+        missing = [key(i, salt=1) for i in range(3)]
+        asked = [missing[0], *keys[:5], missing[1], *keys[5:], missing[2]]
+        present = await env.tier._conn.exists([rkey(k) for k in asked])
+        assert present == [k not in missing for k in asked]
+        assert await env.tier.contains_prefix([*keys, missing[0], *keys]) == len(keys)
     wire = env.tier._conn.wire
     assert wire.in_use == 0
     if kind == "cluster":
@@ -548,6 +554,8 @@ class FakeRedis:
                 if name == b"GET":
                     if not await self._get(args[1], writer):
                         return
+                elif name == b"EXISTS" and self.mode == "garbled":
+                    writer.write(b"$3\r\nyes\r\n")  # not an integer
                 elif name == b"EXISTS":
                     writer.write(b":%d\r\n" % sum(arg in self.values for arg in args[1:]))
                 elif name in (b"UNLINK", b"DEL"):
@@ -632,6 +640,25 @@ async def test_a_server_failing_mid_value_costs_a_miss_within_the_deadline(
             if got[0] is not None:
                 got[0].unref()
         assert env.live() == before and env.tier.stats().corrupt == 0
+        await env.tier.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_garbled_exists_reply_marks_the_tier_down_until_it_answers_again(
+    open_tier: Opener,
+) -> None:
+    async with FakeRedis({rkey(key(1)): b"x"}) as fake:
+        env = await open_tier(f"redis://127.0.0.1:{fake.port}", max_bytes=MIB, timeout=0.5)
+        with anyio.fail_after(10):
+            assert await env.tier.contains_prefix([key(1), key(2)]) == 1
+            fake.mode = "garbled"
+            with pytest.raises(TierUnavailableError, match="EXISTS"):
+                await env.tier.contains_prefix([key(1)])
+            assert not env.tier.healthy()
+            assert env.tier._conn.wire.in_use == 0 and not env.tier._conn.wire.idle
+            fake.mode = "ok"
+            assert await env.tier.check_health()
+            assert await env.tier.contains_prefix([key(1), key(2)]) == 1
         await env.tier.aclose()
 
 

@@ -2,13 +2,14 @@
 of its own, the bytes of each value received into, and sent from, the memory where the
 chunk lies (a pool page), with nothing assembled in between.
 
-redis-py keeps every other call (``EXISTS``, ``UNLINK``, scripts, ``SCAN``, ``PING``) and
-the settings this path reuses: the server's address, TLS context and credentials, a
-cluster's slot map. :mod:`.stream` is one connection (an :class:`asyncio.BufferedProtocol`
-that hands the transport the destination of the value being read), :mod:`.resp` the
-little of RESP2 spoken, :mod:`.endpoints` where to connect and how to log in,
-:mod:`.gets` and :mod:`.sets` the two pipelined loops, :mod:`.client` the connections
-kept and a cluster call split by node, :mod:`.overlap` the stages run side by side.
+It also asks which keys exist (``EXISTS``, before a put's payloads and for a lookup).
+redis-py keeps every other call (``UNLINK``, scripts, ``SCAN``, ``PING``) and the settings
+this path reuses: the server's address, TLS context and credentials, a cluster's slot map.
+:mod:`.stream` is one connection (an :class:`asyncio.BufferedProtocol` that hands the
+transport the destination of the value being read), :mod:`.resp` the little of RESP2
+spoken, :mod:`.endpoints` where to connect and how to log in, :mod:`.gets`, :mod:`.sets`
+and :mod:`.exists` the pipelined loops, :mod:`.client` the connections kept and a cluster
+call split by node, :mod:`.overlap` the stages run side by side.
 What a record is (header, checksum, codec) stays with the callers
 (:mod:`lmcache_async.backends.redis_records`): this package moves bytes.
 

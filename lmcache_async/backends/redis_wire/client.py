@@ -27,6 +27,7 @@ from redis.crc import key_slot
 from lmcache_async.logging import get_logger
 
 from .endpoints import Endpoint, open_stream
+from .exists import exists_each
 from .gets import ValueSink, get_values
 from .overlap import concurrently
 from .resp import ReplyError
@@ -82,6 +83,17 @@ class WireClient:
             )
 
         await self._spread("get", rkeys, work)
+
+    async def exists(self, rkeys: Sequence[bytes]) -> list[bool]:
+        """Whether the server holds each of ``rkeys``: a pipelined round trip per server,
+        the servers at once. A key another cluster node serves counts as absent."""
+        present = [False] * len(rkeys)
+
+        async def work(stream: WireStream, picks: list[int]) -> list[ReplyError]:
+            return await exists_each(stream, [rkeys[p] for p in picks], picks, present)
+
+        await self._spread("exists", rkeys, work)
+        return present
 
     async def set(
         self,
