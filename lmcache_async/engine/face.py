@@ -120,6 +120,7 @@ class CacheEngine(Queries, TierControls):
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         if self.config.prefault_pool:
             self._parts.pool.prefault()  # a thread: the start does not wait for it
+        self._parts.transfers.start_threads()  # nor for these
         slow = await open_slow_tiers(self.config, self._parts.pool, self.record_spec())
         self._parts.manager.attach_slow_tiers(slow)
         await stack.enter_async_context(self._parts.store_pipe)

@@ -120,6 +120,7 @@ async def test_a_flood_of_slow_requests_leaves_every_other_client_served(
         "copy": True,
         "timeout": 1e9,
     }
+    await served_exactly(sidecar.url, salt=3000 + flood)  # the engine open, its threads up
     baseline = threads_of(sidecar)
     before = await busy_count(sidecar.url)
     hostile: list[RawClient] = []

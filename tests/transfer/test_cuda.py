@@ -112,6 +112,35 @@ async def test_small_copies_run_inline_and_large_ones_on_copy_threads() -> None:
         await transfers.run(work, [1], device=CPU, direction=Direction.LOAD, nbytes=1, timeout=1)
 
 
+async def test_copy_threads_started_ahead_serve_the_first_copy_and_end_on_close() -> None:
+    def copy_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("lmcache-copy")]
+
+    transfers = Transfers(inline_bytes=1000, workers=3)
+    assert copy_threads() == []  # none before they are asked for
+    try:
+        transfers.start_threads()
+        started = copy_threads()
+        assert len(started) == 3
+        transfers.start_threads()  # a second call starts no more
+        seen: set[str] = set()
+
+        def work(jobs: list[int]) -> None:
+            seen.add(threading.current_thread().name)
+
+        with anyio.fail_after(5):
+            await transfers.run(
+                work, [1, 2, 3], device=CPU, direction=Direction.STORE, nbytes=5000, timeout=5
+            )
+        assert seen and seen <= {t.name for t in started}  # the first copy ran on them
+        assert copy_threads() == started  # and started none
+    finally:
+        transfers.close()
+    assert copy_threads() == []
+    with pytest.raises(EngineClosedError):
+        transfers.start_threads()
+
+
 async def test_a_copy_that_spreads_itself_runs_whole_in_one_copy_thread() -> None:
     transfers = Transfers(inline_bytes=1000, workers=2)
     seen: list[tuple[str, list[int]]] = []

@@ -100,13 +100,14 @@ class RemoteCacheEngine(MoveCalls, ConnectionState):
         self._conn = Connection(settings)
         self._lends = Lends(self._conn.timeout)
         self._ahead = StoresAhead()
+        # The payloads are the server's shared memory or local buffers, never pinned:
+        # CUDA copies are queued off the event loop.
+        self._transfers = Transfers(inline_bytes=DEFAULT_INLINE_COPY_BYTES, host_pinned=False)
         self._data = DataPath(
             self._conn,
             layout,
             KVCacheViews(layout),  # the serving engine's caches, checked once
-            # The payloads are the server's shared memory or local buffers, never pinned:
-            # CUDA copies are queued off the event loop.
-            Transfers(inline_bytes=DEFAULT_INLINE_COPY_BYTES, host_pinned=False),
+            self._transfers,
             lends=self._lends,
             ahead=self._ahead,
         )
@@ -182,6 +183,7 @@ class RemoteCacheEngine(MoveCalls, ConnectionState):
 
     async def _start(self, task_group: TaskGroup, require_server: bool) -> None:
         await self._conn.start(task_group, require_server)
+        self._transfers.start_threads()  # not waited for: the first copy finds them up
 
     async def aclose(self) -> None:
         """Close the socket, unmap the segment and stop the copy threads; idempotent.
