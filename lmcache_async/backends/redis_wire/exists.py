@@ -2,9 +2,9 @@
 in order.
 
 A put asks which of its keys the server holds before it sends their payloads, and a lookup
-how many leading keys it holds. Through redis-py's pipeline, eight keys took 0.8 ms of a
-put's time (building the pipeline's commands and parsing its replies in Python), against a
-round trip of about 0.1 ms here.
+how many leading keys it holds. Through redis-py's pipeline, eight keys took 0.78 ms of a
+sidecar's put (building the pipeline's commands and parsing its replies in Python); here
+0.26 ms in an engine, 0.37-0.43 ms in a sidecar beside the put's encoding thread.
 """
 
 from __future__ import annotations
