@@ -30,9 +30,9 @@ from lmcache_async.memory.pool import MemoryObj, MemoryPool, waited_in_vain
 from ..errors import AllocationTimeoutError, ForeignRecordError, IntegrityError
 from .codec import Codec
 from .record import PREFIX_SIZE, RecordHeader, RecordSpec, payload_hasher
-from .redis_wire import BulkValue, overlapped
+from .redis_wire import BulkValue
 
-__all__ = ["INLINE_BYTES", "RecordLoader", "RecordLoads", "overlapped"]
+__all__ = ["INLINE_BYTES", "RecordLoader", "RecordLoads"]
 
 log = get_logger(__name__)
 

@@ -31,7 +31,6 @@ from lmcache_async.backends.redis import (
     RedisBackend,
     parse_remote_url,
 )
-from lmcache_async.backends.redis_records import overlapped
 from lmcache_async.errors import (
     ConfigError,
     EngineClosedError,
@@ -408,47 +407,6 @@ async def test_cancelled_calls_leak_nothing(redis_server: RedisServer, open_tier
         )
     finally:
         release(objs, got)
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("failing", ["first", "second"])
-async def test_overlapped_stages_raise_the_error_itself(failing: str) -> None:
-    seen: list[int] = []
-
-    async def first(n: int) -> int:
-        if failing == "first" and n == 2:
-            raise TierUnavailableError("fetch failed")
-        return n * 10
-
-    async def second(n: int, item: int) -> bool:
-        if failing == "second" and n == 1:
-            raise TierUnavailableError("send failed")
-        seen.append(item)
-        return False
-
-    with anyio.fail_after(5), pytest.raises(TierUnavailableError):
-        await overlapped(5, first, second)
-    assert seen == ([0, 10] if failing == "first" else [0])
-
-
-@pytest.mark.anyio
-async def test_overlapped_stops_when_asked_and_keeps_order() -> None:
-    started: list[int] = []
-    seen: list[int] = []
-
-    async def first(n: int) -> int:
-        started.append(n)
-        await anyio.sleep(0.001 * (5 - n))  # later items are ready sooner
-        return n
-
-    async def second(n: int, item: int) -> bool:
-        seen.append(item)
-        return n == 2
-
-    with anyio.fail_after(5):
-        await overlapped(6, first, second)
-    assert seen == [0, 1, 2]
-    assert max(started) <= 3, "at most one item is produced ahead"
 
 
 # -- standalone put: SET commands written from the objects' memory --------------------------

@@ -9,7 +9,7 @@ this path reuses: the server's address, TLS context and credentials, a cluster's
 transport the destination of the value being read), :mod:`.resp` the little of RESP2
 spoken, :mod:`.endpoints` where to connect and how to log in, :mod:`.gets`, :mod:`.sets`
 and :mod:`.exists` the pipelined loops, :mod:`.client` the connections kept and a cluster
-call split by node, :mod:`.overlap` the stages run side by side.
+call split by node, :mod:`.overlap` tasks run side by side.
 What a record is (header, checksum, codec) stays with the callers
 (:mod:`lmcache_async.backends.redis_records`): this package moves bytes.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .client import MAX_IDLE, WireClient
 from .gets import BulkValue, ValueSink
-from .overlap import concurrently, overlapped
+from .overlap import concurrently
 from .sets import Encode, Outgoing, Replied
 from .stream import SCRATCH_BYTES, WRITE_PIECE, WireStream
 
@@ -37,5 +37,4 @@ __all__ = [
     "WireClient",
     "WireStream",
     "concurrently",
-    "overlapped",
 ]
