@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -205,3 +207,12 @@ def module_workers(
 def prompt_tokens() -> Callable[[int], list[int]]:
     """The prompt formula the workers use."""
     return prompt
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A fresh directory under /tmp, removed after the test: ipc socket paths must fit in
+    107 bytes, which pytest's own temporary directories can exceed."""
+    path = Path(tempfile.mkdtemp(prefix="lmc-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -8,9 +8,6 @@ the part before), so what is in the sidecar's memory before it asks was read ahe
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Final
@@ -29,18 +26,6 @@ from tests.rpc.test_sidecar_round_trips import held, on_disk
 pytestmark = pytest.mark.anyio
 
 TIMEOUT: Final = 30.0
-
-
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lmc-ra-", dir="/tmp"))  # ipc paths: 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

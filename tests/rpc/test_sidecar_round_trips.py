@@ -9,10 +9,8 @@ and checks the bytes loaded and what the sidecar holds afterwards.
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -37,13 +35,6 @@ TIMEOUT: Final = 30.0
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="lmc-rt-", dir="/tmp"))  # ipc paths: 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
