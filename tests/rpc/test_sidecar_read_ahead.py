@@ -1,5 +1,6 @@
 """A streamed load's next part read ahead by the sidecar (:mod:`lmcache_async.rpc.sidecar.
-read_ahead`): in host memory before the client asks for it, exact, and let go when its
+read_ahead`): in host memory before the client asks for it, its reading started while the
+part before it is still read, exact, and let go when the load ends short of it or its
 session ends.
 
 The client here does not send its next part's RETRIEVE ahead (it asks once it has copied
@@ -16,6 +17,7 @@ import anyio
 import pytest
 import torch
 
+from lmcache_async.core import LoadCore
 from lmcache_async.rpc.client.connection import Connection
 from lmcache_async.rpc.client.copies import CopyPath
 from lmcache_async.rpc.sidecar import SidecarServer
@@ -78,6 +80,89 @@ async def test_the_next_part_is_in_memory_before_the_client_asks(
     assert torch.equal(payload_of(empty, slots), expected)
     assert in_memory == [4, 5, 5]  # parts 0, 1, 2: each found the next one read
     assert holds == (0, 0, 0)  # no transaction, lookup id or pin left
+
+
+async def test_the_next_part_is_read_while_the_part_before_it_is_still_read(
+    short_dir: Path, no_send_ahead: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Five chunks on disk, parts of two: each part's request starts the reading of the
+    # part after it before its own chunks are read, so the tier never waits between parts.
+    tokens = prompt(5 * CHUNK, 33)
+    kv, slots = kv_for(len(tokens), 33)
+    expected = payload_of(kv, slots)
+    empty, _ = kv_for(len(tokens), 34)
+    events: list[tuple[str, object]] = []
+    prefetch, reserve = LoadCore.prefetch, LoadCore.reserve
+
+    def watched_prefetch(self: LoadCore, keys: Any, *args: Any, **kw: Any) -> Any:
+        events.append(("read ahead", keys[0]))
+        return prefetch(self, keys, *args, **kw)
+
+    async def watched_reserve(self: LoadCore, keys: Any, *args: Any, **kw: Any) -> Any:
+        objs = await reserve(self, keys, *args, **kw)
+        events.append(("part read", keys[0]))
+        return objs
+
+    monkeypatch.setattr(LoadCore, "prefetch", watched_prefetch)
+    monkeypatch.setattr(LoadCore, "reserve", watched_reserve)
+    with anyio.fail_after(TIMEOUT):
+        async with on_disk(short_dir, tokens, kv, slots, pipeline_batch_chunks=2) as (
+            server,
+            client,
+        ):
+            engine = server.host.engine
+            assert engine is not None
+            keys = [span.key for span in (await engine.chunk_spans(tokens))[0]]
+            events.clear()
+            del engine
+            mask = await client.retrieve(tokens, kv_caches=empty, slot_mapping=slots)
+            await client.ping()
+            holds = held(server)
+    assert bool(mask.all())
+    assert torch.equal(payload_of(empty, slots), expected)
+    assert events == [
+        ("read ahead", keys[2]),
+        ("part read", keys[0]),
+        ("read ahead", keys[4]),
+        ("part read", keys[2]),
+        ("part read", keys[4]),
+    ]
+    assert holds == (0, 0, 0)
+
+
+async def test_a_part_read_ahead_for_a_load_that_ends_before_it_is_let_go(
+    short_dir: Path, no_send_ahead: None
+) -> None:
+    # Chunk 1 of five is gone: the first part ends the load at chunk 0, so the part read
+    # ahead from chunk 2 will never be asked for. Its pins go when the part is served, not
+    # when the session ends.
+    tokens = prompt(5 * CHUNK, 35)
+    kv, slots = kv_for(len(tokens), 35)
+    expected = payload_of(kv, slots[:CHUNK])
+    empty, _ = kv_for(len(tokens), 36)
+    with anyio.fail_after(TIMEOUT):
+        async with on_disk(short_dir, tokens, kv, slots, pipeline_batch_chunks=2) as (
+            server,
+            client,
+        ):
+            engine = server.host.engine
+            assert engine is not None
+            keys = [span.key for span in (await engine.chunk_spans(tokens))[0]]
+            assert await engine._parts.manager.remove([keys[1]]) == 1
+            mask = await client.retrieve(tokens, kv_caches=empty, slot_mapping=slots)
+            await client.ping()
+            sessions = list(server.sessions.by_identity.values())
+            for session in sessions:  # a part still read ahead: its reading over
+                for ahead in session.read_aheads.values():
+                    reading = engine.core.load.prefetching(ahead)
+                    if reading is not None:
+                        await reading.done.wait()
+            holds = held(server)
+            del engine  # nothing here holds on to the sidecar's memory
+    assert mask.tolist() == [True] * CHUNK + [False] * 4 * CHUNK
+    assert torch.equal(payload_of(empty, slots[:CHUNK]), expected)
+    assert [session.read_aheads for session in sessions] == [{}]
+    assert holds == (0, 0, 0)
 
 
 async def test_a_session_that_ends_lets_go_of_the_parts_read_for_it() -> None:

@@ -268,6 +268,7 @@ class TransferHandlers:
         budget = AllocationBudget(_allowance(header, engine.config.allocation_timeout, patience))
         objs: list[MemoryObj] = []
         more = False
+        started = next_first = None  # the part after this one, read ahead from the start
         try:
             locations = engine.check_locations(
                 locations_field(header, "retrieve_locations"), "retrieve_locations"
@@ -280,6 +281,8 @@ class TransferHandlers:
                 read = read_batch_chunks(most, self._chunk_bytes(engine))
                 first = load.batches(keys, len(keys), locations, read_batch=read)[0]
                 limit = min(most, len(first))
+                if scoped is None:
+                    started = read_ahead.start_next(session, load, keys, limit, locations)
             # Waiting for a prefetch, for memory and for the tiers, all within patience.
             with anyio.move_on_after(patience):
                 # A later part of a streamed load was counted (and its prefetch waited
@@ -304,8 +307,10 @@ class TransferHandlers:
                     and (len(objs) == limit or (budget.cut and not budget.refused))
                 )
             if more and scoped is None:
+                next_first = keys[len(objs)]
                 read_ahead.start(session, load, keys[len(objs) : len(objs) + limit], locations)
         finally:
+            read_ahead.settle(session, load, started, next_first)
             if lookup_id is not None and not more:
                 # The payloads are referenced now: the pins have done their job.
                 session.lookup_ids.discard(lookup_id)
