@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -30,7 +30,11 @@ from lmcache_async.errors import InvalidInputError, ProtocolError
 from lmcache_async.keys.block_hashes import BLOCK_HASH_INT_BYTES, MAX_BLOCK_HASH_BYTES
 from lmcache_async.keys.chunks import DIGEST_SIZE
 from lmcache_async.keys.tokens import TOKEN_BYTES, is_strict_int
-from lmcache_async.rpc.protocol import Message, MessageLimits, tokens_from_payload
+from lmcache_async.rpc.protocol import Message, MessageLimits, tenant_of, tokens_from_payload
+
+if TYPE_CHECKING:
+    from lmcache_async.engine import CacheEngine
+    from lmcache_async.keys.chunks import ChunkSpan
 
 __all__ = [
     "MAX_ID_CHARS",
@@ -45,6 +49,7 @@ __all__ = [
     "locations_field",
     "lookup_id_field",
     "max_prompt_chunks",
+    "request_spans",
     "seconds_field",
     "txn_deadline",
 ]
@@ -280,3 +285,29 @@ def txn_deadline(header: dict[str, Any], longest: float) -> float:
     if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 < wait < longest:
         return time.monotonic() + min(2 * float(wait), longest)
     return time.monotonic() + longest
+
+
+async def request_spans(
+    engine: CacheEngine, message: Message, max_chunks: int
+) -> tuple[list[ChunkSpan], np.ndarray | None]:
+    """The chunks ``message`` names from its ``start`` (the mask's first True) on, keyed
+    for the tenant it names (none: the session's own), and its tokens as int32 (None when
+    keyed by block hashes); at most ``max_chunks`` keys are read.
+
+    Raises:
+        ProtocolError: a malformed field or key frame.
+        InvalidInputError: ``start`` is not on a chunk boundary, bad keys (more chunks
+            than a prompt within the message limits has, a block hash too big), or a
+            bad tenant.
+    """
+    start = int_field(message.header, "start", 0)
+    if start % engine.config.chunk_size:
+        raise InvalidInputError(
+            f"the mask must start on a chunk boundary (chunk_size "
+            f"{engine.config.chunk_size}), got {start}"
+        )
+    tenant = tenant_of(message.header)
+    tokens, hashes, offsets = key_input(message, max_chunks)
+    return await engine.chunk_spans(
+        tokens, hashes=hashes, offsets=offsets, start=start, tenant=tenant
+    )

@@ -55,6 +55,7 @@ from lmcache_async.rpc.sidecar.hello import SessionHandlers
 from lmcache_async.rpc.sidecar.host import EngineHost
 from lmcache_async.rpc.sidecar.lookups import LookupHandlers
 from lmcache_async.rpc.sidecar.moves import MoveHandler
+from lmcache_async.rpc.sidecar.pushes import PushHandler
 from lmcache_async.rpc.sidecar.routes import TIMED_OPERATIONS, Busy, Route
 from lmcache_async.rpc.sidecar.sessions import AFTER_COMMITS, InFlight, Session, Sessions
 from lmcache_async.rpc.sidecar.settings import SidecarSettings
@@ -134,6 +135,7 @@ class SidecarServer:
         data = TransferHandlers(self.host, self.sessions)
         admin = AdminHandlers(self.host, status=self._status, stopping=self.stopping)
         moves = MoveHandler(self.settings, self.host)
+        pushes = PushHandler(self.host)
         return {
             MessageType.HELLO: Route(hello.on_hello, needs_session=False, needs_engine=False),
             MessageType.HEARTBEAT: Route(hello.on_heartbeat, True, False, hello.heartbeat_now),
@@ -154,7 +156,7 @@ class SidecarServer:
             ),
             MessageType.HEALTH: Route(admin.on_health, False, False),
             MessageType.SHUTDOWN: Route(admin.on_shutdown, False, False, admin=True),
-            MessageType.PUSH: Route(data.on_push, True, True),
+            MessageType.PUSH: Route(pushes.on_push, True, True),
             MessageType.MOVE: Route(moves.on_move, False, True, admin=True),
         }
 

@@ -1,4 +1,5 @@
-"""The data path: STORE/COMMIT, RETRIEVE/RELEASE, and PUSH from another instance.
+"""The data path: STORE/COMMIT and RETRIEVE/RELEASE (PUSH from another instance is in
+:mod:`~.pushes`).
 
 Every request about a prompt may name its tenant (``"tenant"``): its chunks are keyed for
 that tenant, so no other tenant's request finds them.
@@ -21,10 +22,7 @@ that tenant, so no other tenant's request finds them.
   part. The tokens a RELEASE says were loaded are counted (``retrieved_tokens``) only up
   to what its transaction lent: a client's figure never inflates the engine's. A RELEASE
   of a pinned LOOKUP's lend (:mod:`~.lookups`) says ``"retrieve"`` (a load served from
-  it: counted, the pins dropped), ``"unpin"`` (the pins dropped) or neither;
-- PUSH: another instance's payloads, inline with their checksums, each copied in and
-  verified before the leading run that passes is cached (MOVE, which sends them, is in
-  :mod:`~lmcache_async.rpc.sidecar.moves`).
+  it: counted, the pins dropped), ``"unpin"`` (the pins dropped) or neither.
 
 The handlers decode a message and run the engine's request core (``engine.core``): a
 STORE is the core's store reserve, its COMMIT the core's commit (or abort), a RETRIEVE the
@@ -49,26 +47,23 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from lmcache_async.backends.record import payload_checksum
 from lmcache_async.core import RequestCore
 from lmcache_async.core.load import read_batch_chunks
-from lmcache_async.core.store import release
 from lmcache_async.engine import CacheEngine
-from lmcache_async.errors import InvalidInputError, ProtocolError
+from lmcache_async.errors import ProtocolError
 from lmcache_async.keys.chunks import ChunkSpan
 from lmcache_async.logging import get_logger
 from lmcache_async.memory.pool import AllocationBudget, MemoryObj
-from lmcache_async.rpc.protocol import Message, MessageType, tenant_of
+from lmcache_async.rpc.protocol import Message, MessageType
 from lmcache_async.rpc.sidecar import read_ahead
 from lmcache_async.rpc.sidecar.fields import (
-    checksums_field,
     flag_field,
     int_field,
-    key_input,
     label_field,
     locations_field,
     lookup_id_field,
     max_prompt_chunks,
+    request_spans,
     seconds_field,
     txn_deadline,
 )
@@ -101,30 +96,6 @@ class TransferHandlers:
         settings = host.settings
         self._max_chunks = max_prompt_chunks(settings.limits, settings.config.chunk_size)
 
-    async def _spans(
-        self, engine: CacheEngine, message: Message
-    ) -> tuple[list[ChunkSpan], np.ndarray | None]:
-        """The request's chunks from its ``start`` (the mask's first True) on, keyed for
-        the tenant it names (none: the session's own).
-
-        Raises:
-            ProtocolError: a malformed field or key frame.
-            InvalidInputError: ``start`` is not on a chunk boundary, bad keys (more chunks
-                than a prompt within the message limits has, a block hash too big), or a
-                bad tenant.
-        """
-        start = int_field(message.header, "start", 0)
-        if start % engine.config.chunk_size:
-            raise InvalidInputError(
-                f"the mask must start on a chunk boundary (chunk_size "
-                f"{engine.config.chunk_size}), got {start}"
-            )
-        tenant = tenant_of(message.header)
-        tokens, hashes, offsets = key_input(message, self._max_chunks)
-        return await engine.chunk_spans(
-            tokens, hashes=hashes, offsets=offsets, start=start, tenant=tenant
-        )
-
     # -- store ----------------------------------------------------------------------------
 
     async def on_store(self, session: Session | None, message: Message) -> Reply:
@@ -144,7 +115,7 @@ class TransferHandlers:
         # No chunk ending after the client's limit (its first negative slot) is stored.
         limit = int_field(header, "limit", 0) if "limit" in header else None
         patience = _patience(header, engine.config.store_timeout)
-        spans, tokens = await self._spans(engine, message)
+        spans, tokens = await request_spans(engine, message, self._max_chunks)
         if not core.store.open():
             return {"stored": 0}, ()
         txn = core.store.begin(
@@ -273,7 +244,7 @@ class TransferHandlers:
             locations = engine.check_locations(
                 locations_field(header, "retrieve_locations"), "retrieve_locations"
             )
-            spans, _ = await self._spans(engine, message)
+            spans, _ = await request_spans(engine, message, self._max_chunks)
             keys = [span.key for span in spans]
             limit = len(keys)
             if stream and keys:  # one batch of the load, within the part's share of the pool
@@ -386,113 +357,6 @@ class TransferHandlers:
         elif flag_field(header, "unpin"):
             session.lookup_ids.discard(lent.lent_for)
             load.finish(scoped, 0)
-
-    # -- moves between instances ----------------------------------------------------------
-
-    async def on_push(self, session: Session | None, message: Message) -> Reply:
-        """Cache chunks another instance pushed inline, each verified against its checksum
-        first; the leading run that passes is stored through the core, the rest refused."""
-        assert session is not None
-        engine = self._host.need_engine()
-        store = engine.core.store
-        header = message.header
-        if "hashes" in header or not message.payloads:
-            raise ProtocolError("a push carries a token frame, then the chunk payloads")
-        frames = message.payloads[1:]
-        checksums = checksums_field(header, len(frames))
-        locations = engine.check_locations(
-            locations_field(header, "store_location"), "store_location"
-        )
-        spans, tokens = await self._spans(engine, message)
-        spans = spans[: len(frames)]
-        if not store.open() or not spans:
-            return {"stored": 0, "chunks": 0, "refused": len(frames)}, ()
-        txn = store.begin(
-            str(header.get("req_id", session.label)),
-            spans,
-            tokens,
-            limit=None,
-            locations=locations,
-        )
-        objs = await store.reserve(txn, txn.todo)
-        todo = txn.todo[: len(objs)]
-        try:
-            good = await self._verify(
-                engine.core,
-                session.label,
-                objs,
-                [frames[index] for index in todo],
-                [checksums[index] for index in todo],
-            )
-            taken, objs = objs[:good], objs[good:]
-            await store.commit(txn, todo[:good], taken)
-        except BaseException:
-            store.abort(txn, objs)
-            raise
-        release(objs)  # refused: a bad checksum or size, and what came after it
-        kept = next((index for index, ok in enumerate(txn.stored) if not ok), len(txn.stored))
-        stored = store.finish(txn)
-        if kept:
-            await self._flush_push(engine, header)
-        return {"stored": stored, "chunks": kept, "refused": len(frames) - kept}, ()
-
-    async def _verify(
-        self,
-        core: RequestCore,
-        client: str,
-        objs: list[MemoryObj],
-        frames: list[memoryview],
-        checksums: list[int],
-    ) -> int:
-        """Copy each frame into its payload and check the copy against its checksum (kept
-        on the object); returns how many leading payloads passed."""
-        for index, (obj, frame) in enumerate(zip(objs, frames, strict=True)):
-            if frame.nbytes != obj.nbytes:
-                log.warning(
-                    "push_chunk_refused",
-                    client=client,
-                    chunk=index,
-                    reason=f"{frame.nbytes} bytes, the chunk holds {obj.nbytes}",
-                )
-                objs, frames = objs[:index], frames[:index]
-                break
-        arena = np.frombuffer(self._host.need_buffer(), dtype=np.uint8)
-        jobs = [
-            (
-                arena[core.buffer_offset(obj) : core.buffer_offset(obj) + obj.nbytes],
-                np.frombuffer(frame, dtype=np.uint8),
-            )
-            for obj, frame in zip(objs, frames, strict=True)
-        ]
-
-        def verify() -> int:
-            for index, ((dst, src), obj) in enumerate(zip(jobs, objs, strict=True)):
-                dst[:] = src
-                checksum = payload_checksum(dst.data)
-                if checksum != checksums[index]:
-                    return index
-                obj.checksum = checksum
-            return len(jobs)
-
-        if sum(obj.nbytes for obj in objs) < _INLINE_COPY_BYTES:
-            good = verify()
-        else:
-            good = await anyio.to_thread.run_sync(verify)
-        if good < len(objs):
-            log.warning("push_chunk_refused", client=client, chunk=good, reason="bad checksum")
-        return good
-
-    async def _flush_push(self, engine: CacheEngine, header: dict[str, Any]) -> None:
-        """Wait for queued disk and Redis writes, within half the pusher's patience, so
-        what a push reports is written (a move may delete its source next)."""
-        wait = seconds_field(header, "timeout")
-        limit = (
-            engine.config.store_timeout
-            if wait is None
-            else min(wait / 2, engine.config.store_timeout)
-        )
-        if not await engine.flush(limit):
-            log.warning("push_flush_timed_out", seconds=limit)
 
 
 def _patience(header: dict[str, Any], longest: float) -> float:
