@@ -42,16 +42,30 @@ def cpu_chunks(server: SidecarServer) -> int:
     return engine.stats().tiers["cpu"].chunks
 
 
+def five_chunks(seed: int) -> tuple[list[int], list[torch.Tensor], torch.Tensor, Any]:
+    """A prompt of five chunks, the KV caches it is stored from, its slots, and caches of
+    the same shape to load into."""
+    tokens = prompt(5 * CHUNK, seed)
+    kv, slots = kv_for(len(tokens), seed)
+    empty, _ = kv_for(len(tokens), seed + 1)
+    return tokens, kv, slots, empty
+
+
+async def keys_of(server: SidecarServer, tokens: list[int]) -> list[Any]:
+    """The chunk keys the sidecar's engine gives ``tokens``."""
+    engine = server.host.engine
+    assert engine is not None
+    return [span.key for span in (await engine.chunk_spans(tokens))[0]]
+
+
 async def test_the_next_part_is_in_memory_before_the_client_asks(
     short_dir: Path, no_send_ahead: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Five chunks on disk, parts of two: when the client copies a part, the sidecar has
     # already read the next one into its RAM tier (it would not have without reading
     # ahead: nobody asked for it yet).
-    tokens = prompt(5 * CHUNK, 31)
-    kv, slots = kv_for(len(tokens), 31)
+    tokens, kv, slots, empty = five_chunks(31)
     expected = payload_of(kv, slots)
-    empty, _ = kv_for(len(tokens), 32)
     in_memory: list[int] = []
     scatter = CopyPath.scatter
 
@@ -87,10 +101,8 @@ async def test_the_next_part_is_read_while_the_part_before_it_is_still_read(
 ) -> None:
     # Five chunks on disk, parts of two: each part's request starts the reading of the
     # part after it before its own chunks are read, so the tier never waits between parts.
-    tokens = prompt(5 * CHUNK, 33)
-    kv, slots = kv_for(len(tokens), 33)
+    tokens, kv, slots, empty = five_chunks(33)
     expected = payload_of(kv, slots)
-    empty, _ = kv_for(len(tokens), 34)
     events: list[tuple[str, object]] = []
     prefetch, reserve = LoadCore.prefetch, LoadCore.reserve
 
@@ -110,11 +122,8 @@ async def test_the_next_part_is_read_while_the_part_before_it_is_still_read(
             server,
             client,
         ):
-            engine = server.host.engine
-            assert engine is not None
-            keys = [span.key for span in (await engine.chunk_spans(tokens))[0]]
+            keys = await keys_of(server, tokens)
             events.clear()
-            del engine
             mask = await client.retrieve(tokens, kv_caches=empty, slot_mapping=slots)
             await client.ping()
             holds = held(server)
@@ -136,18 +145,16 @@ async def test_a_part_read_ahead_for_a_load_that_ends_before_it_is_let_go(
     # Chunk 1 of five is gone: the first part ends the load at chunk 0, so the part read
     # ahead from chunk 2 will never be asked for. Its pins go when the part is served, not
     # when the session ends.
-    tokens = prompt(5 * CHUNK, 35)
-    kv, slots = kv_for(len(tokens), 35)
+    tokens, kv, slots, empty = five_chunks(35)
     expected = payload_of(kv, slots[:CHUNK])
-    empty, _ = kv_for(len(tokens), 36)
     with anyio.fail_after(TIMEOUT):
         async with on_disk(short_dir, tokens, kv, slots, pipeline_batch_chunks=2) as (
             server,
             client,
         ):
+            keys = await keys_of(server, tokens)
             engine = server.host.engine
             assert engine is not None
-            keys = [span.key for span in (await engine.chunk_spans(tokens))[0]]
             assert await engine._parts.manager.remove([keys[1]]) == 1
             mask = await client.retrieve(tokens, kv_caches=empty, slot_mapping=slots)
             await client.ping()
