@@ -1,11 +1,13 @@
-"""Free loopback TCP ports and log tails for the child processes the benchmarks start."""
+"""Free loopback TCP ports, log tails and process ids for the child processes the
+benchmarks start."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 from pathlib import Path
 
-__all__ = ["free_port", "log_tail"]
+__all__ = ["free_port", "live_pid", "log_tail"]
 
 
 def free_port() -> int:
@@ -24,3 +26,8 @@ def log_tail(path: Path, size: int) -> str:
         return path.read_text(errors="replace")[-size:]
     except OSError:
         return ""
+
+
+def live_pid(process: subprocess.Popen[bytes] | None) -> int | None:
+    """``process``'s id while it runs (its children are its own), else None."""
+    return None if process is None or process.poll() is not None else process.pid

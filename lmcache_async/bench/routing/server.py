@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
-from .ports import free_port, log_tail
+from .ports import free_port, live_pid, log_tail
 
 __all__ = [
     "START_TIMEOUT",
@@ -143,8 +143,7 @@ class VllmServer:
     @property
     def pid(self) -> int | None:
         """The process's id while it runs (its children are its own)."""
-        process = self._process
-        return None if process is None or process.poll() is not None else process.pid
+        return live_pid(self._process)
 
     def log_tail(self, size: int = 6000) -> str:
         return log_tail(self.log_path, size)

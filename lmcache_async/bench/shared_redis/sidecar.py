@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
-from lmcache_async.bench.routing.ports import free_port, log_tail
+from lmcache_async.bench.routing.ports import free_port, live_pid, log_tail
 from lmcache_async.bench.routing.server import ServerError
 
 __all__ = ["READY_TIMEOUT", "SidecarProcess", "parse_metrics"]
@@ -62,8 +62,7 @@ class SidecarProcess:
     @property
     def pid(self) -> int | None:
         """The process's id while it runs (its children are its own)."""
-        process = self._process
-        return None if process is None or process.poll() is not None else process.pid
+        return live_pid(self._process)
 
     def log_tail(self, size: int = 4000) -> str:
         return log_tail(self.log_path, size)
