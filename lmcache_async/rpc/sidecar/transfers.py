@@ -279,9 +279,13 @@ class TransferHandlers:
                 )
             if more and scoped is None:
                 next_first = keys[len(objs)]
+                # The part read from the start is dropped first if it is not the next one
+                # (this part was cut short), so it does not count against the session's
+                # parts ahead when the right one starts.
+                read_ahead.settle(session, load, started, next_first)
                 read_ahead.start(session, load, keys[len(objs) : len(objs) + limit], locations)
         finally:
-            read_ahead.settle(session, load, started, next_first)
+            read_ahead.settle(session, load, started, next_first)  # no-op once settled
             if lookup_id is not None and not more:
                 # The payloads are referenced now: the pins have done their job.
                 session.lookup_ids.discard(lookup_id)
